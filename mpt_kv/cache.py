@@ -1,0 +1,72 @@
+"""The reference's two KV caches. Both store per layer a key and a value of shape
+(B, H, T, hd) that own their memory: never a view of `mixed_qkv`, which would pin the whole
+fused (B, S, 3D) buffer, q third included (the optimum-habana PR in shared/seeds/).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import InputError
+
+
+class ConcatCache:
+    """Dynamic cache: prefill stores clones, each decode step `torch.cat`s one position on.
+
+    The cat allocates a new (B, H, t+1, hd) tensor while the old one is still alive, so a
+    decode step transiently holds the cache twice (the transformers issue in shared/seeds/)."""
+
+    kind = "concat"
+
+    def __init__(self, n_layers: int):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+
+    def length(self, layer: int = 0) -> int:
+        return 0 if self.kv[layer] is None else self.kv[layer][0].shape[2]
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.kv[layer] is None:
+            self.kv[layer] = (k.clone(), v.clone())  # clone: k, v are views of mixed_qkv
+        else:
+            old_k, old_v = self.kv[layer]
+            self.kv[layer] = (torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2))
+        return self.kv[layer]
+
+
+class StaticCache:
+    """Preallocated (B, H, max_len, hd) per layer, as optimum-habana's `token_idx` path.
+
+    Prefill copies its T positions into [0, T) and attends over its own k, v. A decode step
+    writes position `token_idx - 1` with `index_copy_` (no allocation, storage never moves:
+    what HPU and CUDA graphs need) and attends over the whole buffer, or over its first
+    `cache_idx` positions (bucketed lengths), under the attention mask."""
+
+    kind = "static"
+
+    def __init__(self, n_layers, batch, n_heads, max_len, head_dim, dtype, device, fill: float | None = None):
+        shape = (batch, n_heads, max_len, head_dim)
+
+        def alloc():
+            # zeros, not torch.empty (optimum-habana's cache_idx path): a masked slot still
+            # meets the second matmul as 0 * v, and a NaN left in fresh memory spreads from there
+            return torch.full(shape, 0.0 if fill is None else fill, dtype=dtype, device=device)
+
+        self.kv = [(alloc(), alloc()) for _ in range(n_layers)]
+        self.prefilled = [False] * n_layers
+        self.max_len = max_len
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        ck, cv = self.kv[layer]
+        if not self.prefilled[layer]:
+            T = k.shape[2]
+            ck[:, :, :T] = k
+            cv[:, :, :T] = v
+            self.prefilled[layer] = True
+            return k, v
+        if token_idx is None:
+            raise InputError("StaticCache decode needs token_idx (1-based position of the new token)")
+        ck.index_copy_(2, token_idx - 1, k)
+        cv.index_copy_(2, token_idx - 1, v)
+        if cache_idx is not None:
+            return ck[:, :, :cache_idx], cv[:, :, :cache_idx]
+        return ck, cv
