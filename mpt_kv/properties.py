@@ -1,0 +1,223 @@
+"""The properties every implementation must hold, as plain functions (pytest and the kill
+matrix both call them). Each raises `PropertyFailure` naming target, device, dtype, shapes,
+step and layer; each returns notes (e.g. near-ties in greedy decoding) for the report.
+
+P0 oracle               uncached logits equal the reference's
+P1 cached = uncached    every decode step equals a full forward over the same tokens
+P2 static = concat      cache contents and logits agree; never-written slots do not leak
+P3 no aliasing          no cached K/V shares storage with mixed_qkv or pins extra bytes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .compare import TOLERANCES, PropertyFailure, assert_close, describe
+from .config import ModelConfig
+from .session import Session
+
+POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (FACTS.md)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn input: a model shape, a left-padded batch of prompts, tokens to generate."""
+
+    cfg: ModelConfig
+    prompt_lens: tuple[int, ...]
+    new_tokens: int
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.prompt_lens or min(self.prompt_lens) < 1:
+            raise ValueError(f"prompt_lens={self.prompt_lens}: every row needs at least 1 token")
+        if self.total_len > self.cfg.max_seq_len:
+            raise ValueError(f"prompt {self.prompt_len} + new {self.new_tokens} = {self.total_len} "
+                             f"exceeds max_seq_len={self.cfg.max_seq_len}")
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def prompt_len(self) -> int:
+        return max(self.prompt_lens)
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+    def inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S) ids and mask, rows shorter than S left-padded (mask 0)."""
+        g = torch.Generator().manual_seed(self.seed)
+        ids = torch.randint(0, self.cfg.vocab_size, (self.batch, self.prompt_len), generator=g)
+        mask = torch.zeros(self.batch, self.prompt_len, dtype=torch.long)
+        for b, n in enumerate(self.prompt_lens):
+            mask[b, self.prompt_len - n:] = 1
+        return ids.to(device), mask.to(device)
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (f"B={self.batch} prompt_lens={list(self.prompt_lens)} new={self.new_tokens} H={c.n_heads} "
+                f"hd={c.head_dim} L={c.n_layers} clip_qkv={c.clip_qkv} max_seq_len={c.max_seq_len} seed={self.seed}")
+
+
+@dataclass
+class Context:
+    target: str
+    device: str
+    dtype: torch.dtype
+    case: Case
+    path: str | None = None
+    bucket: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def tol(self):
+        return TOLERANCES[self.dtype]
+
+    def ctx(self, **more) -> dict:
+        base = dict(target=self.target, device=self.device, dtype=str(self.dtype).replace("torch.", ""),
+                    path=self.path, bucket=self.bucket, case=self.case.describe())
+        return {**base, **more}
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1, keepdim=True)  # (B, 1)
+
+
+# --- P0 -----------------------------------------------------------------------------------------
+def check_oracle(runner, reference, c: Context) -> None:
+    ids, mask = c.case.inputs(c.device)
+    with torch.inference_mode():
+        got, want = runner.logits(ids, mask), reference.logits(ids, mask)
+    assert_close(got, want, c.tol(), "P0 uncached logits vs reference", c.ctx(shape=tuple(ids.shape)),
+                 where=mask.bool()[:, :, None])
+
+
+# --- P1 -----------------------------------------------------------------------------------------
+def check_cached_equals_uncached(runner, c: Context) -> list[str]:
+    ids, mask = c.case.inputs(c.device)
+    with torch.inference_mode():
+        session = runner.session(c.path, c.case.total_len, c.bucket)
+        cached = session.prefill(ids, mask)
+        assert_close(cached, runner.logits(ids, mask), c.tol(), "P1 prefill logits vs full forward",
+                     c.ctx(step="prefill"), where=mask.bool()[:, :, None])
+        last = cached[:, -1]
+        for step in range(c.case.new_tokens):
+            token = greedy(last)
+            full = runner.logits(ids, mask)[:, -1]   # uncached, same tokens
+            check_token(token, greedy(full), full, c, step)
+            ids = torch.cat([ids, token], dim=1)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            last = session.decode(token)
+            assert_close(last, runner.logits(ids, mask)[:, -1], c.tol(), "P1 decode logits vs full forward",
+                         c.ctx(step=step, tokens_so_far=ids.shape[1]))
+    return c.notes
+
+
+def check_token(cached, uncached, full_logits, c: Context, step) -> None:
+    """Greedy tokens must match, unless the uncached top two are within tolerance (a tie)."""
+    for b in (cached != uncached).flatten().nonzero().flatten().tolist():
+        top2 = full_logits[b].float().topk(2).values
+        gap = (top2[0] - top2[1]).item()
+        if gap <= c.tol().bound(top2[0]).item():
+            c.notes.append(f"near-tie at step {step}, row {b}: top-2 logits {gap:.2e} apart [{describe(c.ctx())}]")
+        else:
+            raise PropertyFailure(f"P1 greedy token differs at step {step}, row {b}: cached {int(cached[b])} vs "
+                                  f"uncached {int(uncached[b])}, top-2 gap {gap:.3e} [{describe(c.ctx())}]")
+
+
+# --- P2 -----------------------------------------------------------------------------------------
+def check_static_equals_concat(runner, c: Context) -> list[str]:
+    ids, mask = c.case.inputs(c.device)
+    n = c.case.total_len
+    with torch.inference_mode():
+        concat, static = runner.session("concat", n), runner.session("static", n, c.bucket)
+        a, b = concat.prefill(ids, mask), static.prefill(ids, mask)
+        poison_unwritten(static)
+        compare_step(a, b, concat, static, c, "prefill", where=mask.bool()[:, :, None])
+        for step in range(c.case.new_tokens):
+            token = greedy(a[:, -1] if a.dim() == 3 else a)
+            a, b = concat.decode(token), static.decode(token)
+            compare_step(a, b, concat, static, c, step)
+    return c.notes
+
+
+def poison_unwritten(static: Session) -> None:
+    """Fill slots no token has reached yet: a step that lets them through is caught."""
+    for k, v in static.kv():
+        k[:, :, static.written:] = POISON
+        v[:, :, static.written:] = POISON
+
+
+def compare_step(concat_logits, static_logits, concat, static, c: Context, step, where=None) -> None:
+    assert_close(static_logits, concat_logits, c.tol(), "P2 static vs concat logits", c.ctx(step=step), where=where)
+    t = concat.written
+    real = concat.mask[:, :t].bool()[:, None, :, None]  # (B, 1, t, 1): padding K/V from layer 1 on are
+    # built from all-masked query rows, whose output depends on how many slots were masked    for layer, ((ck, cv), (sk, sv)) in enumerate(zip(concat.kv(), static.kv())):
+        for name, x, y in (("key", sk, ck), ("value", sv, cv)):
+            assert_close(x[:, :, :t], y, c.tol(), f"P2 static vs concat cached {name}s at written positions [0, {t})",
+                         c.ctx(step=step, layer=layer), where=real)
+
+
+# --- P3 -----------------------------------------------------------------------------------------
+class WqkvCapture:
+    """Holds each layer's latest `Wqkv` output (mixed_qkv) until the next check, so its memory
+    cannot be reused by a later allocation and fake an overlap."""
+
+    def __init__(self, modules):
+        self.outputs: list[torch.Tensor | None] = [None] * len(modules)
+        self.handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(modules)]
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            self.outputs[i] = output
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        self.outputs = []
+
+
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes of storage the tensor itself reaches (from its offset to its last element)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def aliasing_problems(kv, captured) -> list[str]:
+    problems = []
+    for layer, (pair, qkv) in enumerate(zip(kv, captured)):
+        for name, t in zip(("key", "value"), pair):
+            st = t.untyped_storage()
+            if qkv is not None and st.data_ptr() == qkv.untyped_storage().data_ptr():
+                problems.append(f"layer {layer} cached {name} {tuple(t.shape)} is a view of mixed_qkv "
+                                f"{tuple(qkv.shape)}: keeps {st.nbytes()} bytes alive, "
+                                f"{st.nbytes() - span_bytes(t)} more than the {name} itself")
+            elif st.nbytes() > span_bytes(t):
+                problems.append(f"layer {layer} cached {name} {tuple(t.shape)} pins a storage of {st.nbytes()} bytes, "
+                                f"{st.nbytes() - span_bytes(t)} more than it spans (a view of a larger buffer)")
+    return problems
+
+
+def check_no_aliasing(runner, c: Context) -> None:
+    ids, mask = c.case.inputs(c.device)
+    capture = WqkvCapture(runner.wqkv_modules())
+    try:
+        with torch.inference_mode():
+            session = runner.session(c.path, c.case.total_len, c.bucket)
+            logits = session.prefill(ids, mask)[:, -1]
+            for step in ["prefill", *range(c.case.new_tokens)]:
+                if step != "prefill":
+                    logits = session.decode(greedy(logits))
+                problems = aliasing_problems(session.kv(), capture.outputs)
+                if problems:
+                    raise PropertyFailure(f"P3 cache aliasing after step {step}: " + "; ".join(problems)
+                                          + f" [{describe(c.ctx(step=step))}]")
+    finally:
+        capture.close()

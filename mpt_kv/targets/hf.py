@@ -1,0 +1,106 @@
+"""transformers' `MptForCausalLM` with its own cache classes.
+
+concat = `DynamicCache` (every version); static = `StaticCache` where the installed version
+supports it for MPT (5.x; 4.55's MPT forward has no static path). The installed version's
+keyword for the cache is `cache` in 5.x and `past_key_values` before.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..errors import TargetUnavailable
+from ..session import Session
+from . import Runner
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+class HFSession(Session):
+    def __init__(self, runner: "HFRunner", path: str, max_len: int):
+        from transformers import DynamicCache, StaticCache
+
+        self.runner, self.path, self.max_len = runner, path, max_len
+        cfg = runner.model.config
+        if path == "concat":
+            self.cache = DynamicCache(config=cfg) if runner.major >= 5 else DynamicCache()
+        else:
+            self.cache = StaticCache(config=cfg, max_cache_len=max_len)
+        self.written, self.mask = 0, None
+
+    def _forward(self, input_ids, mask):
+        kw = {self.runner.cache_kw: self.cache}
+        out = self.runner.model(input_ids, attention_mask=mask, use_cache=True, **kw)
+        returned = getattr(out, self.runner.cache_kw, None) if hasattr(out, self.runner.cache_kw) else None
+        if returned is None:
+            returned = out.past_key_values
+        self.cache = returned  # 4.55 may hand back a legacy tuple
+        self.runner.sync()
+        return out.logits
+
+    def prefill(self, input_ids, attention_mask):
+        if input_ids.shape[1] > self.max_len:
+            raise ValueError(f"prompt length {input_ids.shape[1]} exceeds max_len={self.max_len}")
+        self.mask = attention_mask.to(torch.long)
+        self.written = input_ids.shape[1]
+        return self._forward(input_ids, self.mask)
+
+    def decode(self, tokens):
+        if self.written >= self.max_len:
+            raise ValueError(f"decode at position {self.written} is beyond max_len={self.max_len}")
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.written += 1
+        return self._forward(tokens, self.mask)[:, -1]
+
+    def kv(self):
+        c = self.cache
+        if isinstance(c, (tuple, list)):
+            return [(k, v) for k, v in c]
+        if hasattr(c, "layers"):
+            return [(layer.keys, layer.values) for layer in c.layers]
+        return list(zip(c.key_cache, c.value_cache))
+
+
+class HFRunner(Runner):
+    name = "transformers"
+
+    def __init__(self, cfg, state_dict, device, dtype, sync):
+        try:
+            from transformers import MptForCausalLM
+        except ImportError as e:
+            raise TargetUnavailable(f"transformers is not installed ({e})") from e
+        self.version = transformers_version()
+        self.major = int(self.version.split(".")[0])
+        self.model = MptForCausalLM(cfg.to_hf())
+        self.model.load_state_dict(state_dict, strict=True)
+        self.model.to(device=device, dtype=dtype).eval()
+        self.sync = sync
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.unsupported = {"bucket": "transformers' StaticCache has no cache_idx buckets"}
+        if self.major < 5:
+            self.unsupported["static"] = (
+                f"transformers {self.version}: MptForCausalLM has no static-cache path "
+                "(generate(cache_implementation='static') raises for MPT before 5.0)")
+
+    def logits(self, input_ids, attention_mask):
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+        self.sync()
+        return out
+
+    def session(self, path, max_len, bucket=None):
+        if path in self.unsupported:
+            raise TargetUnavailable(self.unsupported[path])
+        return HFSession(self, path, max_len)
+
+
+def build(cfg, state_dict, device, dtype):
+    from ..devices import sync
+
+    return HFRunner(cfg, state_dict, device, dtype, sync=lambda: sync(device.type))
