@@ -155,8 +155,10 @@ def poison_unwritten(static: Session) -> None:
 def compare_step(concat_logits, static_logits, concat, static, c: Context, step, where=None) -> None:
     assert_close(static_logits, concat_logits, c.tol(), "P2 static vs concat logits", c.ctx(step=step), where=where)
     t = concat.written
-    real = concat.mask[:, :t].bool()[:, None, :, None]  # (B, 1, t, 1): padding K/V from layer 1 on are
-    # built from all-masked query rows, whose output depends on how many slots were masked    for layer, ((ck, cv), (sk, sv)) in enumerate(zip(concat.kv(), static.kv())):
+    # (B, 1, t, 1) real tokens only: padding K/V from layer 1 on are built from all-masked
+    # query rows, whose output depends on how many slots each path masked
+    real = concat.mask[:, :t].bool()[:, None, :, None]
+    for layer, ((ck, cv), (sk, sv)) in enumerate(zip(concat.kv(), static.kv())):
         for name, x, y in (("key", sk, ck), ("value", sv, cv)):
             assert_close(x[:, :, :t], y, c.tol(), f"P2 static vs concat cached {name}s at written positions [0, {t})",
                          c.ctx(step=step, layer=layer), where=real)
