@@ -146,6 +146,7 @@ class CpuTracker(TorchDispatchMode):
     Limits, by design:
     - storages created before entering are not counted (their growth inside
       is); measurements are of what happens inside the `with` block;
+    - it sees only ops on the thread that entered it (modes are per thread);
     - it does not see memory a kernel allocates internally (e.g.
       scaled_dot_product_attention scratch, oneDNN/MKL workspaces), nor a
       transient old+new buffer during a resize;
@@ -239,7 +240,6 @@ class CpuMeter(Meter):
 
     def __enter__(self) -> CpuMeter:
         if self._depth == 0:
-            gc.collect()
             self.tracker.__enter__()
         self._depth += 1
         return self

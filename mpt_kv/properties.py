@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compare import TOLERANCES, PropertyFailure, assert_close, describe
+from .compare import TOLERANCES, TOLERANCES_KV, PropertyFailure, assert_close, describe
 from .config import ModelConfig
 from .session import Session
 
@@ -76,6 +76,9 @@ class Context:
 
     def tol(self):
         return TOLERANCES[self.dtype]
+
+    def tol_kv(self):
+        return TOLERANCES_KV[self.dtype]
 
     def ctx(self, **more) -> dict:
         base = dict(target=self.target, device=self.device, dtype=str(self.dtype).replace("torch.", ""),
@@ -160,7 +163,7 @@ def compare_step(concat_logits, static_logits, concat, static, c: Context, step,
     real = concat.mask[:, :t].bool()[:, None, :, None]
     for layer, ((ck, cv), (sk, sv)) in enumerate(zip(concat.kv(), static.kv())):
         for name, x, y in (("key", sk, ck), ("value", sv, cv)):
-            assert_close(x[:, :, :t], y, c.tol(), f"P2 static vs concat cached {name}s at written positions [0, {t})",
+            assert_close(x[:, :, :t], y, c.tol_kv(), f"P2 static vs concat cached {name}s at written positions [0, {t})",
                          c.ctx(step=step, layer=layer), where=real)
 
 

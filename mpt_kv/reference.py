@@ -102,6 +102,8 @@ class ReferenceMPT(nn.Module):
         self.validate = True  # off only where a host sync per step is unwanted (graph capture)
 
     def forward(self, input_ids, attention_mask=None, cache=None, token_idx=None, cache_idx=None):
+        if input_ids.dim() != 2:
+            raise InputError(f"input_ids shape {tuple(input_ids.shape)}: expected (batch, length)")
         B, T = input_ids.shape
         start, K = self._positions(T, cache, token_idx, cache_idx)     # first query position, keys
         if attention_mask is None:
@@ -125,8 +127,9 @@ class ReferenceMPT(nn.Module):
         if isinstance(cache, StaticCache) and cache.prefilled[0]:
             if token_idx is None:
                 raise InputError("a decode step on a StaticCache needs token_idx (1-based position)")
-            pos = int(token_idx.reshape(-1)[0]) if torch.is_tensor(token_idx) else int(token_idx)
-            return pos - 1, int(cache_idx) if cache_idx is not None else cache.max_len
+            # a tensor position stays on the device: no host sync, which CUDA/HPU graph capture forbids
+            start = token_idx.reshape(-1)[0] - 1 if torch.is_tensor(token_idx) else int(token_idx) - 1
+            return start, int(cache_idx) if cache_idx is not None else cache.max_len
         past = cache.length() if isinstance(cache, ConcatCache) else 0
         return past, past + T
 
@@ -156,40 +159,62 @@ class ReferenceMPT(nn.Module):
 
 
 def check_inputs(cfg, dtype, input_ids, attention_mask, cache, token_idx, cache_idx, K):
-    """Reject bad input with the value and the limit, before torch fails deep inside."""
-    B, T = input_ids.shape
+    """Reject bad input with the value and the limit, before torch fails deep inside. The cache
+    comes first: `K`, the number of keys, is derived from token_idx/cache_idx."""
+    if cache is not None:
+        check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx)
     if K > cfg.max_seq_len:
         raise InputError(f"total length {K} exceeds max_seq_len={cfg.max_seq_len} (ALiBi is built only that far)")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
-        raise InputError(f"token id out of range [0, {cfg.vocab_size}): min {int(input_ids.min())}, max {int(input_ids.max())}")
-    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise InputError(f"attention_mask dtype {attention_mask.dtype}: expected bool or integer (1 = attend)")
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < K:
-        raise InputError(f"attention_mask shape {tuple(attention_mask.shape)}: expected ({B}, {K}) for {K} key positions")
-    dead = (~attention_mask[:, :K].bool()).all(dim=1)
+    check_token_ids(input_ids, cfg.vocab_size, "input_ids")
+    check_mask(attention_mask, (input_ids.shape[0], K))
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise InputError(f"{what} dtype {ids.dtype}: expected an integer dtype")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise InputError(f"{what}: token id out of range [0, {vocab_size}): min {int(ids.min())}, max {int(ids.max())}")
+
+
+def check_mask(mask: torch.Tensor, shape: tuple[int, int]) -> None:
+    """(B, K) bool or integer, 1 = attend, exactly one entry per key position; no row all masked."""
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise InputError(f"attention_mask dtype {mask.dtype}: expected bool or integer (1 = attend)")
+    if tuple(mask.shape) != tuple(shape):
+        raise InputError(f"attention_mask shape {tuple(mask.shape)}: expected {tuple(shape)}, "
+                         f"one entry per key position ({shape[1]} keys)")
+    dead = (~mask.bool()).all(dim=1)
     if dead.any():
-        raise InputError(f"attention_mask rows {dead.nonzero().flatten().tolist()} mask every position: nothing to attend to")
-    if cache is None:
-        return
+        raise InputError(f"attention_mask rows {dead.nonzero().flatten().tolist()} mask every one of their "
+                         f"{shape[1]} positions: nothing to attend to")
+
+
+def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
+    B, T = input_ids.shape
+    if len(cache.kv) != cfg.n_layers:
+        raise InputError(f"cache has {len(cache.kv)} layers, the model {cfg.n_layers}")
     k0 = cache.kv[0][0] if cache.kv[0] is not None else None
     if k0 is not None:
         want = (B, cfg.n_heads, cfg.head_dim)
         have = (k0.shape[0], k0.shape[1], k0.shape[3])
         if have != want:
             raise InputError(f"cache (batch, heads, head_dim) = {have} does not match the input's {want}")
-        w = input_ids.device
-        if k0.device != w:
-            raise InputError(f"cache is on {k0.device} but input_ids are on {w}")
+        if k0.device != input_ids.device:
+            raise InputError(f"cache is on {k0.device} but input_ids are on {input_ids.device}")
         if k0.dtype != dtype:
             raise InputError(f"cache dtype {k0.dtype} does not match the model's {dtype}")
-    if isinstance(cache, StaticCache):
-        if cache.prefilled[0]:
-            pos = int(token_idx.reshape(-1)[0]) if torch.is_tensor(token_idx) else int(token_idx)
-            if not 1 <= pos <= cache.max_len:
-                raise InputError(f"token_idx={pos} outside 1..{cache.max_len} (the static cache length)")
-            if T != 1:
-                raise InputError(f"a static decode step takes 1 token per row, got {T}")
-            if cache_idx is not None and not pos <= int(cache_idx) <= cache.max_len:
-                raise InputError(f"cache_idx={int(cache_idx)} outside {pos}..{cache.max_len} (token_idx..cache length)")
-        elif T > cache.max_len:
+    if not isinstance(cache, StaticCache):
+        return
+    if cache.prefilled[0]:
+        pos = int(token_idx.reshape(-1)[0]) if torch.is_tensor(token_idx) else int(token_idx)
+        if not 1 <= pos <= cache.max_len:
+            raise InputError(f"token_idx={pos} outside 1..{cache.max_len} (the static cache length)")
+        if T != 1:
+            raise InputError(f"a static decode step takes 1 token per row, got {T}")
+        if cache_idx is not None and not pos <= int(cache_idx) <= cache.max_len:
+            raise InputError(f"cache_idx={int(cache_idx)} outside {pos}..{cache.max_len} (token_idx..cache length)")
+    else:
+        if T > cache.max_len:
             raise InputError(f"prefill of {T} tokens exceeds the static cache length {cache.max_len}")
+        if cache_idx is not None and not T <= int(cache_idx) <= cache.max_len:
+            raise InputError(f"cache_idx={int(cache_idx)} outside {T}..{cache.max_len} (prompt length..cache length)")

@@ -17,20 +17,65 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
+from .reference import check_mask, check_token_ids
 
 PAD_ID = 0  # right padding of the static path; never attended, so any valid id does
+PATHS = ("concat", "static")
 
 
 class Session:
+    """`prefill` and `decode` check their input here, once for every target, before the target
+    sees it: transformers' MPT crashes deep inside torch on a token id past the vocabulary or a
+    length past max_seq_len, and silently accepts a short or float mask. Subclasses implement
+    `_prefill` and `_decode`."""
+
     path: str
-    written: int  # positions [0, written) hold this generation's tokens
+    max_len: int       # cache length this generation was opened with
+    max_seq_len: int   # the model's limit: ALiBi is built only that far
+    vocab_size: int
+    written: int       # positions [0, written) hold this generation's tokens
+    mask: torch.Tensor | None  # (B, written) 1 = token, as the target last saw it (P2 reads it)
+
+    def __init__(self, path: str, max_len: int, max_seq_len: int, vocab_size: int):
+        if path not in PATHS:
+            raise InputError(f"unknown cache path {path!r}: expected one of {PATHS}")
+        if not 1 <= max_len <= max_seq_len:
+            raise InputError(f"cache length max_len={max_len} outside 1..max_seq_len={max_seq_len} "
+                             "(ALiBi is built only that far)")
+        self.path, self.max_len, self.max_seq_len, self.vocab_size = path, max_len, max_seq_len, vocab_size
+        self.written, self.mask = 0, None
+        self.batch: int | None = None       # rows of the prefill: every decode step must match
+        self.device: torch.device | None = None
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, S) left-padded prompt, mask 1 = token -> logits (B, S, V)."""
-        raise NotImplementedError
+        if self.batch is not None:
+            raise InputError("prefill called twice on one session: open a new session per generation")
+        check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len, self.max_len)
+        logits = self._prefill(input_ids, attention_mask)
+        self.batch, self.device, self.written = input_ids.shape[0], input_ids.device, input_ids.shape[1]
+        return logits
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, 1) next token of every row -> logits (B, V)."""
+        if self.batch is None:
+            raise InputError("decode before prefill: the cache holds nothing yet")
+        if self.written >= self.max_len:
+            raise InputError(f"decode at position {self.written} is beyond the cache length max_len={self.max_len}")
+        if tuple(tokens.shape) != (self.batch, 1):
+            raise InputError(f"decode tokens shape {tuple(tokens.shape)}: expected ({self.batch}, 1), one token "
+                             f"per row of the cache (batch {self.batch})")
+        if tokens.device != self.device:
+            raise InputError(f"decode tokens on {tokens.device} but the cache is on {self.device}")
+        check_token_ids(tokens, self.vocab_size, "decode tokens")
+        logits = self._decode(tokens)
+        self.written += 1
+        return logits
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -38,25 +83,39 @@ class Session:
         raise NotImplementedError
 
 
+def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int, max_seq_len: int,
+                 max_len: int | None = None) -> None:
+    """A (B, S) prompt of valid ids within max_seq_len (and the cache length `max_len`, if
+    any), with a (B, S) bool/integer mask that leaves every row something to attend to.
+    Sessions check every prefill with it; adapters' uncached forwards call it too."""
+    if input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise InputError(f"input_ids shape {tuple(input_ids.shape)}: expected (batch, length), both >= 1")
+    B, S = input_ids.shape
+    if S > max_seq_len:
+        raise InputError(f"total length {S} exceeds max_seq_len={max_seq_len} (ALiBi is built only that far)")
+    if max_len is not None and S > max_len:
+        raise InputError(f"prompt length {S} exceeds the cache length max_len={max_len}")
+    check_token_ids(input_ids, vocab_size, "input_ids")
+    if attention_mask.device != input_ids.device:
+        raise InputError(f"attention_mask on {attention_mask.device} but input_ids on {input_ids.device}")
+    check_mask(attention_mask, (B, S))
+
+
 class TokenIdxSession(Session):
     """Subclasses give `_forward(input_ids, mask, token_idx, cache_idx) -> logits (B, T, V)`."""
 
-    def __init__(self, path: str, max_len: int, bucket: int | None = None, sync=lambda: None):
-        if path not in ("concat", "static"):
-            raise InputError(f"unknown cache path {path!r}: expected 'concat' or 'static'")
+    def __init__(self, path: str, max_len: int, bucket: int | None = None, sync=lambda: None, *,
+                 max_seq_len: int, vocab_size: int):
+        super().__init__(path, max_len, max_seq_len, vocab_size)
         if bucket is not None and (path != "static" or bucket < 1):
             raise InputError(f"bucket={bucket}: buckets need the static path and a size >= 1")
-        self.path, self.max_len, self.bucket, self.sync = path, max_len, bucket, sync
-        self.written = 0
-        self.mask: torch.Tensor | None = None
+        self.bucket, self.sync = bucket, sync
 
     def _forward(self, input_ids, mask, token_idx=None, cache_idx=None) -> torch.Tensor:
         raise NotImplementedError
 
-    def prefill(self, input_ids, attention_mask):
-        B, S = input_ids.shape
-        if S > self.max_len:
-            raise InputError(f"prompt length {S} exceeds the cache length max_len={self.max_len}")
+    def _prefill(self, input_ids, attention_mask):
+        S = input_ids.shape[1]
         mask = attention_mask.to(torch.long)
         token_idx = torch.tensor([S], device=input_ids.device)
         if self.path == "concat":
@@ -68,14 +127,11 @@ class TokenIdxSession(Session):
         else:
             self.mask = pad_right(mask, self.max_len, 0)
             logits = self._forward(pad_right(input_ids, self.max_len, PAD_ID), self.mask, token_idx)[:, :S]
-        self.written = S
         self.sync()
         return logits
 
-    def decode(self, tokens):
+    def _decode(self, tokens):
         t = self.written
-        if t >= self.max_len:
-            raise InputError(f"decode at position {t} is beyond the cache length max_len={self.max_len}")
         if self.path == "concat":
             self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
             logits = self._forward(tokens, self.mask)
@@ -87,7 +143,6 @@ class TokenIdxSession(Session):
             else:
                 cache_idx = min(-(-(t + 1) // self.bucket) * self.bucket, self.max_len)
                 logits = self._forward(tokens, self.mask[:, :cache_idx], token_idx, cache_idx)
-        self.written = t + 1
         self.sync()
         return logits[:, -1]
 

@@ -22,7 +22,7 @@ import types
 from pathlib import Path
 
 from ..errors import TargetUnavailable
-from ..session import TokenIdxSession
+from ..session import TokenIdxSession, check_prompt
 from . import Runner
 
 MPT_MODULE = "optimum.habana.transformers.models.mpt.modeling_mpt"
@@ -76,7 +76,8 @@ def gaudi_classes(module):
 
 class GaudiStyleSession(TokenIdxSession):
     def __init__(self, runner: "GaudiStyleRunner", path, max_len, bucket=None):
-        super().__init__(path, max_len, bucket, runner.sync)
+        cfg = runner.model.config
+        super().__init__(path, max_len, bucket, runner.sync, max_seq_len=cfg.max_seq_len, vocab_size=cfg.vocab_size)
         self.runner = runner
         self.past = None
 
@@ -107,6 +108,7 @@ class GaudiStyleRunner(Runner):
         return self.model.transformer.blocks
 
     def logits(self, input_ids, attention_mask):
+        check_prompt(input_ids, attention_mask, self.model.config.vocab_size, self.model.config.max_seq_len)
         out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
         self.sync()
         return out

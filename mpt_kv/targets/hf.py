@@ -12,7 +12,7 @@ import inspect
 import torch
 
 from ..errors import TargetUnavailable
-from ..session import Session
+from ..session import Session, check_prompt
 from . import Runner
 
 
@@ -26,13 +26,13 @@ class HFSession(Session):
     def __init__(self, runner: "HFRunner", path: str, max_len: int):
         from transformers import DynamicCache, StaticCache
 
-        self.runner, self.path, self.max_len = runner, path, max_len
         cfg = runner.model.config
+        super().__init__(path, max_len, cfg.max_seq_len, cfg.vocab_size)
+        self.runner = runner
         if path == "concat":
             self.cache = DynamicCache(config=cfg) if runner.major >= 5 else DynamicCache()
         else:
             self.cache = StaticCache(config=cfg, max_cache_len=max_len)
-        self.written, self.mask = 0, None
 
     def _forward(self, input_ids, mask):
         kw = {self.runner.cache_kw: self.cache}
@@ -44,18 +44,12 @@ class HFSession(Session):
         self.runner.sync()
         return out.logits
 
-    def prefill(self, input_ids, attention_mask):
-        if input_ids.shape[1] > self.max_len:
-            raise ValueError(f"prompt length {input_ids.shape[1]} exceeds max_len={self.max_len}")
+    def _prefill(self, input_ids, attention_mask):
         self.mask = attention_mask.to(torch.long)
-        self.written = input_ids.shape[1]
         return self._forward(input_ids, self.mask)
 
-    def decode(self, tokens):
-        if self.written >= self.max_len:
-            raise ValueError(f"decode at position {self.written} is beyond max_len={self.max_len}")
+    def _decode(self, tokens):
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        self.written += 1
         return self._forward(tokens, self.mask)[:, -1]
 
     def kv(self):
@@ -90,6 +84,8 @@ class HFRunner(Runner):
                 "(generate(cache_implementation='static') raises for MPT before 5.0)")
 
     def logits(self, input_ids, attention_mask):
+        cfg = self.model.config
+        check_prompt(input_ids, attention_mask, cfg.vocab_size, cfg.max_seq_len)  # before MPT crashes inside
         out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
         self.sync()
         return out

@@ -9,7 +9,8 @@ from . import Runner
 
 class ReferenceSession(TokenIdxSession):
     def __init__(self, model: ReferenceMPT, path, max_len, bucket=None, sync=lambda: None):
-        super().__init__(path, max_len, bucket, sync)
+        super().__init__(path, max_len, bucket, sync, max_seq_len=model.cfg.max_seq_len,
+                         vocab_size=model.cfg.vocab_size)
         self.model = model
         self.cache = None
 

@@ -1,0 +1,545 @@
+"""`python -m mpt_kv bench`: throughput and memory per (batch, max input, max new) config, in the
+format of the seed PR's table (shared/seeds/optimum-habana-pr-refine-mpt-use-cache.txt).
+
+    python -m mpt_kv bench --model small --batch-size 4 --max-input-tokens 128 --max-new-tokens 128 \
+        --config 1,256,256 --config 16,64,64 --threads 1 --repeat 3
+
+For every config, target and cache path it runs greedy generations with the same random weights
+(`config.random_state_dict`) and the same prompts:
+
+1. a warmup generation (untimed: compiles HPU graphs, warms caches);
+2. a memory generation under the device's meter (`meter.meter_for`), reading memory allocated
+   and the peak after every step (the per-step plot);
+3. `--repeat` timed generations, round-robin over targets and paths so that machine drift
+   spreads over all of them, the device synchronized inside the timed region. The medians go in
+   the table: throughput = generated tokens / wall time (prefill included, as the seed's), and
+   decode throughput = B * (N - 1) / time of the N - 1 decode steps.
+
+Memory columns, in the seed's words: "Memory allocated" is read at the end of the generation
+(cache still alive), "Max memory allocated" is the peak during it. Both are the model's own
+weights (its parameter and buffer storages) plus what the generation added above the memory in
+use before it started. So every target reads the same on every device although several models
+are loaded at once, and on cpu, where the tracker sees only storages made while it is active,
+the weights are still counted. GB = 2**30 bytes, as the seed's table reads (memory.seed_units).
+
+"analytic min" is `analytic_minimum`: weights + KV cache + the largest one-layer transient
+(memory.py's model of eager PyTorch). Writes bench.json, bench.md and bench_memory.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import devices, memory
+from .config import DTYPES, ModelConfig, random_state_dict
+from .errors import TargetUnavailable
+from .generate import greedy_generate
+from .meter import meter_for
+from .session import Session, TokenIdxSession
+from .targets import BUILTIN, PATHS, Runner, build
+
+GiB, MiB = 1 << 30, 1 << 20
+BASELINE = ("reference", "static")  # the row the ratios are taken against
+
+
+# --- model presets ---------------------------------------------------------------------------
+
+def model_config(preset: str) -> ModelConfig:
+    """A `ModelConfig` with the shape of `memory.PRESETS[preset]` (random weights, no download)."""
+    if preset not in memory.PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}: expected one of {', '.join(memory.PRESETS)}")
+    s = memory.PRESETS[preset]
+    if s.expansion_ratio != 4:
+        raise ValueError(f"preset {preset!r} has expansion_ratio={s.expansion_ratio}; ModelConfig builds 4")
+    return ModelConfig(d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers,
+                       vocab_size=s.vocab_size, max_seq_len=s.max_seq_len)
+
+
+def shape_of(cfg: ModelConfig) -> memory.Shape:
+    return memory.Shape(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len)
+
+
+# --- the analytic minimum ------------------------------------------------------------------
+
+def analytic_minimum(cfg: ModelConfig, batch: int, max_input: int, max_new: int, itemsize: int,
+                     prefill_len: int) -> int:
+    """Bytes: weights + KV cache of L = input + new positions + the largest transient of one
+    phase, each from memory.py's model of eager PyTorch (softmax upcast to fp32, no trimmed
+    logits: no target here trims):
+
+      prefill over P positions (P = L where the prompt is padded to the cache length, as the
+      reference's and optimum-habana's static path do; P = input otherwise): the causal mask
+      B*P*P bool + one layer's transients (memory.layer_transients at q = kv = P);
+      end of prefill: final hidden B*P*D + logits B*P*V;
+      a decode step: one layer's transients at q = 1, kv = L + logits B*V.
+
+    This is memory.estimate(fixed=True, trim_logits=False) with the prefill length a parameter."""
+    s, L = shape_of(cfg), max_input + max_new
+    prefill = batch * prefill_len * prefill_len + memory.layer_transients(s, batch, prefill_len, prefill_len, itemsize)
+    end_of_prefill = batch * prefill_len * cfg.d_model * itemsize + memory.logits_bytes(s, batch, prefill_len, False, itemsize)
+    decode = memory.layer_transients(s, batch, 1, L, itemsize) + memory.logits_bytes(s, batch, 1, True, itemsize)
+    return (memory.weights_bytes(s, itemsize) + memory.kv_cache_bytes(s, batch, L, itemsize)
+            + max(prefill, end_of_prefill, decode))
+
+
+def prefill_length(session: Session, max_input: int) -> int:
+    """Positions the prefill runs over: TokenIdxSession's static path pads the prompt to max_len."""
+    if isinstance(session, TokenIdxSession) and session.path == "static" and session.bucket is None:
+        return session.max_len
+    return max_input
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchConfig:
+    batch: int
+    max_input: int
+    max_new: int
+
+    def __str__(self):
+        return f"B={self.batch} in={self.max_input} new={self.max_new}"
+
+
+@dataclass
+class MemoryTrace:
+    """Bytes, weights included. steps[i] = (allocated after step i, peak during step i);
+    step 0 is the prefill."""
+    weights: int
+    steps: list[tuple[int, int]]
+    allocated: int   # end of generation, cache alive
+    peak: int        # max over the generation
+    returned: int    # after the session was dropped: weights alone unless something leaked
+    prefill_len: int  # positions the prefill ran over (see prefill_length)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameter and buffer storages, each storage once (tied lm_head)."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        s = t.untyped_storage()
+        storages[(s.device, s.data_ptr())] = s.nbytes()
+    return sum(storages.values())
+
+
+def prompt(cfg: ModelConfig, batch: int, length: int, device, seed: int = 0):
+    """(B, I) random token ids and an all-ones mask: every row a full-length prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, length), generator=g)
+    return ids.to(device), torch.ones(batch, length, dtype=torch.long, device=device)
+
+
+def prepare_for_device(runner: Runner, kind: str) -> Runner:
+    """HPU: decode through HPU graphs, as optimum-habana's --use_hpu_graphs (captured on the
+    first call of each shape, so warm them up before timing), and drop the reference's in-forward
+    input checks, whose host reads a graph cannot contain. Written against the documented API;
+    not run here (no Gaudi)."""
+    if kind == "hpu":
+        from habana_frameworks.torch.hpu import wrap_in_hpu_graph
+
+        if hasattr(runner.model, "validate"):
+            runner.model.validate = False
+        runner.model = wrap_in_hpu_graph(runner.model)
+    return runner
+
+
+def measure_memory(runner: Runner, kind: str, path: str, ids, mask, max_new: int, on_step=None) -> MemoryTrace:
+    """One generation under the device's meter; memory read after every step (peaks reset
+    between steps, so each step's own peak is seen)."""
+    meter = meter_for(devices.torch_device(kind) if kind != "cpu" else "cpu")
+    weights = weights_bytes(runner.model)
+    steps: list[tuple[int, int]] = []
+    with torch.inference_mode(), meter:
+        base = meter.allocated()
+        meter.reset_peak()
+
+        def read(step, token):
+            steps.append((weights + meter.allocated() - base, weights + meter.peak() - base))
+            meter.reset_peak()
+            if on_step:
+                on_step(step, token)
+
+        session = runner.session(path, ids.shape[1] + max_new)
+        greedy_generate(session, ids, mask, max_new, read)
+        allocated = weights + meter.allocated() - base
+        prefill_len = prefill_length(session, ids.shape[1])
+        del session
+        gc.collect()
+        returned = weights + meter.allocated() - base
+    return MemoryTrace(weights, steps, allocated, max(p for _, p in steps), returned, prefill_len)
+
+
+@dataclass
+class Timing:
+    total_s: float
+    prefill_s: float
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+
+def timed_generation(runner: Runner, kind: str, path: str, ids, mask, max_new: int, on_step=None) -> Timing:
+    """Wall time of one greedy generation, the device synchronized before each clock read
+    (sessions sync after every forward; the last sync covers the last argmax)."""
+    marks: dict[int, float] = {}
+
+    def mark(step, token):
+        if step == 0:
+            devices.sync(kind)
+            marks[0] = time.perf_counter()
+        if on_step:
+            on_step(step, token)
+
+    devices.sync(kind)
+    t0 = time.perf_counter()
+    greedy_generate(runner.session(path, ids.shape[1] + max_new), ids, mask, max_new, mark)
+    devices.sync(kind)
+    t1 = time.perf_counter()
+    return Timing(t1 - t0, marks[0] - t0)
+
+
+# --- one run: every config x target x path -------------------------------------------------
+
+@dataclass
+class Row:
+    target: str
+    path: str
+    batch: int
+    max_input: int
+    max_new: int
+    throughput: float                # tokens/s: B * N / median wall time of a generation
+    decode_throughput: float | None  # tokens/s of the N - 1 decode steps (None when N = 1)
+    allocated: int                   # bytes at the end of generation (weights + cache)
+    max_allocated: int               # peak bytes during generation
+    kv_cache: int                    # analytic bytes of the cache of L = input + new positions
+    analytic_min: int | None         # static path only: see analytic_minimum
+    returned: int
+    total_s: list[float] = field(default_factory=list)
+    prefill_s: list[float] = field(default_factory=list)
+    memory_steps: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def key(self):
+        return (self.target, self.path)
+
+    @property
+    def peak_over_min(self) -> float | None:
+        return self.max_allocated / self.analytic_min if self.analytic_min else None
+
+
+@dataclass
+class Report:
+    meta: dict
+    rows: list[Row]
+    skipped: list[dict]
+
+    def ratios(self) -> list[dict]:
+        """Per config: the baseline row's decode throughput over every other row's, and its
+        peak over the analytic minimum."""
+        out = []
+        for cfg in dict.fromkeys((r.batch, r.max_input, r.max_new) for r in self.rows):
+            rows = [r for r in self.rows if (r.batch, r.max_input, r.max_new) == cfg]
+            base = next((r for r in rows if r.key == BASELINE), None)
+            if base is None:
+                continue
+            entry = {"batch": cfg[0], "max_input": cfg[1], "max_new": cfg[2], "peak_over_min": base.peak_over_min,
+                     "decode_ratio": {}, "throughput_ratio": {}}
+            for r in rows:
+                if r is base:
+                    continue
+                name = f"{r.target}/{r.path}"
+                if base.decode_throughput and r.decode_throughput:
+                    entry["decode_ratio"][name] = base.decode_throughput / r.decode_throughput
+                entry["throughput_ratio"][name] = base.throughput / r.throughput
+            out.append(entry)
+        return out
+
+
+def load(cfg: ModelConfig, targets: list[str], paths: list[str], kind: str, dtype: torch.dtype, seed: int,
+         log=print) -> tuple[dict[str, Runner], list[tuple[str, str]], list[dict]]:
+    """Build every target with the same weights -> (runners, (target, path) pairs to run, skipped
+    with the reason: targets that cannot be built here, paths a target does not have)."""
+    state_dict = random_state_dict(cfg, seed=seed)
+    runners, pairs, skipped = {}, [], []
+    for spec in targets:
+        try:
+            runners[spec] = prepare_for_device(build(spec, cfg, state_dict, devices.torch_device(kind), dtype), kind)
+        except TargetUnavailable as e:
+            skipped.append({"target": spec, "path": "*", "reason": str(e)})
+            log(f"skipped {spec}: {e}")
+            continue
+        for path in paths:
+            if path in runners[spec].unsupported:
+                skipped.append({"target": spec, "path": path, "reason": runners[spec].unsupported[path]})
+                log(f"skipped {spec}/{path}: {runners[spec].unsupported[path]}")
+            else:
+                pairs.append((spec, path))
+    return runners, pairs, skipped
+
+
+def run(cfg: ModelConfig, configs: list[BenchConfig], runners: dict[str, Runner], pairs: list[tuple[str, str]],
+        kind: str, dtype: torch.dtype, repeat: int, warmup: int, seed: int, progress) -> list[Row]:
+    device = devices.torch_device(kind)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    for bc in configs:
+        ids, mask = prompt(cfg, bc.batch, bc.max_input, device, seed)
+        step = lambda *_: progress.update(1)  # noqa: E731
+        traces, timings = {}, {p: [] for p in pairs}
+        for spec, path in pairs:
+            progress.set_description(f"{bc} {spec}/{path} warmup+memory")
+            for _ in range(warmup):
+                timed_generation(runners[spec], kind, path, ids, mask, bc.max_new, step)
+            traces[spec, path] = measure_memory(runners[spec], kind, path, ids, mask, bc.max_new, step)
+        for r in range(repeat):
+            for spec, path in pairs:
+                progress.set_description(f"{bc} {spec}/{path} timing {r + 1}/{repeat}")
+                timings[spec, path].append(timed_generation(runners[spec], kind, path, ids, mask, bc.max_new, step))
+        for spec, path in pairs:
+            t, m = timings[spec, path], traces[spec, path]
+            total = statistics.median(x.total_s for x in t)
+            decode = statistics.median(x.decode_s for x in t)
+            rows.append(Row(
+                target=spec, path=path, batch=bc.batch, max_input=bc.max_input, max_new=bc.max_new,
+                throughput=bc.batch * bc.max_new / total,
+                decode_throughput=bc.batch * (bc.max_new - 1) / decode if bc.max_new > 1 else None,
+                allocated=m.allocated, max_allocated=m.peak,
+                kv_cache=memory.kv_cache_bytes(shape_of(cfg), bc.batch, bc.max_input + bc.max_new, itemsize),
+                analytic_min=analytic_minimum(cfg, bc.batch, bc.max_input, bc.max_new, itemsize,
+                                              m.prefill_len) if path == "static" else None,
+                returned=m.returned, total_s=[x.total_s for x in t], prefill_s=[x.prefill_s for x in t],
+                memory_steps=m.steps))
+    return rows
+
+
+# --- output --------------------------------------------------------------------------------
+
+COLUMNS = ["target/path", "batch size", "max input tokens", "max new tokens", "throughput (tokens/s)",
+           "memory allocated ({u})", "max memory allocated ({u})", "decode (tokens/s)", "analytic min ({u})",
+           "max / min"]
+
+
+def table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """Header and cells; the unit is GB (2**30) when any value reaches 1 GB, else MB (2**20)."""
+    big = any(r.max_allocated >= GiB for r in report.rows)
+    unit, div = ("GB", GiB) if big else ("MB", MiB)
+    fmt = (lambda b: f"{b / div:.2f}") if big else (lambda b: f"{b / div:.1f}")
+    head = [c.format(u=unit) for c in COLUMNS]
+    cells = []
+    for r in report.rows:
+        cells.append([f"{r.target}/{r.path}", str(r.batch), str(r.max_input), str(r.max_new), f"{r.throughput:.0f}",
+                      fmt(r.allocated), fmt(r.max_allocated),
+                      "-" if r.decode_throughput is None else f"{r.decode_throughput:.0f}",
+                      "-" if r.analytic_min is None else fmt(r.analytic_min),
+                      "-" if r.peak_over_min is None else f"{r.peak_over_min:.3f}"])
+    return head, cells
+
+
+def text_table(report: Report) -> str:
+    head, cells = table(report)
+    widths = [max(len(x) for x in col) for col in zip(head, *cells)]
+    line = lambda xs: "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(xs, widths)))  # noqa: E731
+    return "\n".join([line(head), *(line(c) for c in cells)])
+
+
+def ratio_lines(report: Report) -> list[str]:
+    out = []
+    for e in report.ratios():
+        vs = ", ".join(f"{k} {v:.2f}x" for k, v in e["decode_ratio"].items()) or "no other rows"
+        pm = "-" if e["peak_over_min"] is None else f"{e['peak_over_min']:.3f}"
+        out.append(f"B={e['batch']} in={e['max_input']} new={e['max_new']}: {'/'.join(BASELINE)} decode "
+                   f"throughput over {vs}; its peak / analytic min {pm}")
+    return out
+
+
+def markdown(report: Report) -> str:
+    head, cells = table(report)
+    m = report.meta
+    lines = [f"# mpt-kv bench: {m['model']} ({m['dtype']}) on {m['device']}", "",
+             f"`{m['command']}`", "",
+             f"torch {m['torch']}, transformers {m['transformers']}, {m['threads']} threads, "
+             f"median of {m['repeat']} timed generations; memory in {head[5][-3:-1]} (2**{30 if 'GB' in head[5] else 20} bytes).",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    lines += ["", "Ratios (> 1: the baseline is faster):", ""] + [f"- {x}" for x in ratio_lines(report)]
+    lines += [f"- skipped {s['target']}/{s['path']}: {s['reason']}" for s in report.skipped]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: Report, path: Path) -> None:
+    """Memory per decode step, one panel per config, one line per target/path. Each step is
+    drawn as its peak then what it left allocated, so the concat path's cat (old and new cache
+    alive at once) shows as a growing sawtooth and the static path as a flat line. The prefill
+    (step 0) is left out: its padded peak would flatten the scale (its peak is in the table)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys((r.batch, r.max_input, r.max_new) for r in report.rows))
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
+    for ax, bc in zip(axes[0], configs):
+        for r in (r for r in report.rows if (r.batch, r.max_input, r.max_new) == bc):
+            xs, ys = [], []
+            for i, (alloc, peak) in enumerate(r.memory_steps[1:], start=1):
+                xs += [i - 0.5, i]
+                ys += [peak / MiB, alloc / MiB]
+            if xs:
+                ax.plot(xs, ys, label=f"{r.target}/{r.path}", linewidth=1)
+        ax.set_title(f"B={bc[0]} in={bc[1]} new={bc[2]}")
+        ax.set_xlabel("decode step (peak within the step, then allocated after it)")
+        ax.set_ylabel("MB (2**20 bytes), weights included")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report.meta['model']} {report.meta['dtype']} on {report.meta['device']}: memory per decode step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(report: Report, out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "bench.json", "md": out / "bench.md", "png": out / "bench_memory.png"}
+    rows = []
+    for r in report.rows:
+        d = asdict(r)
+        d["peak_over_min"] = r.peak_over_min
+        rows.append(d)
+    files["json"].write_text(json.dumps({"meta": report.meta, "rows": rows, "ratios": report.ratios(),
+                                         "skipped": report.skipped}, indent=1))
+    files["md"].write_text(markdown(report))
+    plot(report, files["png"])
+    return files
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+class _NoProgress:
+    def update(self, n=1): pass
+    def set_description(self, s): pass
+    def close(self): pass
+
+
+def progress_bar(total: int, quiet: bool):
+    """tqdm on stderr, only on a terminal and without --quiet."""
+    if quiet or not sys.stderr.isatty():
+        return _NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, unit="step", file=sys.stderr, leave=False)
+
+
+def parse_config(text: str) -> BenchConfig:
+    try:
+        b, i, n = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--config {text!r}: expected BATCH,MAX_INPUT,MAX_NEW, e.g. 4,128,128")
+    return BenchConfig(b, i, n)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mpt_kv bench", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=None, help="with --max-input-tokens and --max-new-tokens: one config")
+    p.add_argument("--max-input-tokens", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--config", type=parse_config, action="append", default=[], metavar="B,I,N",
+                   help="one more (batch, max input, max new) config (repeatable)")
+    p.add_argument("--target", action="append", default=None, metavar="SPEC",
+                   help=f"built-in ({', '.join(BUILTIN)}) or package.module:factory (repeatable; default: the built-ins, "
+                        "unavailable ones skipped with the reason)")
+    p.add_argument("--path", action="append", choices=PATHS, default=None, help="cache path (repeatable; default both)")
+    p.add_argument("--device", default="cpu", choices=devices.KINDS)
+    p.add_argument("--model", default="tiny", choices=list(memory.PRESETS), help="model shape (random weights)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp32 on cpu, bf16 elsewhere")
+    p.add_argument("--repeat", type=int, default=3, help="timed generations per row; the median is reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed generations per row first")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1 steadies cpu timings)")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--out", default="reports/bench", help="folder for bench.json, bench.md, bench_memory.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, a) -> tuple[ModelConfig, list[BenchConfig]]:
+    """Every bad value is a usage error naming the value and its limit."""
+    cfg = model_config(a.model)
+    single = (a.batch_size, a.max_input_tokens, a.max_new_tokens)
+    configs = list(a.config)
+    if any(x is not None for x in single) or not configs:
+        defaults = (1, 16, 16)
+        configs.insert(0, BenchConfig(*(d if x is None else x for x, d in zip(single, defaults))))
+    for c in configs:
+        for name, value, low in (("--batch-size", c.batch, 1), ("--max-input-tokens", c.max_input, 1),
+                                 ("--max-new-tokens", c.max_new, 1)):
+            if value < low:
+                p.error(f"{name} {value} (config {c}): must be >= {low}")
+        if c.max_input + c.max_new > cfg.max_seq_len:
+            p.error(f"max input {c.max_input} + max new {c.max_new} = {c.max_input + c.max_new} (config {c}) exceeds "
+                    f"max_seq_len {cfg.max_seq_len} of model preset {a.model!r} (ALiBi is built only that far)")
+    for name, value, low in (("--repeat", a.repeat, 1), ("--warmup", a.warmup, 0)):
+        if value < low:
+            p.error(f"{name} {value}: must be >= {low}")
+    if a.threads is not None and a.threads < 1:
+        p.error(f"--threads {a.threads}: must be >= 1")
+    reason = devices.unavailable_reason(a.device)
+    if reason:
+        p.error(f"--device {a.device} is not available here: {reason}")
+    for spec in a.target or []:
+        if spec not in BUILTIN and ":" not in spec:
+            p.error(f"--target {spec!r}: neither built in ({', '.join(BUILTIN)}) nor package.module:factory")
+    return cfg, list(dict.fromkeys(configs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    a = p.parse_args(argv)
+    cfg, configs = check_args(p, a)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype_name = a.dtype or ("fp32" if a.device == "cpu" else "bf16")
+    targets = a.target or list(BUILTIN)
+    paths = a.path or list(PATHS)
+    import transformers
+
+    dtype = DTYPES[dtype_name]
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    runners, pairs, skipped = load(cfg, targets, paths, a.device, dtype, a.seed, log)
+    missing = [s for s in skipped if s["path"] == "*" and s["target"] in set(a.target or [])]
+    if missing:  # asked for by name: an error, not a silent skip
+        p.error("; ".join(f"--target {s['target']} cannot run here: {s['reason']}" for s in missing))
+    if not pairs:
+        p.error("no (target, path) pair can run here: " + "; ".join(f"{s['target']}/{s['path']}: {s['reason']}" for s in skipped))
+    progress = progress_bar(sum(c.max_new for c in configs) * len(pairs) * (a.warmup + 1 + a.repeat), a.quiet)
+    try:
+        rows = run(cfg, configs, runners, pairs, a.device, dtype, a.repeat, a.warmup, a.seed, progress)
+    finally:
+        progress.close()
+    report = Report(meta={}, rows=rows, skipped=skipped)
+    report.meta = {"command": "python -m mpt_kv bench " + " ".join(argv), "model": a.model, "model_config": asdict(cfg),
+                   "device": a.device, "dtype": dtype_name, "threads": torch.get_num_threads(), "repeat": a.repeat,
+                   "warmup": a.warmup, "seed": a.seed, "torch": torch.__version__,
+                   "transformers": transformers.__version__, "python": platform.python_version(),
+                   "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print(f"{a.model} ({dtype_name}) on {a.device}, {torch.get_num_threads()} threads, median of {a.repeat}:")
+    print(text_table(report))
+    for line in ratio_lines(report):
+        print(line)
+    for s in report.skipped:
+        print(f"skipped {s['target']}/{s['path']}: {s['reason']}")
+    files = write(report, Path(a.out))
+    print("wrote " + ", ".join(str(f) for f in files.values()))
+    return 0

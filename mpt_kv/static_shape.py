@@ -1,0 +1,323 @@
+"""The static-shape property: what HPU graphs, CUDA graphs and torch.compile need of the
+`index_copy_` (static) path.
+
+check_static_shape   across decode steps every tensor an attention module's ops are handed keeps
+                     its shape, and the cache storages never move (same data pointers)
+check_no_recompile   a torch.compile'd decode step runs every step without recompiling
+check_graph_replay   the static path captured as a graph (CUDA graphs; HPU graphs through
+                     `wrap_in_hpu_graph`, as optimum-habana's --use_hpu_graphs) matches its eager run
+
+A graph replays the operations it captured on the addresses it captured: a cache that moves is
+read stale, a shape that changes is a new graph (on HPU a compilation of seconds per step).
+All three raise `PropertyFailure` naming step, layer and what changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .compare import PropertyFailure, assert_close, describe
+from .properties import Context, greedy
+
+
+# --- shapes and pointers -------------------------------------------------------------------------
+
+def attention_modules(runner) -> list[torch.nn.Module]:
+    """Each layer's attention module: the parent of its fused `Wqkv` projection."""
+    mods = dict(runner.model.named_modules())
+    return [mods[name.rsplit(".", 1)[0]] for name, m in runner.model.named_modules() if name.endswith("Wqkv")]
+
+
+class OpShapes(TorchFunctionMode):
+    """Records, for every torch call made while active, (op, its operands): a tensor as its shape
+    and dtype, a Python scalar (an index, a slice bound) as its value. A graph captures both; only
+    tensor contents may change from one replay to the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append((op_name(func), tuple(operand(x) for x in tree_flatten((args, kwargs))[0])))
+        return func(*args, **kwargs)
+
+
+SCALARS = (int, float, bool, str, slice, type(None), type(Ellipsis), torch.dtype, torch.device, torch.Size)
+
+
+def operand(x):
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype)
+    return x if isinstance(x, SCALARS) else type(x).__name__
+
+
+def op_name(func) -> str:
+    name = getattr(func, "__name__", repr(func))
+    if name == "__get__" and hasattr(func, "__self__"):  # a tensor property such as .shape or .T
+        return "." + getattr(func.__self__, "__name__", "?")
+    return name
+
+
+class AttentionShapeRecorder:
+    """Wraps each attention module's forward: `calls[layer]` is the op/shape list of its latest call.
+    Every op inside attention is seen: the k, v the cache hands back, the scores, the mask slice."""
+
+    def __init__(self, modules):
+        self.calls: list[list | None] = [None] * len(modules)
+        self.modules = modules
+        for i, m in enumerate(modules):
+            m.forward = self._wrap(i, m.forward)
+
+    def _wrap(self, i, forward):
+        def wrapped(*args, **kwargs):
+            mode = OpShapes()
+            with mode:
+                out = forward(*args, **kwargs)
+            self.calls[i] = mode.ops
+            return out
+        return wrapped
+
+    def close(self):
+        for m in self.modules:
+            del m.forward  # the instance attribute; the class's forward shows through again
+
+
+def pointers(kv) -> list[tuple[int, int]]:
+    return [(k.data_ptr(), v.data_ptr()) for k, v in kv]
+
+
+def check_static_shape(runner, c: Context) -> None:
+    """Decode `c.case.new_tokens` steps on the static path. Against the first decode step: every op
+    inside every attention module sees the same operand shapes and the same Python scalars, and
+    every layer's cached key and value keep their data pointer and shape. With `c.bucket`, shapes change by design when the
+    bucket (cache_idx) grows: they are compared within a bucket; pointers never move."""
+    if c.path != "static":
+        raise ValueError(f"the static-shape property is about the static path, not {c.path!r}")
+    ids, mask = c.case.inputs(c.device)
+    recorder = AttentionShapeRecorder(attention_modules(runner))
+    try:
+        with torch.inference_mode():
+            session = runner.session("static", c.case.total_len, c.bucket)
+            logits = session.prefill(ids, mask)[:, -1]
+            first_kv = [(tuple(k.shape), tuple(v.shape)) for k, v in session.kv()]
+            first_ptr = pointers(session.kv())
+            seen: dict[int, tuple[int, list]] = {}  # bucket -> (step, op shapes per layer)
+            for step in range(c.case.new_tokens):
+                pos = session.written + 1        # token_idx of this step
+                logits = session.decode(greedy(logits))
+                for layer, ((k, v), ptr, shp) in enumerate(zip(session.kv(), first_ptr, first_kv)):
+                    for name, t, p, s in (("key", k, ptr[0], shp[0]), ("value", v, ptr[1], shp[1])):
+                        if t.data_ptr() != p or tuple(t.shape) != s:
+                            raise PropertyFailure(
+                                f"static-shape: cached {name} of layer {layer} moved at decode step {step}: "
+                                f"data_ptr {p:#x} -> {t.data_ptr():#x}, shape {s} -> {tuple(t.shape)} "
+                                f"(a graph replays against the captured storage) [{describe(c.ctx(step=step, layer=layer))}]")
+                key = -(-pos // c.bucket) if c.bucket else 0
+                if key not in seen:
+                    seen[key] = (step, list(recorder.calls))
+                    continue
+                first_step, first_calls = seen[key]
+                for layer, (was, now) in enumerate(zip(first_calls, recorder.calls)):
+                    compare_ops(was, now, layer, first_step, step, c)
+    finally:
+        recorder.close()
+
+
+def compare_ops(was, now, layer, first_step, step, c: Context) -> None:
+    where = describe(c.ctx(step=step, layer=layer))
+    if len(was) != len(now):
+        raise PropertyFailure(f"static-shape: attention of layer {layer} ran {len(was)} ops at decode step "
+                              f"{first_step} but {len(now)} at step {step} [{where}]")
+    for i, ((op_a, shapes_a), (op_b, shapes_b)) in enumerate(zip(was, now)):
+        if op_a != op_b or shapes_a != shapes_b:
+            raise PropertyFailure(
+                f"static-shape: attention of layer {layer}, op #{i} {op_b}: operands {fmt(shapes_a)} at decode "
+                f"step {first_step} became {fmt(shapes_b)} at step {step}"
+                + (f" (op was {op_a})" if op_a != op_b else "")
+                + " (a captured graph fixes shapes and Python scalars; only tensor contents may change)"
+                + f" [{where}]")
+
+
+def fmt(operands) -> str:
+    return "(" + ", ".join(f"tensor{list(x[1])}" if isinstance(x, tuple) and x[:1] == ("tensor",) else repr(x)
+                           for x in operands) + ")"
+
+
+# --- torch.compile ---------------------------------------------------------------------------------
+
+def compile_unavailable(device_kind: str) -> str | None:
+    """Why torch.compile cannot be tried on this device kind, or None."""
+    if not hasattr(torch, "compile") or not hasattr(torch.compiler, "set_stance"):
+        return f"torch {torch.__version__} has no torch.compile / torch.compiler.set_stance"
+    if device_kind == "hpu":
+        return "torch.compile on HPU takes backend='hpu_backend' (habana_frameworks); HPU graphs are checked instead"
+    return None
+
+
+@contextlib.contextmanager
+def validation_off(model):
+    """The reference validates its inputs with host syncs (.item()): fine eagerly, not in a graph."""
+    old = getattr(model, "validate", None)
+    if old is not None:
+        model.validate = False
+    try:
+        yield
+    finally:
+        if old is not None:
+            model.validate = old
+
+
+def check_no_recompile(runner, c: Context, backend: str = "aot_eager") -> int:
+    """Compile the model's forward (fullgraph=True) after an eager prefill, so the compiled
+    function is one decode step; run every decode step, from the second on under
+    `torch.compiler.set_stance("fail_on_recompile")`, which raises instead of recompiling and
+    names the guard that failed. A counting backend gives the number of graphs, which must stay
+    at the count after step 0, and each step's logits must match an eager session's. Returns the
+    number of graphs compiled.
+
+    `backend`: "aot_eager" traces like inductor (dynamo + AOT functionalization) without its C++
+    codegen (~1 s instead of ~10-30 s on a 2-core machine); whether dynamo recompiles is decided
+    by its guards, the same for every backend. "inductor" is the real thing."""
+    if c.path != "static" or c.bucket:
+        raise ValueError("no-recompile is a property of the static path without buckets "
+                         "(a bucket change is a new cache_idx, by design a new graph)")
+    ids, mask = c.case.inputs(c.device)
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    torch._dynamo.reset()  # a clean code cache: frames compiled before do not count
+    model = runner.model
+    compiled_forward = torch.compile(model.forward, backend=counting_backend, fullgraph=True)
+
+    def compiled_step(token):
+        model.forward = compiled_forward  # an instance attribute: nn.Module.__call__ finds it first
+        try:
+            return compiled.decode(token)
+        finally:
+            del model.forward
+
+    with torch.inference_mode(), validation_off(model):
+        eager, compiled = runner.session("static", c.case.total_len), runner.session("static", c.case.total_len)
+        want = eager.prefill(ids, mask)[:, -1]
+        compiled.prefill(ids, mask)
+        after_first = None
+        for step in range(c.case.new_tokens):
+            token = greedy(want)
+            stance = torch.compiler.set_stance("fail_on_recompile") if step else contextlib.nullcontext()
+            try:
+                with stance:
+                    got = compiled_step(token)
+            except Exception as e:
+                msg = str(e).strip()
+                what = ("recompiled" if "fail_on_recompile" in msg else
+                        "did not compile as one graph" if step == 0 else "failed")
+                raise PropertyFailure(f"torch.compile({backend}) {what} at decode step {step} "
+                                      f"({type(e).__name__}: {msg[:800]}) [{describe(c.ctx(step=step))}]") from e
+            after_first = len(graphs) if step == 0 else after_first
+            if len(graphs) != after_first:
+                raise PropertyFailure(f"torch.compile({backend}): {len(graphs)} graphs after decode step {step}, "
+                                      f"{after_first} after step 0 [{describe(c.ctx(step=step))}]")
+            want = eager.decode(token)
+            assert_close(got, want, c.tol(), f"compiled vs eager decode logits ({backend})", c.ctx(step=step))
+    return len(graphs)
+
+
+# --- CUDA graphs and HPU graphs ------------------------------------------------------------------------
+
+def graphs_unavailable(device_kind: str) -> str | None:
+    if device_kind == "cpu":
+        return "CPU has no graph capture (CUDA graphs and HPU graphs run on cuda and hpu)"
+    if device_kind == "cuda" and not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    if device_kind == "hpu":
+        try:
+            import habana_frameworks.torch.hpu  # noqa: F401
+        except ImportError as e:
+            return f"habana_frameworks.torch does not import ({e})"
+    return None
+
+
+def check_graph_replay(runner, c: Context) -> None:
+    """The static path run captured (CUDA graph or HPU graph) matches its eager run at every step."""
+    if c.path != "static" or c.bucket:
+        raise ValueError("graph replay is checked on the static path without buckets")
+    reason = graphs_unavailable(c.device)
+    if reason:
+        raise RuntimeError(reason)
+    ids, mask = c.case.inputs(c.device)
+    with torch.inference_mode():
+        eager = runner.session("static", c.case.total_len)
+        want = eager.prefill(ids, mask)[:, -1]
+        steps = cuda_graph_steps(runner, ids, mask, c) if c.device == "cuda" else hpu_graph_steps(runner, ids, mask, c)
+        for step in range(c.case.new_tokens):
+            token = greedy(want)
+            got = steps(step, token)
+            want = eager.decode(token)
+            assert_close(got, want, c.tol(), f"{c.device} graph replay vs eager decode logits", c.ctx(step=step))
+
+
+def cuda_graph_steps(runner, ids, mask, c: Context):
+    """Capture one static decode step of a reference-style model (forward(ids, mask, cache, token_idx))
+    with torch.cuda.graph, then each step writes its inputs into the captured tensors and replays.
+    Step 0 is the warm-up run the CUDA docs ask for (on a side stream), eager."""
+    session = runner.session("static", c.case.total_len)
+    if not hasattr(session, "cache") or not hasattr(runner.model, "validate"):
+        raise RuntimeError(f"{runner.name}: CUDA graph capture here drives a reference-style model "
+                           f"(forward(input_ids, attention_mask, cache, token_idx))")
+    session.prefill(ids, mask)
+    B = ids.shape[0]
+    tokens = torch.zeros(B, 1, dtype=torch.long, device=ids.device)
+    token_idx = torch.zeros(1, dtype=torch.long, device=ids.device)
+    graph, out = torch.cuda.CUDAGraph(), {}
+
+    def step(i, token):
+        t = session.written
+        tokens.copy_(token)
+        token_idx.fill_(t + 1)
+        session.mask[:, t] = 1  # the session's mask is max_len long and updated in place
+        session.written = t + 1
+        if i == 0:
+            with validation_off(runner.model):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    logits = runner.model(tokens, session.mask, session.cache, token_idx)
+                torch.cuda.current_stream().wait_stream(side)
+                # capturing records without running: it re-records this same step's index_copy_
+                with torch.cuda.graph(graph):
+                    out["logits"] = runner.model(tokens, session.mask, session.cache, token_idx)
+            return logits[:, -1]
+        graph.replay()
+        torch.cuda.synchronize()
+        return out["logits"][:, -1].clone()
+
+    return step
+
+
+def hpu_graph_steps(runner, ids, mask, c: Context):
+    """optimum-habana's --use_hpu_graphs: `wrap_in_hpu_graph(model)` captures each forward the
+    first time it sees its input shapes and replays it after, copying the tensor inputs in. The
+    graphed model is a copy, so the eager session keeps the plain one. Not run on this machine
+    (no HPU); written against habana_frameworks' documented API."""
+    import habana_frameworks.torch as ht
+
+    graphed = copy.copy(runner)
+    graphed.model = ht.hpu.wrap_in_hpu_graph(copy.deepcopy(runner.model))
+    if hasattr(graphed.model, "validate"):
+        graphed.model.validate = False
+    session = graphed.session("static", c.case.total_len)
+    session.prefill(ids, mask)
+
+    def step(i, token):
+        return session.decode(token)
+
+    return step
