@@ -52,6 +52,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, w
         raise PropertyFailure(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)} [{describe(ctx)}]")
     a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
     keep = torch.ones_like(e, dtype=torch.bool) if where is None else where.detach().cpu().expand_as(e)
+    # NaN/inf fail on their own, even where both sides agree: they come from the inputs or
+    # weights, and a comparison against them proves nothing (nor does a NaN error bound)
+    nonfinite = [r for r in (non_finite(n, x, keep) for n, x in (("got", a), ("expected", e))) if r]
+    if nonfinite:
+        raise PropertyFailure(f"{what}: NaN/inf appeared ({'; '.join(nonfinite)}); shape {tuple(a.shape)} [{describe(ctx)}]")
     bound = tol.bound(e.where(keep, torch.zeros_like(e)))
     err = (a - e).abs().where(keep, torch.zeros_like(e))
     bad = ~(err <= bound)  # NaN counts as bad
@@ -66,6 +71,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, w
         f"{tol.atol} + {tol.rtol} x max|expected|): "
         f"max abs err {err[i_abs].item():.3e} at {i_abs} (got {a[i_abs].item():.6g}, expected {e[i_abs].item():.6g}); "
         f"max rel err {rel[i_rel].item():.3e} at {i_rel}; shape {tuple(a.shape)} [{describe(ctx)}]")
+
+
+def non_finite(name: str, x: torch.Tensor, keep: torch.Tensor) -> str | None:
+    """'got: 12 NaN, 0 inf of 320 compared elements, first at (1, 3, 0)', or None if all finite."""
+    bad = ~x.isfinite() & keep
+    if not bad.any():
+        return None
+    first = unravel(bad.flatten().nonzero()[0, 0], bad.shape)
+    return (f"{name}: {int((x.isnan() & keep).sum())} NaN, {int((x.isinf() & keep).sum())} inf of "
+            f"{int(keep.sum())} compared elements, first at {first}")
 
 
 def unravel(flat_index: torch.Tensor, shape) -> tuple[int, ...]:

@@ -197,11 +197,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tw = terminalreporter
     if rows:
         tw.write_sep("=", "mpt-kv conformance")
-        head = f"{'target':<16} {'device':<6} {'dtype':<5} {'path':<16} " + " ".join(f"{p:<8}" for p in PROPERTY_NAMES)
+        w = max(len("target"), *(len(k[0]) for k in rows))
+        head = f"{'target':<{w}} {'device':<6} {'dtype':<8} {'path':<15} " + " ".join(f"{p:<8}" for p in PROPERTY_NAMES)
         tw.write_line(head)
         for key in sorted(rows):
             cells = " ".join(f"{rows[key].get(p, '-'):<8}" for p in PROPERTY_NAMES)
-            tw.write_line(f"{key[0]:<16} {key[1]:<6} {key[2]:<5} {key[3]:<16} {cells}")
+            tw.write_line(f"{key[0]:<{w}} {key[1]:<6} {key[2]:<8} {key[3]:<15} {cells}")
         tw.write_line("  " + "; ".join(f"{k} {v}" for k, v in PROPERTY_NAMES.items())
                       + f"; hypothesis profile {config._mpt_kv_profile}. Skip reasons: pytest -rs")
         for n in notes[:20]:

@@ -1,8 +1,9 @@
 """The static-shape property: what HPU graphs, CUDA graphs and torch.compile need of the
 `index_copy_` (static) path.
 
-check_static_shape   across decode steps every tensor an attention module's ops are handed keeps
-                     its shape, and the cache storages never move (same data pointers)
+check_static_shape   across decode steps every op inside attention is handed tensors of the same
+                     shapes and the same Python scalars, and the cache storages never move (same
+                     data pointers)
 check_no_recompile   a torch.compile'd decode step runs every step without recompiling
 check_graph_replay   the static path captured as a graph (CUDA graphs; HPU graphs through
                      `wrap_in_hpu_graph`, as optimum-habana's --use_hpu_graphs) matches its eager run
@@ -30,7 +31,10 @@ from .properties import Context, greedy
 def attention_modules(runner) -> list[torch.nn.Module]:
     """Each layer's attention module: the parent of its fused `Wqkv` projection."""
     mods = dict(runner.model.named_modules())
-    return [mods[name.rsplit(".", 1)[0]] for name, m in runner.model.named_modules() if name.endswith("Wqkv")]
+    found = [mods[name.rsplit(".", 1)[0]] for name in mods if name.endswith("Wqkv")]
+    if not found:
+        raise RuntimeError(f"{runner.name}: no '*Wqkv' module, so no attention module to watch")
+    return found
 
 
 class OpShapes(TorchFunctionMode):
@@ -308,10 +312,10 @@ def hpu_graph_steps(runner, ids, mask, c: Context):
     first time it sees its input shapes and replays it after, copying the tensor inputs in. The
     graphed model is a copy, so the eager session keeps the plain one. Not run on this machine
     (no HPU); written against habana_frameworks' documented API."""
-    import habana_frameworks.torch as ht
+    from habana_frameworks.torch.hpu import wrap_in_hpu_graph  # as optimum-habana's text-generation does
 
     graphed = copy.copy(runner)
-    graphed.model = ht.hpu.wrap_in_hpu_graph(copy.deepcopy(runner.model))
+    graphed.model = wrap_in_hpu_graph(copy.deepcopy(runner.model))
     if hasattr(graphed.model, "validate"):
         graphed.model.validate = False
     session = graphed.session("static", c.case.total_len)

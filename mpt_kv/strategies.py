@@ -28,8 +28,9 @@ settings.register_profile("thorough", max_examples=100, **_common)
 
 
 def load_profile() -> str:
-    """MPT_KV_HYPOTHESIS_PROFILE wins; CI=true selects `ci`; else `dev`."""
-    name = os.environ.get("MPT_KV_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+    """MPT_KV_HYPOTHESIS_PROFILE wins; CI=true (or 1, yes) selects `ci`; else `dev`."""
+    in_ci = os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+    name = os.environ.get("MPT_KV_HYPOTHESIS_PROFILE") or ("ci" if in_ci else "dev")
     settings.load_profile(name)
     return name
 
