@@ -86,13 +86,13 @@ class MemoryConfig:
         return Case(self.cfg, (self.max_input,) * self.batch, self.max_new, seed=0)
 
 
-# The seed's four rows, scaled down (lengths / 16 or / 32, batches / 8): a large batch with
-# short sequences, a long generation, a long prompt, and both large.
+# The seed's rows, scaled down to run in seconds on a CPU: a large batch with short sequences
+# (seed: 128, 128, 128), a generation longer than its prompt (16, 128, 1024) and a long prompt
+# (2, 1024, 1024).
 CONFIGS = (
     MemoryConfig(16, 8, 8),
-    MemoryConfig(2, 8, 32),
-    MemoryConfig(2, 32, 32),
-    MemoryConfig(4, 32, 32),
+    MemoryConfig(2, 8, 24),
+    MemoryConfig(4, 32, 8),
 )
 
 # --- limits ---------------------------------------------------------------------------------------------
@@ -256,12 +256,12 @@ def explain_excess(acc: Accounting, excess: int, expected_kv: int, cfg: ModelCon
             own = sum(span_bytes(t) for _, _, t in tensors)
             if nbytes > own:
                 names = " and ".join(f"layer {layer} {name} {tuple(t.shape)}" for layer, name, t in tensors)
-                T = nbytes // (batch * 3 * cfg.d_model * tensors[0][2].element_size() or 1)
-                fused = batch * T * 3 * cfg.d_model * tensors[0][2].element_size()
-                what = (f"the size of mixed_qkv ({batch}, {T}, {3 * cfg.d_model}): views of it pin the q third"
-                        if fused == nbytes else "a view of a larger buffer")
-                parts.append(f"{names} live in a storage of {nbytes} bytes, {nbytes - own} more than "
-                             f"they hold ({what})")
+                row = batch * 3 * cfg.d_model * tensors[0][2].element_size()  # mixed_qkv bytes per token
+                what = (f"the size of mixed_qkv ({batch}, {nbytes // row}, {3 * cfg.d_model}): views of it pin "
+                        "its q third" if nbytes % row == 0 else "a view of a larger buffer")
+                verb = "live" if len(tensors) > 1 else "lives"
+                parts.append(f"{names} {verb} in a storage of {nbytes} bytes, {nbytes - own} more than "
+                             f"{'they hold' if len(tensors) > 1 else 'it holds'} ({what})")
         if not parts:
             parts.append(f"the cache storages hold {acc.kv_total} bytes, the KV cache is {expected_kv} "
                          f"({kv_extra:+d}: a cache of another length or layout)")
@@ -403,3 +403,178 @@ def check_memory(runner, c: Context) -> None:
     m = measure(runner, c.case, c.path or "concat", c.device, c.dtype, c.bucket, target=c.target)
     if m.problems:
         raise PropertyFailure(" | ".join(m.problems))
+
+
+# --- stored ceilings ---------------------------------------------------------------------------------
+
+SCHEMA = 1
+ENV_DIR = "MPT_KV_CEILINGS_DIR"
+DEFAULT_DIR = Path(__file__).with_name("baselines")
+# How far above its ceiling a measurement may read: cpu is exact; an allocator's peak can move
+# by a block when the order of frees changes (1% and a few 512-byte blocks).
+CEILING_SLACK = {"cpu": (0.0, 0), "cuda": (0.01, 4 * 512), "hpu": (0.01, 4 * 4096)}
+METRIC_TEXT = {
+    "prefill_retained": "bytes allocated after prefill",
+    "decode_transient": "largest decode-step peak above the bytes allocated before the step",
+    "allocated": "bytes allocated after generation (Memory allocated)",
+    "max_allocated": "peak over the generation (Max memory allocated)",
+}
+
+
+class BaselineError(Exception):
+    """The baseline file is missing, unreadable or malformed: never a pass."""
+
+
+def baseline_path(kind: str, directory: str | Path | None = None) -> Path:
+    """`<dir>/ceilings-<kind>.json`; dir: the argument, else $MPT_KV_CEILINGS_DIR, else mpt_kv/baselines."""
+    directory = directory or os.environ.get(ENV_DIR) or DEFAULT_DIR
+    return Path(directory) / f"ceilings-{kind}.json"
+
+
+def key_of(m: Measurement | dict) -> str:
+    """'target (versions)|path|dtype|B-in-new|shape': one ceiling entry."""
+    m = m if isinstance(m, dict) else asdict(m)
+    c = m["cfg"]
+    target = m["target"] + (f" ({m['target_version']})" if m["target_version"] else "")
+    path = m["path"] + ("" if m["bucket"] is None else f"+bucket{m['bucket']}")
+    shape = f"d{c['d_model']}-h{c['n_heads']}-l{c['n_layers']}-v{c['vocab_size']}-s{c['max_seq_len']}"
+    return f"{target}|{path}|{m['dtype']}|B{m['batch']}-in{m['max_input']}-new{m['max_new']}|{shape}"
+
+
+def load_baseline(path: Path, kind: str) -> dict[str, dict]:
+    """The entries of a baseline file; BaselineError saying what is wrong and how to fix it."""
+    if not path.exists():
+        raise BaselineError(f"memory ceilings baseline {path} does not exist: record it with "
+                            f"`pytest tests/test_ceilings.py --update-ceilings` and commit it")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BaselineError(f"memory ceilings baseline {path} is corrupt ({type(e).__name__}: {e}); restore it "
+                            "from version control, or delete it and re-record with --update-ceilings") from e
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("device") != kind \
+            or not isinstance(data.get("entries"), dict):
+        raise BaselineError(f"memory ceilings baseline {path} is malformed: expected an object with schema={SCHEMA}, "
+                            f"device={kind!r} and 'entries'; restore it or re-record with --update-ceilings")
+    for key, entry in data["entries"].items():
+        bad = [k for k in METRICS if not isinstance(entry, dict) or type(entry.get(k)) is not int or entry[k] < 0]
+        if bad:
+            raise BaselineError(f"memory ceilings baseline {path}: entry {key!r} lacks non-negative integer "
+                                f"{bad}; restore it or re-record with --update-ceilings")
+    return data["entries"]
+
+
+def exceeded(kind: str, measured: int, ceiling: int) -> bool:
+    rel, blocks = CEILING_SLACK.get(kind, (0.01, 4 * 4096))
+    return measured > ceiling + rel * ceiling + blocks
+
+
+def compare(m: Measurement | dict, entries: dict[str, dict], path: Path) -> tuple[list[str], list[str]]:
+    """(failures, notes): measurements above their ceiling or without one; ceilings that could be tighter."""
+    m = m if isinstance(m, dict) else asdict(m)
+    key = key_of(m)
+    if key not in entries:
+        same = sorted(k for k in entries if k.split("|", 1)[1] == key.split("|", 1)[1])
+        hint = f" (stored for this config: {', '.join(k.split('|')[0] for k in same)})" if same else ""
+        return [f"memory ceilings: no entry {key!r} in {path}{hint}: record it with --update-ceilings "
+                "and review the diff"], []
+    failures, notes = [], []
+    for metric in METRICS:
+        got, ceiling = m[metric], entries[key][metric]
+        if exceeded(m["device"], got, ceiling):
+            failures.append(f"memory ceiling exceeded: {metric} ({METRIC_TEXT[metric]}) measured {got} bytes, "
+                            f"{got - ceiling} bytes above its ceiling {ceiling} ({key} in {path}); if intended, "
+                            "accept it with --update-ceilings --allow-looser-ceilings")
+        elif got < ceiling:
+            notes.append(f"{key}: {metric} {got} is {ceiling - got} bytes below its ceiling {ceiling} "
+                         "(tighten with --update-ceilings)")
+    return failures, notes
+
+
+@dataclass
+class Change:
+    key: str
+    metric: str
+    old: int | None
+    new: int
+
+    @property
+    def kind(self) -> str:
+        return "new" if self.old is None else "looser" if self.new > self.old else "tighter"
+
+    def __str__(self) -> str:
+        if self.old is None:
+            return f"{self.metric} {self.new}"
+        return f"{self.metric} {self.old} -> {self.new} ({self.new - self.old:+d}, {self.kind})"
+
+
+def diff_lines(changes: list[Change]) -> list[str]:
+    """One line per entry: '+' new, '-' tighter, '!' looser (any metric)."""
+    by_key: dict[str, list[Change]] = {}
+    for c in changes:
+        by_key.setdefault(c.key, []).append(c)
+    lines = []
+    for key, cs in by_key.items():
+        mark = "+" if cs[0].kind == "new" else "!" if any(c.kind == "looser" for c in cs) else "-"
+        lines.append(f"  {mark} {key}  " + ", ".join(map(str, cs)))
+    return lines
+
+
+def update_baseline(path: Path, kind: str, measured: list[dict], allow_looser: bool) -> tuple[list[Change], list[Change]]:
+    """Merge measurements into the baseline file: (written changes, refused loosenings).
+
+    Entries that did not run are kept. A key measured more than once keeps its largest value.
+    Without `allow_looser`, an entry whose new value exceeds its stored one keeps its old values
+    (all metrics of it), and its changes are returned as refused. A corrupt file is not
+    overwritten (BaselineError); a missing one is created."""
+    entries = load_baseline(path, kind) if path.exists() else {}
+    new: dict[str, dict] = {}
+    for m in measured:
+        k, vals = key_of(m), {metric: m[metric] for metric in METRICS}
+        new[k] = {metric: max(v, new.get(k, {}).get(metric, 0)) for metric, v in vals.items()}
+        new[k]["torch"] = m.get("torch", torch.__version__)
+    written, refused = [], []
+    merged = dict(entries)
+    for k, vals in sorted(new.items()):
+        old = entries.get(k)
+        changes = [Change(k, metric, None if old is None else old[metric], vals[metric]) for metric in METRICS
+                   if old is None or old[metric] != vals[metric]]
+        if any(c.kind == "looser" for c in changes) and not allow_looser:
+            refused += changes
+            continue
+        written += changes
+        merged[k] = vals
+    if written or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"schema": SCHEMA, "device": kind,
+                "about": "memory ceilings (bytes above the level before a generation) per config; "
+                         "see mpt_kv/ceilings.py. Rewrite with pytest --update-ceilings.",
+                "entries": dict(sorted(merged.items()))}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)  # atomic: a crash never leaves half a file
+    return written, refused
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+def kib(n: int) -> str:
+    return f"{n / 1024:.1f}"
+
+
+def table(records: list[dict]) -> list[str]:
+    """The seed PR's memory columns, per target, path and config (KiB, weights included as in the seed)."""
+    head = (f"{'target':<22} {'device':<6} {'dtype':<8} {'path':<14} {'batch':>5} {'max input':>9} {'max new':>7} | "
+            f"{'Memory allocated':>16} {'Max memory allocated':>20} | {'KV cache':>8} {'analytic min':>12} | outcome")
+    lines = [head]
+    for r in sorted(records, key=lambda r: (r["target"], r["device"], r["dtype"], r["path"], r["bucket"] or 0,
+                                            r["batch"], r["max_input"], r["max_new"])):
+        target = r["target"] + (f" {r['target_version'].split(', ')[0].split(' ')[-1]}" if r["target_version"] else "")
+        path = r["path"] + ("" if r["bucket"] is None else f"+b{r['bucket']}")
+        w = r["weights"]
+        lines.append(f"{target:<22} {r['device']:<6} {r['dtype']:<8} {path:<14} {r['batch']:>5} {r['max_input']:>9} "
+                     f"{r['max_new']:>7} | {kib(w + r['allocated']):>16} {kib(w + r['max_allocated']):>20} | "
+                     f"{kib(r['kv_bytes']):>8} {kib(w + r['kv_analytic']):>12} | {r.get('outcome', '?')}")
+    lines.append("  KiB. Memory allocated: weights + what the generation still holds after its last step; Max memory "
+                 "allocated: weights + its peak; KV cache: the live storages of the cache at the end; analytic min: "
+                 "weights + 2 x layers x B x H x (input + new) x hd x itemsize, the least Memory allocated can be.")
+    return lines

@@ -35,9 +35,12 @@ def applies(entry: dict) -> bool:
     return True
 
 
-def match(target: str, prop: str, path: str | None, entries: list[dict] | None = None) -> str | None:
-    """The reason if (target, property, path) is a known failure with the installed versions."""
+def match(target: str, prop: str, path: str | None, entries: list[dict] | None = None,
+          bucket: int | None = None) -> str | None:
+    """The reason if (target, property, path, bucketed or not) is a known failure with the
+    installed versions. An entry without "path" or "bucket" matches any."""
     for e in load() if entries is None else entries:
-        if e["target"] == target and e["property"] == prop and e.get("path", path) == path and applies(e):
+        if (e["target"] == target and e["property"] == prop and e.get("path", path) == path
+                and e.get("bucket", bucket is not None) == (bucket is not None) and applies(e)):
             return e["reason"]
     return None

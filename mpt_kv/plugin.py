@@ -27,7 +27,9 @@ from .targets import BUILTIN
 
 ENV_REQUIRE = "MPT_KV_REQUIRE_DEVICE"
 _results: list[dict] = []
-PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat", "P3": "no aliasing"}
+PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat", "P3": "no aliasing",
+                  "memory": "memory ceilings"}
+_memory: list[dict] = []  # measurements of tests/test_ceilings.py (user_properties "mpt_kv_memory")
 
 
 def pytest_addoption(parser):
@@ -44,6 +46,7 @@ def pytest_addoption(parser):
     g.addoption("--dtype", action="append", choices=sorted(DTYPES), default=None,
                 help="dtypes to run (repeatable; default fp32 and bf16)")
     g.addoption("--mpt-kv-report", metavar="FILE", default=None, help="write the conformance matrix as JSON")
+    add_ceiling_options(g)
 
 
 def required_devices(config) -> list[str]:
@@ -64,6 +67,7 @@ def pytest_configure(config):
     config._mpt_kv_profile = load_profile()
     config._mpt_kv_required = required_devices(config)
     _results.clear()  # one list per process: the controller's (or a worker's) reports
+    _memory.clear()
 
 
 def pytest_sessionstart(session):
@@ -135,13 +139,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         p = _params(item)
         if "property" in p and "target" in p:
-            reason = known_failures.match(p["target"], p["property"], p.get("path"), entries)
+            reason = known_failures.match(p["target"], p["property"], p.get("path"), entries, p.get("bucket"))
             if reason:
                 item.add_marker(pytest.mark.xfail(strict=True, reason=f"known upstream failure: {reason}"))
             item.user_properties.append(("mpt_kv", p))
 
 
 def pytest_runtest_logreport(report):
+    collect_memory(report)
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         props = dict(report.user_properties)
         if "mpt_kv" in props:
@@ -172,6 +177,8 @@ def pytest_sessionfinish(session, exitstatus):
     if getattr(session.config, "workerinput", None) is not None:
         return  # xdist worker: the controller sees every report and decides
     if gate_failures(session.config):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if update_ceilings(session.config):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     path = session.config.getoption("mpt_kv_report")
     if path:
@@ -210,3 +217,77 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for msg in gate_failures(config):
         tw.write_sep("!", "device gate")
         tw.write_line(msg, red=True)
+    memory_summary(tw, config)
+
+
+# --- memory ceilings (mpt_kv/ceilings.py, tests/test_ceilings.py) ---------------------------------
+# Tests record each measurement as user_properties ("mpt_kv_memory", dict): they travel from
+# xdist workers to the controller with the reports, so only the controller prints the table and
+# writes the baseline file (one writer: a safe merge, whatever -n).
+
+def add_ceiling_options(g):
+    g.addoption("--update-ceilings", action="store_true",
+                help="rewrite the memory ceilings baseline with what ran (entries that did not run are kept) "
+                     "and print the diff; a higher (looser) value also needs --allow-looser-ceilings")
+    g.addoption("--allow-looser-ceilings", action="store_true",
+                help="with --update-ceilings: accept measurements above their stored ceilings")
+    g.addoption("--ceilings-dir", metavar="DIR", default=None,
+                help="folder of the baseline files ceilings-<device>.json (default: $MPT_KV_CEILINGS_DIR, "
+                     "else mpt_kv/baselines)")
+
+
+def collect_memory(report):
+    if report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
+        return
+    for name, value in report.user_properties:
+        if name == "mpt_kv_memory":
+            outcome = "xfail" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+            _memory.append({**value, "outcome": outcome, "nodeid": report.nodeid})
+
+
+def update_ceilings(config) -> bool:
+    """--update-ceilings, on the controller: merge the measurements into each device's baseline.
+    Returns True if the run must fail (a loosening refused, or a corrupt file)."""
+    if not config.getoption("update_ceilings") or getattr(config, "workerinput", None) is not None:
+        return False
+    from . import ceilings
+
+    config._mpt_kv_ceilings_diff = lines = []
+    failed = False
+    for kind in sorted({m["device"] for m in _memory}):
+        path = ceilings.baseline_path(kind, config.getoption("ceilings_dir"))
+        measured = [m for m in _memory if m["device"] == kind]
+        try:
+            written, refused = ceilings.update_baseline(path, kind, measured, config.getoption("allow_looser_ceilings"))
+        except ceilings.BaselineError as e:
+            lines.append(f"NOT written: {e}")
+            failed = True
+            continue
+        lines.append(f"{path}: {len(measured)} measurements, {len(written)} values written "
+                     f"({sum(c.kind == 'new' for c in written)} new, {sum(c.kind == 'tighter' for c in written)} "
+                     f"tighter, {sum(c.kind == 'looser' for c in written)} looser)")
+        lines += ceilings.diff_lines(written)
+        if refused:
+            failed = True
+            lines.append(f"NOT written: {len({c.key for c in refused})} entries would loosen their ceilings "
+                         "(rerun with --allow-looser-ceilings to accept):")
+            lines += ceilings.diff_lines(refused)
+    if not _memory:
+        lines.append("--update-ceilings: no memory measurement ran, nothing written")
+    return failed
+
+
+def memory_summary(tw, config):
+    if getattr(config, "workerinput", None) is not None:
+        return
+    if _memory:
+        from .ceilings import table
+
+        tw.write_sep("=", "mpt-kv memory")
+        for line in table(_memory):
+            tw.write_line(line)
+    diff = getattr(config, "_mpt_kv_ceilings_diff", None)
+    if diff is not None:
+        tw.write_sep("=", "mpt-kv memory ceilings updated")
+        for line in diff:
+            tw.write_line(line, red=line.startswith(("NOT", "  !")))

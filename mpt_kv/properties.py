@@ -10,6 +10,7 @@ P3 no aliasing          no cached K/V shares storage with mixed_qkv or pins extr
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,31 @@ from .config import ModelConfig
 from .session import Session
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (FACTS.md)
+
+
+@contextlib.contextmanager
+def fresh_memory_holds_nan():
+    """Make `torch.empty` (and friends) return NaN-filled floats while a check runs.
+
+    Fresh memory may hold anything, NaN bit patterns included (on HPU and CUDA it holds what
+    the last user left). A cache slot that is attended before it is written, even masked,
+    turns 0 * NaN into NaN in the second matmul. Filling deterministically makes that a
+    reproducible failure instead of one that depends on the allocator's history."""
+    originals = {name: getattr(torch, name) for name in ("empty", "empty_like", "empty_strided")}
+
+    def nan_filled(original):
+        def alloc(*args, **kwargs):
+            t = original(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return alloc
+
+    try:
+        for name, original in originals.items():
+            setattr(torch, name, nan_filled(original))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
 
 
 @dataclass(frozen=True)
@@ -102,7 +128,7 @@ def check_oracle(runner, reference, c: Context) -> None:
 # --- P1 -----------------------------------------------------------------------------------------
 def check_cached_equals_uncached(runner, c: Context) -> list[str]:
     ids, mask = c.case.inputs(c.device)
-    with torch.inference_mode():
+    with torch.inference_mode(), fresh_memory_holds_nan():
         session = runner.session(c.path, c.case.total_len, c.bucket)
         cached = session.prefill(ids, mask)
         assert_close(cached, runner.logits(ids, mask), c.tol(), "P1 prefill logits vs full forward",
@@ -136,7 +162,7 @@ def check_token(cached, uncached, full_logits, c: Context, step) -> None:
 def check_static_equals_concat(runner, c: Context) -> list[str]:
     ids, mask = c.case.inputs(c.device)
     n = c.case.total_len
-    with torch.inference_mode():
+    with torch.inference_mode(), fresh_memory_holds_nan():
         concat, static = runner.session("concat", n), runner.session("static", n, c.bucket)
         a, b = concat.prefill(ids, mask), static.prefill(ids, mask)
         poison_unwritten(static)

@@ -2,7 +2,9 @@
 
 Each variant is the reference with ONE small change that real KV-cache code has had or could
 easily get, written as a few-line override of one piece (`Attention`, `ConcatCache`,
-`StaticCache`, the session). `killmatrix.py` runs every property against every variant and
+`StaticCache`, the session; `static_position_as_python_int` touches two: the int leaves the
+session, the cache makes it a tensor again). Each names the kill-matrix columns expected to kill
+it. `python -m mpt_kv killmatrix` (killmatrix.py) runs every check against every variant and
 fails if one survives; a survivor means a missing or weak test: strengthen the test, never
 delete the variant.
 
@@ -88,7 +90,8 @@ def variant(name, bug, origin, killed_by, **pieces):
 
 def attention_forward(self, x, mask, bias, cache, layer, token_idx, cache_idx, *,
                       clamp=True, bias_len=None, drop_mask=False, additive_mask=False, softmax_dtype=None):
-    """`Attention.forward` of the reference with the knobs the attention variants turn."""
+    """`Attention.forward` of the reference with the knobs the attention variants turn. With no
+    knob turned it computes exactly what the reference does (`no_change` below shows it)."""
     B, T, D = x.shape
     H, hd = self.cfg.n_heads, self.cfg.head_dim
     mixed_qkv = self.Wqkv(x)
@@ -304,10 +307,10 @@ class StaleMaskSession(ReferenceSession):
     """Static decode with the mask of the prefill: the slot of each new token is never switched on."""
 
     def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
-        if self.cache is None:
-            self.first_mask = self.mask.clone()
-        elif self.path == "static":
-            mask = self.first_mask[:, :mask.shape[1]]
+        if self.cache is not None and self.path == "static":
+            self.prompt_len = getattr(self, "prompt_len", self.written)  # the prefill mask is 0 from here on
+            mask = mask.clone()
+            mask[:, self.prompt_len:] = 0
         return super()._forward(input_ids, mask, token_idx, cache_idx)
 
 

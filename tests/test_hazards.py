@@ -72,8 +72,10 @@ def inf_in_wqkv(sd):
 
 
 @pytest.mark.parametrize("plant", [nan_embedding_of_prompt_token, inf_in_wqkv], ids=["nan-embedding", "inf-wqkv"])
-@pytest.mark.parametrize("prop,path", [p.values for p in PROPERTIES], ids=[p.id for p in PROPERTIES])
-def test_non_finite_weights_are_reported(target, device, dtype, plant, prop, path):
+@pytest.mark.parametrize("prop,path", [("P0", None), ("P1", "concat"), ("P2", "static")])
+def test_non_finite_weights_are_reported(target, device, plant, prop, path):
+    """fp32 only: NaN spreads the same way in every dtype."""
+    dtype = torch.float32
     runner, reference = runners(target, CFG, with_weights(CFG, plant), device, dtype)
     ctx = P.Context(target, device.type, dtype, CASE, path)
     if path in runner.unsupported:
