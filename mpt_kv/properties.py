@@ -213,26 +213,19 @@ class WqkvCapture:
         self.outputs = []
 
 
-def span_bytes(t: torch.Tensor) -> int:
-    """Bytes of storage the tensor itself reaches (from its offset to its last element)."""
-    if t.numel() == 0:
-        return 0
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size()
-
-
 def aliasing_problems(kv, captured) -> list[str]:
+    """What each layer's cached key and value keep alive beyond their own bytes."""
     problems = []
     for layer, (pair, qkv) in enumerate(zip(kv, captured)):
         for name, t in zip(("key", "value"), pair):
-            st = t.untyped_storage()
-            if qkv is not None and st.data_ptr() == qkv.untyped_storage().data_ptr():
+            held, own = t.untyped_storage().nbytes(), t.numel() * t.element_size()
+            if qkv is not None and t.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr():
                 problems.append(f"layer {layer} cached {name} {tuple(t.shape)} is a view of mixed_qkv "
-                                f"{tuple(qkv.shape)}: keeps {st.nbytes()} bytes alive, "
-                                f"{st.nbytes() - span_bytes(t)} more than the {name} itself")
-            elif st.nbytes() > span_bytes(t):
-                problems.append(f"layer {layer} cached {name} {tuple(t.shape)} pins a storage of {st.nbytes()} bytes, "
-                                f"{st.nbytes() - span_bytes(t)} more than it spans (a view of a larger buffer)")
+                                f"{tuple(qkv.shape)}: its storage holds {held} bytes for a {own}-byte {name}, "
+                                f"{held - own} bytes pinned beyond it")
+            elif held > own:
+                problems.append(f"layer {layer} cached {name} {tuple(t.shape)} is a view of a larger buffer: "
+                                f"its storage holds {held} bytes for a {own}-byte {name}, {held - own} bytes pinned")
     return problems
 
 

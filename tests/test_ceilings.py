@@ -75,7 +75,7 @@ def test_memory_ceilings(target, device, dtype, path, bucket, config, request, r
             pytest.skip(f"{target}: {r.unsupported[need]}")
     m = C.measure(r, config.case(), path, device, dtype, bucket, target=target)
     # recorded before any check: the report and --update-ceilings see failing cases too
-    record_property("mpt_kv_memory", {**asdict(m), "problems": len(m.problems), "torch": torch.__version__})
+    record_property("mpt_kv_memory", {**asdict(m), "problems": len(m.problems), "torch": str(torch.__version__)})
     if m.problems:
         raise PropertyFailure("\n".join(m.problems))
     if request.config.getoption("update_ceilings"):
@@ -220,7 +220,7 @@ def test_retained_is_exact_to_the_byte_on_cpu():
 # --- the baseline file ---------------------------------------------------------------------------------
 
 def record(m: C.Measurement) -> dict:
-    return {**asdict(m), "torch": torch.__version__}
+    return {**asdict(m), "torch": str(torch.__version__)}
 
 
 def test_missing_or_corrupt_baseline_is_an_error(tmp_path):
@@ -265,7 +265,8 @@ def test_missing_entry_fails(tmp_path):
 
 ONE_TARGET = ["-p", "no:cacheprovider", "--only-targets", "--target", "reference", "--dtype", "fp32",
               "--device", "cpu"]
-SELECT = {"concat": "reference|concat|float32|B16-in8-new8", "static": "reference|static|float32|B16-in8-new8"}
+SELECT = {"concat": "reference|concat|float32|B16-in8-new8|", "static": "reference|static|float32|B16-in8-new8|",
+          "bucket": "reference|static+bucket8|float32|B16-in8-new8|"}
 
 
 @pytest.fixture
@@ -286,41 +287,60 @@ def entry(data: dict, prefix: str) -> tuple[str, dict]:
     return next((k, v) for k, v in data["entries"].items() if k.startswith(prefix))
 
 
-def test_update_ceilings_rewrites_prints_diff_and_needs_the_flag_to_loosen(pytester, tmp_path):
-    shutil.copy(C.baseline_path("cpu"), tmp_path / "ceilings-cpu.json")
+def test_update_ceilings_rewrites_prints_diff_needs_the_flag_to_loosen_and_merges_under_xdist(pytester, tmp_path):
     path = tmp_path / "ceilings-cpu.json"
-    data = json.loads(path.read_text())
+    data = json.loads(C.baseline_path("cpu").read_text())
     k_static, static = entry(data, SELECT["static"])
     k_concat, concat = entry(data, SELECT["concat"])
+    k_bucket, _ = entry(data, SELECT["bucket"])
     true_static, true_concat = static["max_allocated"], concat["allocated"]
     static["max_allocated"] += 1000   # a ceiling that can be tightened
     concat["allocated"] -= 8          # one the code now exceeds: updating it loosens
+    del data["entries"][k_bucket]     # one never recorded
     path.write_text(json.dumps(data))
 
-    result = run_suite(pytester, "not bucket", "--update-ceilings", "--ceilings-dir", str(tmp_path))
-    assert result.ret == 1, result.stdout.str()  # without the flag: the run fails, the looser entry stays
+    result = run_suite(pytester, "concat or static", "--update-ceilings", "--ceilings-dir", str(tmp_path))
     out = result.stdout.str()
+    assert result.ret == 1, out  # the looser entry is refused and fails the run; the rest is written
     assert f"  - {k_static}  max_allocated {true_static + 1000} -> {true_static} (-1000, tighter)" in out, out
+    assert f"  + {k_bucket}  prefill_retained " in out, out
+    assert f"NOT written: 1 entries would loosen their ceilings" in out, out
     assert f"  ! {k_concat}  allocated {true_concat - 8} -> {true_concat} (+8, looser)" in out, out
-    assert "NOT written: 1 entries would loosen" in out and "mpt-kv memory" in out
-    after = json.loads(path.read_text())
-    assert after["entries"][k_static]["max_allocated"] == true_static
-    assert after["entries"][k_concat]["allocated"] == true_concat - 8
+    assert "mpt-kv memory" in out and "Max memory allocated" in out  # the report table
+    after = json.loads(path.read_text())["entries"]
+    assert after[k_static]["max_allocated"] == true_static and k_bucket in after
+    assert after[k_concat]["allocated"] == true_concat - 8
 
-    result = run_suite(pytester, "not bucket", "--ceilings-dir", str(tmp_path), "--allow-looser-ceilings",
-                       "--update-ceilings")
-    assert result.ret == 0, result.stdout.str()
-    assert json.loads(path.read_text())["entries"][k_concat]["allocated"] == true_concat
+    # xdist: workers only measure; the controller gets every measurement with the reports and
+    # writes the file once. The bucket entry is dropped again so that it must come back.
+    data = json.loads(path.read_text())
+    del data["entries"][k_bucket]
+    path.write_text(json.dumps(data))
+    result = run_suite(pytester, "concat or static", "-n", "2", "--update-ceilings", "--allow-looser-ceilings",
+                       "--ceilings-dir", str(tmp_path))
+    out = result.stdout.str()
+    assert result.ret == 0, out
+    assert "3 measurements, 5 values written (4 new, 0 tighter, 1 looser)" in out, out
+    after = json.loads(path.read_text())["entries"]
+    assert after[k_concat]["allocated"] == true_concat and k_bucket in after
+    assert len(after) == len(json.loads(C.baseline_path("cpu").read_text())["entries"])
 
 
-def test_missing_baseline_fails_the_run_and_xdist_update_merges_once(pytester, tmp_path):
-    result = run_suite(pytester, "concat", "--ceilings-dir", str(tmp_path))
-    assert result.ret == 1 and "does not exist: record it with" in result.stdout.str(), result.stdout.str()
-    assert not (tmp_path / "ceilings-cpu.json").exists()
+def test_a_missing_baseline_fails_each_memory_test(tmp_path):
+    class Config:
+        options = {"ceilings_dir": str(tmp_path), "update_ceilings": False}
 
-    result = run_suite(pytester, "concat or static", "-n", "2", "--update-ceilings", "--ceilings-dir", str(tmp_path))
-    assert result.ret == 0, result.stdout.str()
-    written = json.loads((tmp_path / "ceilings-cpu.json").read_text())["entries"]
-    ran = {k.split("|d")[0] for k in written}
-    assert ran == {SELECT["concat"], SELECT["static"], SELECT["static"].replace("static", "static+bucket8", 1)}, ran
-    assert "3 measurements, 12 values written (12 new" in result.stdout.str()
+        def getoption(self, name):
+            return self.options[name]
+
+    with pytest.raises(pytest.fail.Exception, match="does not exist: record it with"):
+        stored_ceilings(Config(), "cpu")
+    (tmp_path / "ceilings-cpu.json").write_text("[]")
+    _stored.cache_clear()
+    with pytest.raises(pytest.fail.Exception, match="malformed"):
+        stored_ceilings(Config(), "cpu")
+    Config.options["update_ceilings"] = True  # updating: a corrupt file still stops it
+    with pytest.raises(pytest.fail.Exception, match="malformed"):
+        stored_ceilings(Config(), "cpu")
+    (tmp_path / "ceilings-cpu.json").unlink()  # ... but a missing one is created
+    assert stored_ceilings(Config(), "cpu") == (tmp_path / "ceilings-cpu.json", {})
