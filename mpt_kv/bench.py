@@ -72,31 +72,38 @@ def shape_of(cfg: ModelConfig) -> memory.Shape:
 # --- the analytic minimum ------------------------------------------------------------------
 
 def analytic_minimum(cfg: ModelConfig, batch: int, max_input: int, max_new: int, itemsize: int,
-                     prefill_len: int) -> int:
+                     prefill: tuple[int, int]) -> int:
     """Bytes: weights + KV cache of L = input + new positions + the largest transient of one
     phase, each from memory.py's model of eager PyTorch (softmax upcast to fp32, no trimmed
     logits: no target here trims):
 
-      prefill over P positions (P = L where the prompt is padded to the cache length, as the
-      reference's and optimum-habana's static path do; P = input otherwise): the causal mask
-      B*P*P bool + one layer's transients (memory.layer_transients at q = kv = P);
-      end of prefill: final hidden B*P*D + logits B*P*V;
+      the prefill, Q queries over K keys (see prefill_shape): the causal mask B*Q*K bool + one
+      layer's transients (memory.layer_transients at q = Q, kv = K);
+      end of prefill: final hidden B*Q*D + logits B*Q*V;
       a decode step: one layer's transients at q = 1, kv = L + logits B*V.
 
-    This is memory.estimate(fixed=True, trim_logits=False) with the prefill length a parameter."""
+    With prefill = (L, L) this is memory.estimate(fixed=True, trim_logits=False)."""
     s, L = shape_of(cfg), max_input + max_new
-    prefill = batch * prefill_len * prefill_len + memory.layer_transients(s, batch, prefill_len, prefill_len, itemsize)
-    end_of_prefill = batch * prefill_len * cfg.d_model * itemsize + memory.logits_bytes(s, batch, prefill_len, False, itemsize)
+    q, k = prefill
+    prefill_peak = batch * q * k + memory.layer_transients(s, batch, q, k, itemsize)
+    end_of_prefill = batch * q * cfg.d_model * itemsize + memory.logits_bytes(s, batch, q, False, itemsize)
     decode = memory.layer_transients(s, batch, 1, L, itemsize) + memory.logits_bytes(s, batch, 1, True, itemsize)
     return (memory.weights_bytes(s, itemsize) + memory.kv_cache_bytes(s, batch, L, itemsize)
-            + max(prefill, end_of_prefill, decode))
+            + max(prefill_peak, end_of_prefill, decode))
 
 
-def prefill_length(session: Session, max_input: int) -> int:
-    """Positions the prefill runs over: TokenIdxSession's static path pads the prompt to max_len."""
-    if isinstance(session, TokenIdxSession) and session.path == "static" and session.bucket is None:
-        return session.max_len
-    return max_input
+def prefill_shape(session: Session, max_input: int) -> tuple[int, int]:
+    """(queries, keys) of the prefill, I = max input, L = the cache length:
+    - the static path of optimum-habana's protocol (TokenIdxSession: the reference and
+      optimum-habana) pads the prompt to L and attends over its own L positions: (L, L);
+    - its bucketed variant prefills just the prompt: (I, I);
+    - any other static cache (transformers' StaticCache) returns its whole buffer: (I, L);
+    - concat: (I, I)."""
+    if session.path != "static":
+        return max_input, max_input
+    if isinstance(session, TokenIdxSession):
+        return (max_input, max_input) if session.bucket is not None else (session.max_len, session.max_len)
+    return max_input, session.max_len
 
 
 # --- measuring -----------------------------------------------------------------------------
@@ -120,7 +127,7 @@ class MemoryTrace:
     allocated: int   # end of generation, cache alive
     peak: int        # max over the generation
     returned: int    # after the session was dropped: weights alone unless something leaked
-    prefill_len: int  # positions the prefill ran over (see prefill_length)
+    prefill: tuple[int, int]  # (queries, keys) of the prefill (see prefill_shape)
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
@@ -156,27 +163,34 @@ def prepare_for_device(runner: Runner, kind: str) -> Runner:
 def measure_memory(runner: Runner, kind: str, path: str, ids, mask, max_new: int, on_step=None) -> MemoryTrace:
     """One generation under the device's meter; memory read after every step (peaks reset
     between steps, so each step's own peak is seen)."""
-    meter = meter_for(devices.torch_device(kind) if kind != "cpu" else "cpu")
+    meter = meter_for(devices.torch_device(kind))
     weights = weights_bytes(runner.model)
     steps: list[tuple[int, int]] = []
-    with torch.inference_mode(), meter:
-        base = meter.allocated()
+
+    def read(step, token):
+        steps.append((weights + meter.allocated() - base, weights + meter.peak() - base))
         meter.reset_peak()
+        if on_step:
+            on_step(step, token)
 
-        def read(step, token):
-            steps.append((weights + meter.allocated() - base, weights + meter.peak() - base))
+    # The cpu meter runs gc.collect() on every read: 0.7 s here once transformers is imported
+    # (200k objects). Freezing what exists now (the generation neither makes nor frees any of
+    # it) leaves gc only the generation's own objects to scan.
+    gc.collect()
+    gc.freeze()
+    try:
+        with torch.inference_mode(), meter:
+            base = meter.allocated()
             meter.reset_peak()
-            if on_step:
-                on_step(step, token)
-
-        session = runner.session(path, ids.shape[1] + max_new)
-        greedy_generate(session, ids, mask, max_new, read)
-        allocated = weights + meter.allocated() - base
-        prefill_len = prefill_length(session, ids.shape[1])
-        del session
-        gc.collect()
-        returned = weights + meter.allocated() - base
-    return MemoryTrace(weights, steps, allocated, max(p for _, p in steps), returned, prefill_len)
+            session = runner.session(path, ids.shape[1] + max_new)
+            greedy_generate(session, ids, mask, max_new, read)
+            allocated = weights + meter.allocated() - base
+            prefill = prefill_shape(session, ids.shape[1])
+            del session
+            returned = weights + meter.allocated() - base
+    finally:
+        gc.unfreeze()
+    return MemoryTrace(weights, steps, allocated, max(p for _, p in steps), returned, prefill)
 
 
 @dataclass
@@ -254,14 +268,17 @@ class Report:
             if base is None:
                 continue
             entry = {"batch": cfg[0], "max_input": cfg[1], "max_new": cfg[2], "peak_over_min": base.peak_over_min,
-                     "decode_ratio": {}, "throughput_ratio": {}}
+                     "decode_ratio": {}, "decode_ratio_per_round": {}, "throughput_ratio": {}}
             for r in rows:
                 if r is base:
                     continue
                 name = f"{r.target}/{r.path}"
+                entry["throughput_ratio"][name] = base.throughput / r.throughput
                 if base.decode_throughput and r.decode_throughput:
                     entry["decode_ratio"][name] = base.decode_throughput / r.decode_throughput
-                entry["throughput_ratio"][name] = base.throughput / r.throughput
+                    # paired by round: both ran back to back, so a slow spell of the machine hits both
+                    entry["decode_ratio_per_round"][name] = [
+                        (t - p) / (bt - bp) for t, p, bt, bp in zip(r.total_s, r.prefill_s, base.total_s, base.prefill_s)]
             out.append(entry)
         return out
 
@@ -317,7 +334,7 @@ def run(cfg: ModelConfig, configs: list[BenchConfig], runners: dict[str, Runner]
                 allocated=m.allocated, max_allocated=m.peak,
                 kv_cache=memory.kv_cache_bytes(shape_of(cfg), bc.batch, bc.max_input + bc.max_new, itemsize),
                 analytic_min=analytic_minimum(cfg, bc.batch, bc.max_input, bc.max_new, itemsize,
-                                              m.prefill_len) if path == "static" else None,
+                                              m.prefill) if path == "static" else None,
                 returned=m.returned, total_s=[x.total_s for x in t], prefill_s=[x.prefill_s for x in t],
                 memory_steps=m.steps))
     return rows
@@ -356,7 +373,8 @@ def text_table(report: Report) -> str:
 def ratio_lines(report: Report) -> list[str]:
     out = []
     for e in report.ratios():
-        vs = ", ".join(f"{k} {v:.2f}x" for k, v in e["decode_ratio"].items()) or "no other rows"
+        vs = ", ".join(f"{k} {v:.2f}x (rounds {min(e['decode_ratio_per_round'][k]):.2f}-"
+                       f"{max(e['decode_ratio_per_round'][k]):.2f})" for k, v in e["decode_ratio"].items()) or "no other rows"
         pm = "-" if e["peak_over_min"] is None else f"{e['peak_over_min']:.3f}"
         out.append(f"B={e['batch']} in={e['max_input']} new={e['max_new']}: {'/'.join(BASELINE)} decode "
                    f"throughput over {vs}; its peak / analytic min {pm}")
@@ -388,15 +406,21 @@ def plot(report: Report, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys((r.batch, r.max_input, r.max_new) for r in report.rows))
-    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
-    for ax, bc in zip(axes[0], configs):
+    cols = min(2, len(configs))
+    rows = -(-len(configs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.5 * rows), squeeze=False)
+    colors = {t: f"C{i}" for i, t in enumerate(dict.fromkeys(r.target for r in report.rows))}
+    for ax in axes.flat[len(configs):]:
+        ax.set_visible(False)
+    for ax, bc in zip(axes.flat, configs):
         for r in (r for r in report.rows if (r.batch, r.max_input, r.max_new) == bc):
             xs, ys = [], []
             for i, (alloc, peak) in enumerate(r.memory_steps[1:], start=1):
                 xs += [i - 0.5, i]
                 ys += [peak / MiB, alloc / MiB]
             if xs:
-                ax.plot(xs, ys, label=f"{r.target}/{r.path}", linewidth=1)
+                ax.plot(xs, ys, label=f"{r.target}/{r.path}", color=colors[r.target],
+                        linestyle="-" if r.path == "concat" else "--", linewidth=0.8)
         ax.set_title(f"B={bc[0]} in={bc[1]} new={bc[2]}")
         ax.set_xlabel("decode step (peak within the step, then allocated after it)")
         ax.set_ylabel("MB (2**20 bytes), weights included")
@@ -418,6 +442,12 @@ def write(report: Report, out: Path) -> dict[str, Path]:
     files["json"].write_text(json.dumps({"meta": report.meta, "rows": rows, "ratios": report.ratios(),
                                          "skipped": report.skipped}, indent=1))
     files["md"].write_text(markdown(report))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # an optional extra: the table is still worth having
+        print("no plot: matplotlib is not installed (pip install 'mpt-kv[bench]')", file=sys.stderr)
+        del files["png"]
+        return files
     plot(report, files["png"])
     return files
 

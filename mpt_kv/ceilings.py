@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -102,6 +102,9 @@ CONFIGS = (
 ROUNDING = {"cpu": 0, "cuda": 512, "hpu": 4096}
 # Eager code keeps more temporaries alive than the idealised count of `memory.layer_transients`
 # (e.g. `scores / sqrt(hd)`, `+ alibi` and `masked_fill` each make a score-sized copy).
+# Measured on CONFIGS (cpu, fp32 and bf16), the largest decode step as a fraction of the bound:
+# static 0.44 reference, 0.69 transformers 5.24, 0.64 optimum-habana; concat 0.48 reference,
+# 0.39 transformers, 0.94 optimum-habana (its tuple cache holds the whole old and new caches).
 TRANSIENT_SLACK = 2
 
 
@@ -325,10 +328,11 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         acc = account(session, preexisting)
         excess = allocated - kv - acc.bookkeeping_total
         slack = slack_per_storage * (len(acc.kv_storages) + len(acc.bookkeeping) + 2)
+        tolerance = "exact" if meter.exact else f"allowed {slack}: allocator rounding"
         if abs(excess) > slack and "retained" not in problems:
             problems["retained"] = (
                 f"memory: after {phase}, {allocated} bytes allocated, {excess} bytes "
-                f"{'too many' if excess > 0 else 'too few'} (allowed {slack}: allocator rounding): expected the KV "
+                f"{'too many' if excess > 0 else 'too few'} ({tolerance}): expected the KV "
                 f"cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x L {L} x hd "
                 f"{cfg.head_dim} x {s} bytes) + {acc.bookkeeping_total} bytes of bookkeeping (the session's mask "
                 f"and counters). {explain_excess(acc, excess, kv, cfg, B)} [{describe(ctx)}]")
@@ -350,8 +354,8 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                 L = expected_len(session.written)
                 meter.reset_peak()
                 session.decode(tokens[step])
-                peak = meter.peak() - base
-                step_transient = peak - allocated
+                peak, before = meter.peak() - base, allocated
+                step_transient = peak - before
                 allocated = meter.allocated() - base
                 transient, max_allocated = max(transient, step_transient), max(max_allocated, peak)
                 kv_bytes = check_retained(session, f"decode step {step}", allocated)
@@ -359,7 +363,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                 if step_transient > bound and "decode" not in problems:
                     problems["decode"] = (
                         f"memory: {path} decode step {step} peaked {step_transient} bytes above the "
-                        f"{allocated} allocated before it, {step_transient - bound} bytes too many: the bound "
+                        f"{before} allocated before it, {step_transient - bound} bytes too many: the bound "
                         f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path)}) "
                         f"[{describe(ctx)}]")
             del session
@@ -531,7 +535,7 @@ def update_baseline(path: Path, kind: str, measured: list[dict], allow_looser: b
     for m in measured:
         k, vals = key_of(m), {metric: m[metric] for metric in METRICS}
         new[k] = {metric: max(v, new.get(k, {}).get(metric, 0)) for metric, v in vals.items()}
-        new[k]["torch"] = m.get("torch", torch.__version__)
+        new[k]["torch"] = str(m.get("torch", torch.__version__))
     written, refused = [], []
     merged = dict(entries)
     for k, vals in sorted(new.items()):

@@ -251,3 +251,10 @@ def test_adapter_decode_on_another_device(runner, device):
 def test_adapter_decode_before_prefill(runner):
     with pytest.raises(InputError, match=r"decode before prefill"):
         open_session(runner, "concat", 6).decode(one_token())
+
+
+def test_adapter_prefill_twice(runner, device):
+    session = open_session(runner, "concat", 6)
+    session.prefill(*on(device, *prompt(2, 3)))
+    with pytest.raises(InputError, match=r"prefill called twice on one session"):
+        session.prefill(*on(device, *prompt(2, 3)))
