@@ -386,7 +386,7 @@ def markdown(report: Report) -> str:
     m = report.meta
     lines = [f"# mpt-kv bench: {m['model']} ({m['dtype']}) on {m['device']}", "",
              f"`{m['command']}`", "",
-             f"torch {m['torch']}, transformers {m['transformers']}, {m['threads']} threads, "
+             f"torch {m['torch']}, transformers {m['transformers']}, torch threads {m['threads']}, "
              f"median of {m['repeat']} timed generations; memory in {head[5][-3:-1]} (2**{30 if 'GB' in head[5] else 20} bytes).",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                    "warmup": a.warmup, "seed": a.seed, "torch": torch.__version__,
                    "transformers": transformers.__version__, "python": platform.python_version(),
                    "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    print(f"{a.model} ({dtype_name}) on {a.device}, {torch.get_num_threads()} threads, median of {a.repeat}:")
+    print(f"{a.model} ({dtype_name}) on {a.device}, torch threads {torch.get_num_threads()}, median of {a.repeat}:")
     print(text_table(report))
     for line in ratio_lines(report):
         print(line)
