@@ -57,8 +57,12 @@ class Attention(nn.Module):
         scores = scores + bias[:, :, -K:]                               # ALiBi for the K keys attended
         scores = scores.masked_fill(mask[:, :, :, :K], torch.finfo(q.dtype).min)
         weights = F.softmax(scores.float(), dim=-1).to(v.dtype)        # softmax in fp32, as MPT
-        out = (weights @ v).transpose(1, 2).reshape(B, T, D)           # (B, T, D)
-        return self.out_proj(out)
+        # free the (B, H, T, K) tensors before the next allocations: held by local names they
+        # would lift the peak above weights + cache + one layer's transients
+        del scores
+        out = weights @ v                                               # (B, H, T, hd)
+        del weights
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, D))     # (B, T, D)
 
 
 class Block(nn.Module):
