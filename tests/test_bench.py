@@ -26,14 +26,6 @@ PEDANTIC = dict(rounds=3, iterations=1, warmup_rounds=1)
 GRAPH_WARMUP = 2  # decode steps before timing: HPU graphs are captured on the first call of a shape
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: steadier cpu timings, and no OpenMP spin-waits when CI shares cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture
 def runner(target, device, path):

@@ -29,14 +29,6 @@ PATHS = [pytest.param("concat", None, id="concat"), pytest.param("static", None,
          pytest.param("static", 8, id="static-bucket8")]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: on 2 cores a second thread only contends (measured 10x slower under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @functools.cache
 def runner(target, device, dtype, cfg):

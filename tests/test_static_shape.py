@@ -21,14 +21,6 @@ CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_se
 COMPILE_BACKEND = os.environ.get("MPT_KV_COMPILE_BACKEND", "aot_eager")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: a second thread only contends (a 2-core machine runs 2-3x slower with it)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def runner_and_context(build, name, device, bucket=None):
     runner = build(CASE.cfg, random_state_dict(CASE.cfg, seed=CASE.seed), device, torch.float32)

@@ -13,14 +13,6 @@ from mpt_kv.targets import resolve
 from mpt_kv.variants import COLUMNS, VARIANTS, Variant, no_change
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: a second thread only contends (a 2-core machine runs 2-3x slower with it)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_is_killed_by_its_expected_check(name):
