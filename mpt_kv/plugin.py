@@ -202,8 +202,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         rows[key][r["property"]] = r["outcome"] if prev in (None, r["outcome"]) else f"{prev}/{r['outcome']}"
         notes += r.get("notes", [])
     tw = terminalreporter
-    if rows:
+    # a device that is absent here gets one line, not a row of "skipped" per target and path
+    absent = sorted({k[1] for k in rows if k[1] in devices.KINDS and devices.unavailable_reason(k[1])})
+    skipped = {kind: sum(len(v) for k, v in rows.items() if k[1] == kind) for kind in absent}
+    rows = {k: v for k, v in rows.items() if k[1] not in absent}
+    if rows or absent:
         tw.write_sep("=", "mpt-kv conformance")
+    for kind in absent:
+        tw.write_line(f"{kind}: {skipped[kind]} cases skipped, not available here: {devices.unavailable_reason(kind)}")
+    if rows:
         w = max(len("target"), *(len(k[0]) for k in rows))
         head = f"{'target':<{w}} {'device':<6} {'dtype':<8} {'path':<15} " + " ".join(f"{p:<8}" for p in PROPERTY_NAMES)
         tw.write_line(head)
