@@ -130,18 +130,17 @@ def check_cached_equals_uncached(runner, c: Context) -> list[str]:
     ids, mask = c.case.inputs(c.device)
     with torch.inference_mode(), fresh_memory_holds_nan():
         session = runner.session(c.path, c.case.total_len, c.bucket)
-        cached = session.prefill(ids, mask)
-        assert_close(cached, runner.logits(ids, mask), c.tol(), "P1 prefill logits vs full forward",
+        cached, full = session.prefill(ids, mask), runner.logits(ids, mask)
+        assert_close(cached, full, c.tol(), "P1 prefill logits vs full forward",
                      c.ctx(step="prefill"), where=mask.bool()[:, :, None])
-        last = cached[:, -1]
+        last, full = cached[:, -1], full[:, -1]  # the next token's logits, cached and uncached
         for step in range(c.case.new_tokens):
             token = greedy(last)
-            full = runner.logits(ids, mask)[:, -1]   # uncached, same tokens
             check_token(token, greedy(full), full, c, step)
             ids = torch.cat([ids, token], dim=1)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            last = session.decode(token)
-            assert_close(last, runner.logits(ids, mask)[:, -1], c.tol(), "P1 decode logits vs full forward",
+            last, full = session.decode(token), runner.logits(ids, mask)[:, -1]
+            assert_close(last, full, c.tol(), "P1 decode logits vs full forward",
                          c.ctx(step=step, tokens_so_far=ids.shape[1]))
     return c.notes
 
