@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mpt_kv import reference
+from mpt_kv.model import reference
 from mpt_kv.targets.reference import ReferenceRunner
 
 

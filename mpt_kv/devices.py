@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .errors import DeviceUnavailable
+from mpt_kv.errors import DeviceUnavailable
 
 KINDS = ("cpu", "cuda", "hpu")
 

@@ -20,16 +20,17 @@ from collections import defaultdict
 import pytest
 import torch
 
-from . import devices, known_failures
-from .config import DTYPES
-from .errors import TargetUnavailable
-from .targets import BUILTIN
+from mpt_kv import devices
+from mpt_kv.targets import known_failures
+from mpt_kv.model.config import DTYPES
+from mpt_kv.errors import TargetUnavailable
+from mpt_kv.targets import BUILTIN
 
 ENV_REQUIRE = "MPT_KV_REQUIRE_DEVICE"
 _results: list[dict] = []
 PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat", "P3": "no aliasing",
-                  "memory": "memory ceilings"}
-_memory: list[dict] = []  # measurements of tests/test_ceilings.py (user_properties "mpt_kv_memory")
+                  "memory": "memory ceilings", "static-shape": "static shapes"}
+_memory: list[dict] = []  # measurements of mpt_kv/conformance/test_memory.py (user_properties "mpt_kv_memory")
 
 
 def pytest_addoption(parser):
@@ -62,7 +63,7 @@ def pytest_configure(config):
     for kind in devices.KINDS:
         config.addinivalue_line("markers", f"{kind}: a case on the {kind} device")
     config.addinivalue_line("markers", "property(name): which property (P0-P3) the test checks")
-    from .strategies import load_profile
+    from mpt_kv.checks.strategies import load_profile
 
     config._mpt_kv_profile = load_profile()
     config._mpt_kv_required = required_devices(config)
@@ -110,8 +111,8 @@ def device(request) -> torch.device:
 @pytest.fixture
 def target(request, device) -> str:
     """The target spec; skips (with the reason) where it cannot be built on this machine."""
-    from .config import ModelConfig, random_state_dict
-    from .targets import build
+    from mpt_kv.model.config import ModelConfig, random_state_dict
+    from mpt_kv.targets import build
 
     spec = request.param
     cfg = ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=16, max_seq_len=8)
@@ -227,7 +228,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     memory_summary(tw, config)
 
 
-# --- memory ceilings (mpt_kv/ceilings.py, tests/test_ceilings.py) ---------------------------------
+# --- memory ceilings (mpt_kv/checks/ceilings.py, mpt_kv/conformance/test_memory.py) ---------------------------------
 # Tests record each measurement as user_properties ("mpt_kv_memory", dict): they travel from
 # xdist workers to the controller with the reports, so only the controller prints the table and
 # writes the baseline file (one writer: a safe merge, whatever -n).
@@ -257,7 +258,7 @@ def update_ceilings(config) -> bool:
     Returns True if the run must fail (a loosening refused, or a corrupt file)."""
     if not config.getoption("update_ceilings") or getattr(config, "workerinput", None) is not None:
         return False
-    from . import ceilings
+    from mpt_kv.checks import ceilings
 
     config._mpt_kv_ceilings_diff = lines = []
     failed = False
@@ -288,7 +289,7 @@ def memory_summary(tw, config):
     if getattr(config, "workerinput", None) is not None:
         return
     if _memory:
-        from .ceilings import table
+        from mpt_kv.checks.ceilings import table
 
         tw.write_sep("=", "mpt-kv memory")
         for line in table(_memory):

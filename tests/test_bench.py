@@ -15,9 +15,11 @@ import json
 import pytest
 import torch
 
-from mpt_kv import bench, devices, memory
-from mpt_kv.config import ModelConfig, random_state_dict
-from mpt_kv.generate import greedy_generate
+from mpt_kv import devices
+from mpt_kv.cli import bench
+from mpt_kv.memory import analytic
+from mpt_kv.model.config import ModelConfig, random_state_dict
+from mpt_kv.model.generate import greedy_generate
 from mpt_kv.targets import PATHS, build
 
 CFG = ModelConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=64)
@@ -42,7 +44,7 @@ def record_memory(benchmark, trace: bench.MemoryTrace, allocated: int, peak: int
 
 def at_least_the_cache(trace: bench.MemoryTrace, what: str) -> None:
     """A meter that silently reads 0 must not pass: the cache of the last step is resident."""
-    cache = memory.kv_cache_bytes(bench.shape_of(CFG), BATCH, PROMPT + NEW - 1, 4)
+    cache = analytic.kv_cache_bytes(bench.shape_of(CFG), BATCH, PROMPT + NEW - 1, 4)
     assert trace.steps[-1][0] >= trace.weights + cache, (
         f"{what}: memory allocated after the last step reads {trace.steps[-1][0]} bytes, less than the "
         f"weights {trace.weights} + the KV cache of {PROMPT + NEW - 1} positions {cache}")

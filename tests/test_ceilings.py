@@ -5,7 +5,6 @@ many and where; the baseline file workflow (--update-ceilings) is strict."""
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -13,69 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpt_kv import ceilings as C
-from mpt_kv import memory
-from mpt_kv.compare import PropertyFailure
-from mpt_kv.config import random_state_dict
-from mpt_kv.properties import Case, Context
-from mpt_kv.targets import build
+from mpt_kv.checks import ceilings as C
+from mpt_kv.memory import analytic
+from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.model.config import random_state_dict
+from mpt_kv.checks.properties import Case, Context
+from mpt_kv.conformance.test_memory import _stored, runner, stored_ceilings
 from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
-from mpt_kv.variants import VARIANTS, runner_factory
+from mpt_kv.catalogue.variants import VARIANTS, runner_factory
 
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
-PATHS = [pytest.param("concat", None, id="concat"), pytest.param("static", None, id="static"),
-         pytest.param("static", 8, id="static-bucket8")]
 
-
-
-@functools.cache
-def runner(target, device, dtype, cfg):
-    return build(target, cfg, random_state_dict(cfg), device, dtype)
-
-
-@functools.cache
-def _stored(path: Path, kind: str, update: bool):
-    try:
-        return C.load_baseline(path, kind)
-    except C.BaselineError as e:
-        if update and not path.exists():
-            return {}  # --update-ceilings creates it
-        return e
-
-
-def stored_ceilings(config, kind: str) -> tuple[Path, dict]:
-    path = C.baseline_path(kind, config.getoption("ceilings_dir"))
-    entries = _stored(path, kind, config.getoption("update_ceilings"))
-    if isinstance(entries, C.BaselineError):
-        pytest.fail(str(entries), pytrace=False)
-    return path, entries
-
-
-# --- every target, path and config ------------------------------------------------------------------
-
-@pytest.mark.property("memory")
-@pytest.mark.parametrize("config", C.CONFIGS, ids=lambda c: c.id)
-@pytest.mark.parametrize("path,bucket", PATHS)
-def test_memory_ceilings(target, device, dtype, path, bucket, config, request, record_property):
-    file, entries = stored_ceilings(request.config, device.type)
-    r = runner(target, device, dtype, config.cfg)
-    for need in (path, "bucket" if bucket else None):
-        if need in r.unsupported:
-            pytest.skip(f"{target}: {r.unsupported[need]}")
-    m = C.measure(r, config.case(), path, device, dtype, bucket, target=target)
-    # recorded before any check: the report and --update-ceilings see failing cases too
-    record_property("mpt_kv_memory", {**asdict(m), "problems": len(m.problems), "torch": str(torch.__version__)})
-    if m.problems:
-        raise PropertyFailure("\n".join(m.problems))
-    if request.config.getoption("update_ceilings"):
-        return  # the controller merges the measurements into the file at the end of the run
-    failures, notes = C.compare(m, entries, file)
-    for n in notes:
-        record_property("mpt_kv_note", n)
-    if failures:
-        raise PropertyFailure("\n".join(failures) + f" [{m.target}, {m.device}, {m.dtype}, {path}, {config.id}]")
 
 
 # --- the analytic properties fail where they should, saying where ------------------------------------
@@ -96,7 +45,7 @@ def reference_measurement(path, config=CONFIG, dtype=torch.float32):
 def test_kv_views_of_mixed_qkv_fail_retained_by_the_q_third(dtype):
     m = measure_variant(VARIANTS["kv_views_of_mixed_qkv"].build, "concat", dtype=dtype)
     cfg, B, S, s = CONFIG.cfg, CONFIG.batch, CONFIG.max_input, C.itemsize(dtype)
-    q_third = memory.view_retention_bytes(C.shape_of(cfg), B, S, s)  # n * B * S * D * s
+    q_third = analytic.view_retention_bytes(C.shape_of(cfg), B, S, s)  # n * B * S * D * s
     assert len(m.problems) >= 1, f"views of mixed_qkv passed the retained check: {m}"
     msg = m.problems[0]
     assert f"after prefill, {m.prefill_retained} bytes allocated, {q_third} bytes too many" in msg, msg
@@ -109,7 +58,7 @@ def test_kv_views_of_mixed_qkv_fail_retained_by_the_q_third(dtype):
 
 def test_old_cache_kept_alive_fails_retained_by_the_old_cache():
     m = measure_variant(VARIANTS["old_cache_kept_referenced"].build, "concat")
-    old_cache = memory.kv_cache_bytes(C.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
+    old_cache = analytic.kv_cache_bytes(C.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
     msg = m.problems[0] if m.problems else ""
     assert "after decode step 0" in msg and f"{old_cache} bytes too many" in msg, msg
     assert "session.cache.previous[0][0]" in msg and "session.cache.previous[1][1]" in msg, msg
@@ -124,7 +73,7 @@ def test_static_decode_that_copies_the_cache_exceeds_one_layers_transients():
     assert f"static decode step 0 peaked {m.decode_transient} bytes" in msg, msg
     assert f"{m.decode_transient - bound} bytes too many: the bound is {bound}" in msg, msg
     # the copy is the size of one layer's K and V: that is what sticks out
-    layer_kv = memory.kv_cache_bytes(C.shape_of(cfg), CONFIG.batch, L, 4) // cfg.n_layers
+    layer_kv = analytic.kv_cache_bytes(C.shape_of(cfg), CONFIG.batch, L, 4) // cfg.n_layers
     assert m.decode_transient >= layer_kv
     assert not any("after prefill" in p or "decode step 0," in p for p in m.problems), m.problems
 
@@ -150,7 +99,7 @@ def test_concat_decode_beyond_old_plus_new_cache_fails():
 def test_stored_ceiling_catches_a_regression_inside_the_analytic_bound():
     """A concat step that clones its fresh cat result: one layer's copy, within the analytic bound,
     but above the reference's stored decode_transient, to the byte."""
-    from mpt_kv.cache import ConcatCache
+    from mpt_kv.model.cache import ConcatCache
 
     class ClonedCat(ConcatCache):
         def update(self, layer, k, v, token_idx=None, cache_idx=None):
@@ -161,7 +110,7 @@ def test_stored_ceiling_catches_a_regression_inside_the_analytic_bound():
             self.kv[layer] = (new[0].clone(), new[1].clone())  # "to be safe": a second copy
             return self.kv[layer]
 
-    from mpt_kv.variants import model_with
+    from mpt_kv.catalogue.variants import model_with
 
     ref = reference_measurement("concat")
     bad = measure_variant(runner_factory("cloned_cat", model_class=model_with(concat=ClonedCat)), "concat")
@@ -269,8 +218,8 @@ def pytester(pytester, monkeypatch):
 
 
 def run_suite(pytester, paths: str, *args):
-    """tests/test_ceilings.py::test_memory_ceilings for the reference, fp32, config B16, `paths` (-k)."""
-    return pytester.runpytest_subprocess(str(REPO / "tests" / "test_ceilings.py"), *ONE_TARGET, "-k",
+    """mpt_kv/conformance/test_memory.py::test_memory_ceilings for the reference, fp32, config B16, `paths` (-k)."""
+    return pytester.runpytest_subprocess(str(REPO / "mpt_kv" / "conformance" / "test_memory.py"), *ONE_TARGET, "-k",
                                          f"test_memory_ceilings and B16 and ({paths})", *args, timeout=300)
 
 

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from mpt_kv import devices, plugin, strategies
-from mpt_kv.strategies import HPU_NEW_TOKENS, HPU_PROMPT_BUCKET, cases
+from mpt_kv import devices, plugin
+from mpt_kv.checks import strategies
+from mpt_kv.checks.strategies import HPU_NEW_TOKENS, HPU_PROMPT_BUCKET, cases
 
 pytest_plugins = ["pytester"]
 

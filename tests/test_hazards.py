@@ -16,9 +16,9 @@ import re
 import pytest
 import torch
 
-from mpt_kv import properties as P
-from mpt_kv.compare import PropertyFailure
-from mpt_kv.config import ModelConfig, random_state_dict
+from mpt_kv.checks import properties as P
+from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.model.config import ModelConfig, random_state_dict
 from mpt_kv.errors import InputError
 from mpt_kv.targets import build
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpt_kv.cache import StaticCache
-from mpt_kv.config import ModelConfig, random_state_dict
+from mpt_kv.model.cache import StaticCache
+from mpt_kv.model.config import ModelConfig, random_state_dict
 from mpt_kv.errors import InputError
-from mpt_kv.reference import ReferenceMPT
+from mpt_kv.model.reference import ReferenceMPT
 from mpt_kv.targets import build
 
 CFG = ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=16, max_seq_len=8)

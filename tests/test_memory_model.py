@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from mpt_kv import memory
-from mpt_kv.memory import (
+from mpt_kv.cli import memory as memory_cli
+from mpt_kv.memory.analytic import (
     PRESETS, SEED_TABLE, estimate, kv_cache_bytes, n_params, seed_comparison, seed_units,
     view_retention_bytes, weights_bytes,
 )
-from mpt_kv.meter import CpuMeter
+from mpt_kv.memory.meter import CpuMeter
 
 TINY, MPT7B = PRESETS["tiny"], PRESETS["mpt-7b"]
 
@@ -87,7 +87,7 @@ def test_seed_table_is_in_gib():
 
 
 def test_cli_prints_the_table(capsys):
-    assert memory.main(["memory", "--model", "mpt-7b", "--batch-size", "128", "--max-input-tokens", "128",
+    assert memory_cli.main(["memory", "--model", "mpt-7b", "--batch-size", "128", "--max-input-tokens", "128",
                         "--max-new-tokens", "128", "--dtype", "bf16", "--seed-table"]) == 0
     out = capsys.readouterr().out
     assert "6,649,286,656 params" in out
@@ -107,11 +107,11 @@ def test_cli_prints_the_table(capsys):
 )
 def test_cli_rejects_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        memory.main(argv)
+        memory_cli.main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_cli_max_seq_len_override(capsys):
-    assert memory.main(["--max-input-tokens", "2000", "--max-new-tokens", "100", "--max-seq-len", "4096"]) == 0
+    assert memory_cli.main(["--max-input-tokens", "2000", "--max-new-tokens", "100", "--max-seq-len", "4096"]) == 0
     assert "cache length 2100" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mpt_kv.meter import CpuMeter, MeterError, meter_for
+from mpt_kv.memory.meter import CpuMeter, MeterError, meter_for
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from mpt_kv.config import ModelConfig, random_state_dict
-from mpt_kv.properties import Case
-from mpt_kv.reference import ReferenceMPT, alibi_bias
+from mpt_kv.model.config import ModelConfig, random_state_dict
+from mpt_kv.checks.properties import Case
+from mpt_kv.model.reference import ReferenceMPT, alibi_bias
 from mpt_kv.targets import build
 
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 REPO = Path(__file__).resolve().parent.parent
-PROPERTIES = str(REPO / "tests" / "test_properties.py")
+PROPERTIES = str(REPO / "mpt_kv" / "conformance" / "test_properties.py")
 
 
 def run(pytester, *args):
@@ -22,8 +22,8 @@ def test_worked_example_target_passes_the_properties(pytester):
 
 
 OFF_BY_ONE = """
-from mpt_kv.cache import StaticCache
-from mpt_kv.reference import ReferenceMPT
+from mpt_kv.model.cache import StaticCache
+from mpt_kv.model.reference import ReferenceMPT
 from mpt_kv.targets.reference import ReferenceRunner
 
 

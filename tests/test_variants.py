@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from mpt_kv import killmatrix as KM
-from mpt_kv.compare import PropertyFailure
+from mpt_kv.catalogue import killmatrix as KM
+from mpt_kv.cli import killmatrix as killmatrix_cli
+from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.targets import resolve
-from mpt_kv.variants import COLUMNS, VARIANTS, Variant, no_change
+from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant, no_change
 
 
 
@@ -39,13 +40,13 @@ def test_catalogue_is_documented_and_usable_as_targets():
     for name, v in VARIANTS.items():
         assert v.bug and v.origin and v.killed_by, f"{name}: bug, origin and expected killers must be filled in"
         assert set(v.killed_by) <= set(COLUMNS), f"{name}: unknown columns {set(v.killed_by) - set(COLUMNS)}"
-        assert resolve(f"mpt_kv.variants:{name}") is v.build, f"--target mpt_kv.variants:{name} does not resolve"
+        assert resolve(f"mpt_kv.catalogue.variants:{name}") is v.build, f"--target mpt_kv.catalogue.variants:{name} does not resolve"
 
 
 def test_cli_reports_a_survivor_and_exits_nonzero(tmp_path, capsys):
     # P0 alone cannot see K/V views: the variant survives and the command must say so
     out = tmp_path / "m.json"
-    rc = KM.main(["--variant", "kv_views_of_mixed_qkv", "--check", "P0", "--json", str(out)])
+    rc = killmatrix_cli.main(["--variant", "kv_views_of_mixed_qkv", "--check", "P0", "--json", str(out)])
     assert rc == 1, capsys.readouterr()
     assert "kv_views_of_mixed_qkv SURVIVED" in capsys.readouterr().err
     cells = json.loads(out.read_text())["variants"]["kv_views_of_mixed_qkv"]["cells"]
@@ -54,7 +55,7 @@ def test_cli_reports_a_survivor_and_exits_nonzero(tmp_path, capsys):
 
 def test_cli_reports_a_harmless_variant_as_survivor(monkeypatch, capsys):
     monkeypatch.setitem(VARIANTS, "no_change", Variant("no_change", "nothing: the reference", "-", (), no_change))
-    rc = KM.main(["--variant", "no_change"])
+    rc = killmatrix_cli.main(["--variant", "no_change"])
     text = capsys.readouterr()
     assert rc == 1, text.out
     assert "no_change SURVIVED every check" in text.err
@@ -64,7 +65,7 @@ def test_cli_reports_a_harmless_variant_as_survivor(monkeypatch, capsys):
 
 def test_cli_exits_zero_when_every_variant_is_killed(tmp_path, capsys):
     md = tmp_path / "m.md"
-    rc = KM.main(["--variant", "kv_swapped_in_static_decode", "--variant", "only_v_cloned",
+    rc = killmatrix_cli.main(["--variant", "kv_swapped_in_static_decode", "--variant", "only_v_cloned",
                   "--check", "P1", "--check", "P3", "--markdown", str(md)])
     assert rc == 0, capsys.readouterr()
     table = md.read_text()
@@ -76,6 +77,6 @@ def test_cli_refuses_when_the_reference_fails(monkeypatch, capsys):
         raise PropertyFailure("a check that fails every model")
 
     monkeypatch.setitem(KM.CHECKS, "P0", KM.Check("P0", ((None, None),), always_fails))
-    rc = KM.main(["--variant", "softmax_in_bf16", "--check", "P0"])
+    rc = killmatrix_cli.main(["--variant", "softmax_in_bf16", "--check", "P0"])
     assert rc == 2
     assert "the reference fails P0" in capsys.readouterr().err

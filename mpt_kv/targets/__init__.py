@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..errors import TargetUnavailable
-from ..session import Session
+from mpt_kv.model.config import ModelConfig
+from mpt_kv.errors import TargetUnavailable
+from mpt_kv.model.session import Session
 
 PATHS = ("concat", "static")
 

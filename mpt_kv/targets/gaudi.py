@@ -21,9 +21,9 @@ import sys
 import types
 from pathlib import Path
 
-from ..errors import TargetUnavailable
-from ..session import TokenIdxSession, check_prompt
-from . import Runner
+from mpt_kv.errors import TargetUnavailable
+from mpt_kv.model.session import TokenIdxSession, check_prompt
+from mpt_kv.targets import Runner
 
 MPT_MODULE = "optimum.habana.transformers.models.mpt.modeling_mpt"
 
@@ -118,7 +118,7 @@ class GaudiStyleRunner(Runner):
 
 
 def build(cfg, state_dict, device, dtype):
-    from ..devices import sync
+    from mpt_kv.devices import sync
 
     module = load_gaudi_mpt_module()
     with gaudi_classes(module):

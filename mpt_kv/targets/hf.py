@@ -11,9 +11,9 @@ import inspect
 
 import torch
 
-from ..errors import TargetUnavailable
-from ..session import Session, check_prompt
-from . import Runner
+from mpt_kv.errors import TargetUnavailable
+from mpt_kv.model.session import Session, check_prompt
+from mpt_kv.targets import Runner
 
 
 def transformers_version() -> str:
@@ -97,6 +97,6 @@ class HFRunner(Runner):
 
 
 def build(cfg, state_dict, device, dtype):
-    from ..devices import sync
+    from mpt_kv.devices import sync
 
     return HFRunner(cfg, state_dict, device, dtype, sync=lambda: sync(device.type))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..reference import ReferenceMPT
-from ..session import TokenIdxSession
-from . import Runner
+from mpt_kv.model.reference import ReferenceMPT
+from mpt_kv.model.session import TokenIdxSession
+from mpt_kv.targets import Runner
 
 
 class ReferenceSession(TokenIdxSession):
@@ -42,6 +42,6 @@ class ReferenceRunner(Runner):
 
 
 def build(cfg, state_dict, device, dtype):
-    from ..devices import sync
+    from mpt_kv.devices import sync
 
     return ReferenceRunner(cfg, state_dict, device, dtype, sync=lambda: sync(device.type))

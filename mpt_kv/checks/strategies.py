@@ -12,8 +12,8 @@ import os
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from .config import ModelConfig
-from .properties import Case
+from mpt_kv.model.config import ModelConfig
+from mpt_kv.checks.properties import Case
 
 HPU_PROMPT_BUCKET = 8
 HPU_NEW_TOKENS = 4

@@ -20,10 +20,10 @@ Memory columns, in the seed's words: "Memory allocated" is read at the end of th
 weights (its parameter and buffer storages) plus what the generation added above the memory in
 use before it started. So every target reads the same on every device although several models
 are loaded at once, and on cpu, where the tracker sees only storages made while it is active,
-the weights are still counted. GB = 2**30 bytes, as the seed's table reads (memory.seed_units).
+the weights are still counted. GB = 2**30 bytes, as the seed's table reads (analytic.seed_units).
 
 "analytic min" is `analytic_minimum`: weights + KV cache + the largest one-layer transient
-(memory.py's model of eager PyTorch). Writes bench.json, bench.md and bench_memory.png to --out.
+(analytic.py's model of eager PyTorch). Writes bench.json, bench.md and bench_memory.png to --out.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ from pathlib import Path
 
 import torch
 
-from . import devices, memory
-from .config import DTYPES, ModelConfig, random_state_dict
-from .errors import TargetUnavailable
-from .generate import greedy_generate
-from .meter import meter_for
-from .session import Session, TokenIdxSession
-from .targets import BUILTIN, PATHS, Runner, build
+from mpt_kv import devices
+from mpt_kv.memory import analytic
+from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
+from mpt_kv.errors import TargetUnavailable
+from mpt_kv.model.generate import greedy_generate
+from mpt_kv.memory.meter import meter_for
+from mpt_kv.model.session import Session, TokenIdxSession
+from mpt_kv.targets import BUILTIN, PATHS, Runner, build
 
 GiB, MiB = 1 << 30, 1 << 20
 BASELINE = ("reference", "static")  # the row the ratios are taken against
@@ -55,18 +56,18 @@ BASELINE = ("reference", "static")  # the row the ratios are taken against
 # --- model presets ---------------------------------------------------------------------------
 
 def model_config(preset: str) -> ModelConfig:
-    """A `ModelConfig` with the shape of `memory.PRESETS[preset]` (random weights, no download)."""
-    if preset not in memory.PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}: expected one of {', '.join(memory.PRESETS)}")
-    s = memory.PRESETS[preset]
+    """A `ModelConfig` with the shape of `analytic.PRESETS[preset]` (random weights, no download)."""
+    if preset not in analytic.PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}: expected one of {', '.join(analytic.PRESETS)}")
+    s = analytic.PRESETS[preset]
     if s.expansion_ratio != 4:
         raise ValueError(f"preset {preset!r} has expansion_ratio={s.expansion_ratio}; ModelConfig builds 4")
     return ModelConfig(d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers,
                        vocab_size=s.vocab_size, max_seq_len=s.max_seq_len)
 
 
-def shape_of(cfg: ModelConfig) -> memory.Shape:
-    return memory.Shape(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len)
+def shape_of(cfg: ModelConfig) -> analytic.Shape:
+    return analytic.Shape(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len)
 
 
 # --- the analytic minimum ------------------------------------------------------------------
@@ -74,21 +75,21 @@ def shape_of(cfg: ModelConfig) -> memory.Shape:
 def analytic_minimum(cfg: ModelConfig, batch: int, max_input: int, max_new: int, itemsize: int,
                      prefill: tuple[int, int]) -> int:
     """Bytes: weights + KV cache of L = input + new positions + the largest transient of one
-    phase, each from memory.py's model of eager PyTorch (softmax upcast to fp32, no trimmed
+    phase, each from analytic.py's model of eager PyTorch (softmax upcast to fp32, no trimmed
     logits: no target here trims):
 
       the prefill, Q queries over K keys (see prefill_shape): the causal mask B*Q*K bool + one
-      layer's transients (memory.layer_transients at q = Q, kv = K);
+      layer's transients (analytic.layer_transients at q = Q, kv = K);
       end of prefill: final hidden B*Q*D + logits B*Q*V;
       a decode step: one layer's transients at q = 1, kv = L + logits B*V.
 
-    With prefill = (L, L) this is memory.estimate(fixed=True, trim_logits=False)."""
+    With prefill = (L, L) this is analytic.estimate(fixed=True, trim_logits=False)."""
     s, L = shape_of(cfg), max_input + max_new
     q, k = prefill
-    prefill_peak = batch * q * k + memory.layer_transients(s, batch, q, k, itemsize)
-    end_of_prefill = batch * q * cfg.d_model * itemsize + memory.logits_bytes(s, batch, q, False, itemsize)
-    decode = memory.layer_transients(s, batch, 1, L, itemsize) + memory.logits_bytes(s, batch, 1, True, itemsize)
-    return (memory.weights_bytes(s, itemsize) + memory.kv_cache_bytes(s, batch, L, itemsize)
+    prefill_peak = batch * q * k + analytic.layer_transients(s, batch, q, k, itemsize)
+    end_of_prefill = batch * q * cfg.d_model * itemsize + analytic.logits_bytes(s, batch, q, False, itemsize)
+    decode = analytic.layer_transients(s, batch, 1, L, itemsize) + analytic.logits_bytes(s, batch, 1, True, itemsize)
+    return (analytic.weights_bytes(s, itemsize) + analytic.kv_cache_bytes(s, batch, L, itemsize)
             + max(prefill_peak, end_of_prefill, decode))
 
 
@@ -332,7 +333,7 @@ def run(cfg: ModelConfig, configs: list[BenchConfig], runners: dict[str, Runner]
                 throughput=bc.batch * bc.max_new / total,
                 decode_throughput=bc.batch * (bc.max_new - 1) / decode if bc.max_new > 1 else None,
                 allocated=m.allocated, max_allocated=m.peak,
-                kv_cache=memory.kv_cache_bytes(shape_of(cfg), bc.batch, bc.max_input + bc.max_new, itemsize),
+                kv_cache=analytic.kv_cache_bytes(shape_of(cfg), bc.batch, bc.max_input + bc.max_new, itemsize),
                 analytic_min=analytic_minimum(cfg, bc.batch, bc.max_input, bc.max_new, itemsize,
                                               m.prefill) if path == "static" else None,
                 returned=m.returned, total_s=[x.total_s for x in t], prefill_s=[x.prefill_s for x in t],
@@ -492,7 +493,7 @@ def parser() -> argparse.ArgumentParser:
                         "unavailable ones skipped with the reason)")
     p.add_argument("--path", action="append", choices=PATHS, default=None, help="cache path (repeatable; default both)")
     p.add_argument("--device", default="cpu", choices=devices.KINDS)
-    p.add_argument("--model", default="tiny", choices=list(memory.PRESETS), help="model shape (random weights)")
+    p.add_argument("--model", default="tiny", choices=list(analytic.PRESETS), help="model shape (random weights)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp32 on cpu, bf16 elsewhere")
     p.add_argument("--repeat", type=int, default=3, help="timed generations per row; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per row first")

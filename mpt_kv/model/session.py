@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import InputError
-from .reference import check_mask, check_token_ids
+from mpt_kv.errors import InputError
+from mpt_kv.model.reference import check_mask, check_token_ids
 
 PAD_ID = 0  # right padding of the static path; never attended, so any valid id does
 PATHS = ("concat", "static")

@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from .errors import InputError
-from .session import Session
+from mpt_kv.errors import InputError
+from mpt_kv.model.session import Session
 
 # on_step(step, tokens): called after the forward that produced token `step` of every row
 # (step 0 = the prefill, then 1..N-1 the decode steps), tokens (B,) on the device.

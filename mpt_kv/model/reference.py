@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import ConcatCache, StaticCache
-from .config import ModelConfig
-from .errors import InputError
+from mpt_kv.model.cache import ConcatCache, StaticCache
+from mpt_kv.model.config import ModelConfig
+from mpt_kv.errors import InputError
 
 
 def alibi_slopes(n_heads: int, alibi_bias_max: int = 8) -> torch.Tensor:

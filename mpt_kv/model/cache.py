@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import InputError
+from mpt_kv.errors import InputError
 
 
 class ConcatCache:

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mpt_kv import properties as P
-from mpt_kv.config import random_state_dict
-from mpt_kv.strategies import cases
+from mpt_kv.checks import properties as P
+from mpt_kv.model.config import random_state_dict
+from mpt_kv.checks.strategies import cases
 from mpt_kv.targets import build
 
 PATHS = [pytest.param("concat", None, id="concat"), pytest.param("static", None, id="static"),

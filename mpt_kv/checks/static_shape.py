@@ -22,8 +22,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .compare import PropertyFailure, assert_close, describe
-from .properties import Context, greedy
+from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
+from mpt_kv.checks.properties import Context, greedy
 
 
 # --- shapes and pointers -------------------------------------------------------------------------

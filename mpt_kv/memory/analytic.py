@@ -20,9 +20,7 @@ The model is for eager PyTorch; knobs (`held_caches`, `fused_softmax`,
 
 from __future__ import annotations
 
-import argparse
-import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -367,68 +365,3 @@ def seed_table_text() -> str:
     lines.append(f"units: before-after alloc gap vs views' extra, per pair: GB read as GiB {gib};"
                  f" as 1e9 bytes {gb}")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------
-# CLI: python -m mpt_kv memory ...
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m mpt_kv memory` (argv may start with "memory" or not)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["memory"]:
-        argv = argv[1:]
-    p = argparse.ArgumentParser(prog="python -m mpt_kv memory", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="mpt-7b", choices=sorted(PRESETS))
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--max-input-tokens", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--max-seq-len", type=int, default=None, help="override the preset's max_seq_len")
-    p.add_argument("--softmax-dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument("--no-trim-logits", action="store_true", help="logits for every prefill position")
-    p.add_argument("--fused-softmax", action="store_true", help="one score-sized tensor per layer")
-    p.add_argument("--held-caches", type=int, default=0, help="caches of earlier calls still referenced")
-    p.add_argument("--seed-table", action="store_true", help="also compare with the seed PR's table")
-    a = p.parse_args(argv)
-
-    shape = PRESETS[a.model]
-    if a.max_seq_len is not None:
-        if a.max_seq_len <= 0:
-            p.error(f"--max-seq-len must be >= 1, got {a.max_seq_len}")
-        shape = replace(shape, max_seq_len=a.max_seq_len)
-    if a.batch_size <= 0:
-        p.error(f"--batch-size must be >= 1, got {a.batch_size}")
-    if a.max_input_tokens <= 0:
-        p.error(f"--max-input-tokens must be >= 1, got {a.max_input_tokens}")
-    if a.max_new_tokens < 0:
-        p.error(f"--max-new-tokens must be >= 0, got {a.max_new_tokens}")
-    if a.held_caches < 0:
-        p.error(f"--held-caches must be >= 0, got {a.held_caches}")
-    total = a.max_input_tokens + a.max_new_tokens
-    if total > shape.max_seq_len:
-        p.error(
-            f"--max-input-tokens + --max-new-tokens = {total} exceeds {a.model}'s max_seq_len "
-            f"{shape.max_seq_len} (ALiBi is built only that far); pass --max-seq-len to override"
-        )
-
-    s = DTYPES[a.dtype]
-    print(f"{a.model}: {n_params(shape):,} params, {a.dtype}, batch {a.batch_size}, "
-          f"input {a.max_input_tokens} + new {a.max_new_tokens} = cache length {total}")
-    rows = [
-        (label, estimate(
-            shape, a.batch_size, a.max_input_tokens, a.max_new_tokens, s, fixed,
-            trim_logits=not a.no_trim_logits, softmax_itemsize=DTYPES[a.softmax_dtype],
-            fused_softmax=a.fused_softmax, held_caches=a.held_caches,
-        ))
-        for label, fixed in (("fixed (clones)", True), ("views of mixed_qkv", False))
-    ]
-    unit = GiB if max(est.max_allocated for _, est in rows) >= GiB else MiB  # small presets in MiB
-    print(f"{'cache':18} {Estimate.header(unit)}")
-    for label, est in rows:
-        print(f"{label:18} {est.row(unit)}")
-    if a.seed_table:
-        print()
-        print("seed PR table (mpt-7b bf16 on Gaudi) vs model with SEED_SETUP:", SEED_SETUP)
-        print(seed_table_text())
-    return 0

@@ -5,9 +5,9 @@
     check_memory(runner, context)                    # the same, raising PropertyFailure (kill matrix)
 
 Bytes are counted above the level before the generation (weights and inputs already exist),
-with `mpt_kv.meter` (cpu: exact live storages; cuda/hpu: allocator statistics). Notation as in
-`mpt_kv.memory`: B batch, L cache length, n layers, H heads, hd head dim, s itemsize;
-KV(L) = 2 * n * B * H * L * hd * s (`memory.kv_cache_bytes`).
+with `mpt_kv.memory.meter` (cpu: exact live storages; cuda/hpu: allocator statistics). Notation as in
+`mpt_kv.memory.analytic`: B batch, L cache length, n layers, H heads, hd head dim, s itemsize;
+KV(L) = 2 * n * B * H * L * hd * s (`analytic.kv_cache_bytes`).
 
 Two kinds of limit, combined like this:
 
@@ -22,7 +22,7 @@ Two kinds of limit, combined like this:
      (`ROUNDING`). A cache that keeps K/V as views of `mixed_qkv` pins the q third: exactly
      n * B * S * D * s too many after prefill, reported per layer with the storage's size.
    - static decode: a step's peak above what was allocated before it is at most
-     `decode_bound`: one layer's transients at q = 1 (`memory.layer_transients`, times
+     `decode_bound`: one layer's transients at q = 1 (`analytic.layer_transients`, times
      `TRANSIENT_SLACK`), the step's logits and its masks. None of it is proportional to the
      cache, so it holds at any sequence length; a step that copies the cache does not fit.
    - concat decode: the same plus KV(L + 1): the new cache may coexist with the old one
@@ -55,11 +55,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import memory
-from .compare import PropertyFailure, describe
-from .config import ModelConfig
-from .meter import Meter, meter_for
-from .properties import Case, Context
+from mpt_kv.memory import analytic
+from mpt_kv.checks.compare import PropertyFailure, describe
+from mpt_kv.model.config import ModelConfig
+from mpt_kv.memory.meter import Meter, meter_for
+from mpt_kv.checks.properties import Case, Context
 
 # --- the config table --------------------------------------------------------------------------------
 
@@ -100,7 +100,7 @@ CONFIGS = (
 # Allocator rounding per live storage (bytes): cuda rounds every block up to 512 bytes; the
 # HPU allocator's granularity is not documented publicly, 4 KiB is an assumption (unchecked here).
 ROUNDING = {"cpu": 0, "cuda": 512, "hpu": 4096}
-# Eager code keeps more temporaries alive than the idealised count of `memory.layer_transients`
+# Eager code keeps more temporaries alive than the idealised count of `analytic.layer_transients`
 # (e.g. `scores / sqrt(hd)`, `+ alibi` and `masked_fill` each make a score-sized copy).
 # Measured on CONFIGS (cpu, fp32 and bf16), the largest decode step as a fraction of the bound:
 # static 0.44 reference, 0.69 transformers 5.24, 0.64 optimum-habana; concat 0.48 reference,
@@ -112,17 +112,17 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def shape_of(cfg: ModelConfig) -> memory.Shape:
-    return memory.Shape(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len)
+def shape_of(cfg: ModelConfig) -> analytic.Shape:
+    return analytic.Shape(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len)
 
 
 def decode_bound(cfg: ModelConfig, batch: int, length: int, s: int, path: str) -> int:
     """Most a decode step may allocate above what was allocated before it (see module doc)."""
     shape = shape_of(cfg)
-    transients = TRANSIENT_SLACK * memory.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
-    logits = memory.logits_bytes(shape, batch, 1, trim=True, itemsize=s) * 2  # + an fp32 copy
+    transients = TRANSIENT_SLACK * analytic.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
+    logits = analytic.logits_bytes(shape, batch, 1, trim=True, itemsize=s) * 2  # + an fp32 copy
     masks = batch * length * (2 * 8 + 4 + 1) + length  # old + new int64 mask, a float and a bool mask
-    cache = memory.kv_cache_bytes(shape, batch, length, s) if path == "concat" else 0
+    cache = analytic.kv_cache_bytes(shape, batch, length, s) if path == "concat" else 0
     return transients + logits + masks + cache
 
 
@@ -180,7 +180,7 @@ def storage_key(t: torch.Tensor) -> int:
 def session_tensors(session) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the session references through attributes, lists, tuples and dicts, with its
     path ('session.cache.kv[0][1]'); models and runners are not entered (they hold the weights)."""
-    from .targets import Runner
+    from mpt_kv.targets import Runner
 
     out, seen = [], set()
     skip = (nn.Module, Runner, type, str, bytes, int, float, bool, torch.device, torch.dtype)
@@ -324,7 +324,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
 
     def check_retained(session, phase: str, allocated: int) -> int:
         L = expected_len(session.written)
-        kv = memory.kv_cache_bytes(shape_of(cfg), B, L, s)
+        kv = analytic.kv_cache_bytes(shape_of(cfg), B, L, s)
         acc = account(session, preexisting)
         excess = allocated - kv - acc.bookkeeping_total
         slack = slack_per_storage * (len(acc.kv_storages) + len(acc.bookkeeping) + 2)
@@ -380,7 +380,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         path=path, bucket=bucket, batch=B, max_input=case.prompt_len, max_new=case.new_tokens,
         cfg=asdict(cfg), weights=weights_bytes(runner.model), prefill_retained=prefill_retained,
         decode_transient=transient, allocated=allocated, max_allocated=max_allocated, returned=returned,
-        kv_bytes=kv_bytes, kv_analytic=memory.kv_cache_bytes(shape_of(cfg), B, L, s),
+        kv_bytes=kv_bytes, kv_analytic=analytic.kv_cache_bytes(shape_of(cfg), B, L, s),
         problems=list(problems.values()))
 
 
@@ -395,10 +395,10 @@ def warm_up(runner, path, case, bucket, ids, mask, tokens) -> None:
 
 def decode_bound_text(cfg, batch, length, s, path) -> str:
     shape = shape_of(cfg)
-    lt = memory.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
+    lt = analytic.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
     text = (f"{TRANSIENT_SLACK} x one layer's transients {lt} at q=1, kv={length} + logits and masks")
     if path == "concat":
-        text += f" + the new cache KV({length}) {memory.kv_cache_bytes(shape, batch, length, s)} next to the old one"
+        text += f" + the new cache KV({length}) {analytic.kv_cache_bytes(shape, batch, length, s)} next to the old one"
     return text
 
 
@@ -413,7 +413,7 @@ def check_memory(runner, c: Context) -> None:
 
 SCHEMA = 1
 ENV_DIR = "MPT_KV_CEILINGS_DIR"
-DEFAULT_DIR = Path(__file__).with_name("baselines")
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "baselines"
 # How far above its ceiling a measurement may read: cpu is exact; an allocator's peak can move
 # by a block when the order of frees changes (1% and a few 512-byte blocks).
 CEILING_SLACK = {"cpu": (0.0, 0), "cuda": (0.01, 4 * 512), "hpu": (0.01, 4 * 4096)}
@@ -449,7 +449,7 @@ def load_baseline(path: Path, kind: str) -> dict[str, dict]:
     """The entries of a baseline file; BaselineError saying what is wrong and how to fix it."""
     if not path.exists():
         raise BaselineError(f"memory ceilings baseline {path} does not exist: record it with "
-                            f"`pytest tests/test_ceilings.py --update-ceilings` and commit it")
+                            f"`pytest --pyargs mpt_kv.conformance -k memory --update-ceilings` and commit it")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

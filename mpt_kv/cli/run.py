@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import argparse
 import platform
-from pathlib import Path
 
 import pytest
 import torch
 
-from . import devices
-from .config import ModelConfig, random_state_dict
-from .errors import TargetUnavailable
-from .targets import BUILTIN, build
+from mpt_kv import devices
+from mpt_kv.model.config import ModelConfig, random_state_dict
+from mpt_kv.errors import TargetUnavailable
+from mpt_kv.targets import BUILTIN, build
 
-TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
-# the properties, and the memory ceilings with their table
-TESTS = [TESTS_DIR / "test_properties.py", TESTS_DIR / "test_ceilings.py"]
-MEMORY_TEST = "test_memory_ceilings"
+# the conformance suite shipped in the package: properties, memory ceilings, static shapes
+CONFORMANCE = "mpt_kv.conformance"
 
 
 def describe_machine(targets: list[str]) -> list[str]:
@@ -48,11 +45,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--target", action="append", default=[], help="extra target package.module:factory")
     p.add_argument("--report", default="reports/conformance.json", help="JSON report path")
     args, extra = p.parse_known_args(argv)
-    if not all(t.exists() for t in TESTS):
-        p.error(f"the tests are not in {TESTS_DIR}: run from a checkout of mpt-kv")
     print("\n".join(describe_machine([*BUILTIN, *args.target])))
     kinds = args.device or devices.available_kinds()
-    pytest_args = [str(TESTS[0]), f"{TESTS[1]}::{MEMORY_TEST}", "-q", "-rs", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-p", "no:cacheprovider", "--mpt-kv-report", args.report,
+    pytest_args = ["--pyargs", CONFORMANCE, "-q", "-rs", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-p", "no:cacheprovider", "--mpt-kv-report", args.report,
                    *[f"--device={k}" for k in kinds], *[f"--target={t}" for t in args.target], *extra]
     print("pytest " + " ".join(pytest_args), flush=True)
     return int(pytest.main(pytest_args))

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compare import TOLERANCES, TOLERANCES_KV, PropertyFailure, assert_close, describe
-from .config import ModelConfig
-from .session import Session
+from mpt_kv.checks.compare import TOLERANCES, TOLERANCES_KV, PropertyFailure, assert_close, describe
+from mpt_kv.model.config import ModelConfig
+from mpt_kv.model.session import Session
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (FACTS.md)
 

@@ -10,7 +10,7 @@ delete the variant.
 
 Every variant is also a target factory, so the whole pytest suite can run against it:
 
-    pytest --target mpt_kv.variants:kv_views_of_mixed_qkv --only-targets
+    pytest --target mpt_kv.catalogue.variants:kv_views_of_mixed_qkv --only-targets
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .cache import ConcatCache, StaticCache
-from .reference import Attention, ReferenceMPT
-from .targets.reference import ReferenceRunner, ReferenceSession
+from mpt_kv.model.cache import ConcatCache, StaticCache
+from mpt_kv.model.reference import Attention, ReferenceMPT
+from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
 
 # The kill-matrix columns (killmatrix.CHECKS): P0-P3 from properties.py, static-shape from
 # static_shape.py, memory from ceilings.py.
@@ -68,7 +68,7 @@ def runner_factory(name, model_class=ReferenceMPT, session_class=ReferenceSessio
     VariantRunner.name, VariantRunner.model_class = name, model_class
 
     def build(cfg, state_dict, device, dtype):
-        from .devices import sync
+        from mpt_kv.devices import sync
 
         return VariantRunner(cfg, state_dict, device, dtype, sync=lambda: sync(device.type))
 

@@ -1,0 +1,32 @@
+"""`python -m mpt_kv COMMAND ...` (also installed as `mpt-kv`).
+
+  run         the conformance run on this machine's devices and targets, with its report
+  memory      the analytic memory model (and the seed PR's table)
+  bench       throughput and memory table per (batch, max input, max new) config
+  killmatrix  run every known-bad variant against the properties; non-zero if one survives
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "run": "mpt_kv.cli.run",
+    "memory": "mpt_kv.cli.memory",
+    "bench": "mpt_kv.cli.bench",
+    "killmatrix": "mpt_kv.cli.killmatrix",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command {argv[0]!r}: expected one of {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        return 0
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
+
+
