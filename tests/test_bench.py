@@ -32,8 +32,7 @@ GRAPH_WARMUP = 2  # decode steps before timing: HPU graphs are captured on the f
 @pytest.fixture
 def runner(target, device, path):
     r = build(target, CFG, random_state_dict(CFG), device, torch.float32)
-    if path in r.unsupported:
-        pytest.skip(f"{target}: {r.unsupported[path]}")
+    r.require(path)
     return bench.prepare_for_device(r, device.type)
 
 
@@ -97,8 +96,7 @@ def test_greedy_generate_matches_uncached_argmax(target, device, path):
     """Oracle: each token is the argmax of the target's own uncached forward over the prompt and
     the tokens generated so far; on_step sees every step in order."""
     r = build(target, CFG, random_state_dict(CFG, seed=1), device, torch.float32)
-    if path in r.unsupported:
-        pytest.skip(f"{target}: {r.unsupported[path]}")
+    r.require(path)
     ids, mask = bench.prompt(CFG, BATCH, PROMPT, device, seed=1)
     seen = []
     tokens = greedy_generate(r.session(path, PROMPT + NEW), ids, mask, NEW, lambda i, t: seen.append((i, t.clone())))

@@ -78,8 +78,7 @@ def test_non_finite_weights_are_reported(target, device, plant, prop, path):
     dtype = torch.float32
     runner, reference = runners(target, CFG, with_weights(CFG, plant), device, dtype)
     ctx = P.Context(target, device.type, dtype, CASE, path)
-    if path in runner.unsupported:
-        pytest.skip(f"{target}: {runner.unsupported[path]}")
+    runner.require(path)
     with pytest.raises(PropertyFailure) as failure:
         run_property(prop, runner, reference, ctx)
     message = str(failure.value)
@@ -143,8 +142,7 @@ def test_properties_hold_at_max_seq_len(target, device, dtype):
 @pytest.mark.parametrize("path", ["concat", "static"])
 def test_one_step_past_max_seq_len_is_an_input_error(target, device, dtype, path):
     runner = build(target, AT_MAX, random_state_dict(AT_MAX), device, dtype)
-    if path in runner.unsupported:
-        pytest.skip(f"{target}: {runner.unsupported[path]}")
+    runner.require(path)
     with pytest.raises(InputError, match=rf"cache length max_len={MAX + 1} outside 1\.\.max_seq_len={MAX}"):
         runner.session(path, MAX + 1)
     session = runner.session(path, MAX)

@@ -154,8 +154,7 @@ def runner(target, device):
 
 
 def open_session(runner, path, max_len):
-    if path in runner.unsupported:
-        pytest.skip(f"{runner.name}: {runner.unsupported[path]}")
+    runner.require(path)
     return runner.session(path, max_len)
 
 

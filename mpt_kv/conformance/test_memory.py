@@ -51,9 +51,7 @@ def stored_ceilings(config, kind: str) -> tuple[Path, dict]:
 def test_memory_ceilings(target, device, dtype, path, bucket, config, request, record_property):
     file, entries = stored_ceilings(request.config, device.type)
     r = runner(target, device, dtype, config.cfg)
-    for need in (path, "bucket" if bucket else None):
-        if need in r.unsupported:
-            pytest.skip(f"{target}: {r.unsupported[need]}")
+    r.require(path, "bucket" if bucket else None)
     m = C.measure(r, config.case(), path, device, dtype, bucket, target=target)
     # recorded before any check: the report and --update-ceilings see failing cases too
     record_property("mpt_kv_memory", {**asdict(m), "problems": len(m.problems), "torch": str(torch.__version__)})

@@ -19,9 +19,7 @@ PATHS = [pytest.param("concat", None, id="concat"), pytest.param("static", None,
 
 def runner_for(target, case, device, dtype, path=None, bucket=None):
     runner = build(target, case.cfg, random_state_dict(case.cfg, seed=case.seed), device, dtype)
-    for need in (path, "bucket" if bucket else None):
-        if need in runner.unsupported:
-            pytest.skip(f"{target}: {runner.unsupported[need]}")
+    runner.require(path, "bucket" if bucket else None)
     return runner
 
 

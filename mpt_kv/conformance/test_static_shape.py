@@ -20,7 +20,5 @@ CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_se
                                          pytest.param("static", 4, id="static-bucket4")])
 def test_static_path_keeps_shapes_and_storage(target, device, path, bucket):
     runner = build(target, CASE.cfg, random_state_dict(CASE.cfg, seed=CASE.seed), device, torch.float32)
-    for need in (path, "bucket" if bucket else None):
-        if need in runner.unsupported:
-            pytest.skip(f"{target}: {runner.unsupported[need]}")
+    runner.require(path, "bucket" if bucket else None)
     S.check_static_shape(runner, Context(target, device.type, torch.float32, CASE, path, bucket))

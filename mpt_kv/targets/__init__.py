@@ -9,16 +9,66 @@ raises `TargetUnavailable` with the reason, and its cases are skipped with that 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
 from mpt_kv.model.config import ModelConfig
-from mpt_kv.errors import TargetUnavailable
+from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.model.session import Session
 
 PATHS = ("concat", "static")
+
+# What a target may declare it does not implement, and what that means. A case that needs one
+# is skipped with the target's reason (`Unsupported`); cases that do not need it still run.
+FEATURES = {
+    "concat": "the concat (torch.cat) cache path",
+    "static": "the static (preallocated, index_copy_) cache path",
+    "bucket": "cache_idx buckets on the static path",
+    "clip_qkv": "clip_qkv: mixed_qkv clamped to [-clip_qkv, clip_qkv] before the split",
+    "fp32": "float32 weights and activations",
+    "bf16": "bfloat16 weights and activations",
+    "cpu": "the cpu device",
+    "cuda": "the cuda device",
+    "hpu": "the hpu (Gaudi) device",
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a target implements, declared instead of found by reading its code.
+
+    unsupported    feature (a key of FEATURES) -> the target's reason it does not implement it
+    graph_outputs  its forward returns buffers that a later call overwrites, as HPU graphs and
+                   CUDA graphs do (a replay returns the graph's static output); the suite copies
+                   every result at once either way, and the output-reuse check then passes
+    cache_pool     it keeps its cache allocation across generations on purpose (optimum-habana's
+                   reuse_cache): memory is then judged by growth over repeated generations
+    """
+
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+    graph_outputs: bool = False
+    cache_pool: bool = False
+
+    def __post_init__(self):
+        unknown = sorted(set(self.unsupported) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"Capabilities.unsupported: unknown features {unknown}; known: {sorted(FEATURES)}")
+        for feature, reason in self.unsupported.items():
+            if not isinstance(reason, str) or not reason.strip():
+                raise ValueError(f"Capabilities.unsupported[{feature!r}]: give the reason as a non-empty string")
+        object.__setattr__(self, "unsupported", MappingProxyType(dict(self.unsupported)))
+
+    def reason(self, feature: str | None) -> str | None:
+        """Why `feature` is not implemented, or None if it is (None: nothing needed)."""
+        if feature is None:
+            return None
+        if feature not in FEATURES:
+            raise ValueError(f"unknown feature {feature!r}; known: {sorted(FEATURES)}")
+        return self.unsupported.get(feature)
 
 
 class Runner:
@@ -26,9 +76,18 @@ class Runner:
 
     name: str
     model: nn.Module
-    # what this target cannot do -> why: "static" (the static path), "bucket" (cache_idx
-    # buckets). Cases needing it are skipped with that reason, never dropped.
-    unsupported: dict[str, str] = {}
+    capabilities: Capabilities = Capabilities()
+
+    @property
+    def unsupported(self) -> Mapping[str, str]:
+        return self.capabilities.unsupported
+
+    def require(self, *features: str | None) -> None:
+        """Raise `Unsupported` with the target's reason if it lacks one of `features` (None: skipped)."""
+        for feature in features:
+            reason = self.capabilities.reason(feature)
+            if reason is not None:
+                raise Unsupported(f"{getattr(self, 'name', type(self).__name__)}: {reason}")
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Uncached full forward: (B, T) -> (B, T, V)."""

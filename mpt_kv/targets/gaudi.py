@@ -102,7 +102,6 @@ class GaudiStyleRunner(Runner):
     def __init__(self, model, sync=lambda: None, name: str | None = None):
         self.model, self.sync = model, sync
         self.name = name or self.name
-        self.unsupported = {}
 
     def blocks(self):
         return self.model.transformer.blocks

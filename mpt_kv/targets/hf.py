@@ -13,7 +13,7 @@ import torch
 
 from mpt_kv.errors import TargetUnavailable
 from mpt_kv.model.session import Session, check_prompt
-from mpt_kv.targets import Runner
+from mpt_kv.targets import Capabilities, Runner
 
 
 def transformers_version() -> str:
@@ -77,11 +77,12 @@ class HFRunner(Runner):
         self.sync = sync
         params = inspect.signature(self.model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.unsupported = {"bucket": "transformers' StaticCache has no cache_idx buckets"}
+        unsupported = {"bucket": "transformers' StaticCache has no cache_idx buckets"}
         if self.major < 5:
-            self.unsupported["static"] = (
+            unsupported["static"] = (
                 f"transformers {self.version}: MptForCausalLM has no static-cache path "
                 "(generate(cache_implementation='static') raises for MPT before 5.0)")
+        self.capabilities = Capabilities(unsupported)
 
     def logits(self, input_ids, attention_mask):
         cfg = self.model.config
@@ -91,8 +92,7 @@ class HFRunner(Runner):
         return out
 
     def session(self, path, max_len, bucket=None):
-        if path in self.unsupported:
-            raise TargetUnavailable(self.unsupported[path])
+        self.require(path)
         return HFSession(self, path, max_len)
 
 
