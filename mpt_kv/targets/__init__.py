@@ -2,8 +2,10 @@
 
 A target is a factory `build(cfg, state_dict, device, dtype) -> Runner`. Built-in targets:
 `reference`, `transformers`, `optimum-habana`. A user's own is named
-`package.module:factory` (pytest `--target`, see README). A target that cannot be imported
-raises `TargetUnavailable` with the reason, and its cases are skipped with that reason.
+`package.module:factory` (pytest `--target`, the ini option `mpt_kv_targets`), or passed as
+the factory itself to the Python API (`mpt_kv.parametrize_with_checks`). A target that cannot
+be imported raises `TargetUnavailable` with the reason. docs/targets.md documents the API;
+`mpt_kv.targets.wrappers` has ready-made runners for the common model shapes.
 """
 
 from __future__ import annotations
@@ -72,7 +74,13 @@ class Capabilities:
 
 
 class Runner:
-    """One loaded model of one target on one device and dtype."""
+    """One loaded model of one target on one device and dtype (docs/targets.md).
+
+    A subclass gives `model` (the nn.Module: the memory checks count its weights, the aliasing
+    check hooks its `*Wqkv` modules), `logits` (an uncached full forward), `session` (one
+    generation: `mpt_kv.model.session.Session`) and, if it lacks something, `capabilities`.
+    `mpt_kv.targets.wrappers` has runners for optimum-habana-style models, transformers-style
+    models with Cache objects, and models built from the reference's pieces."""
 
     name: str
     model: nn.Module
@@ -105,6 +113,10 @@ class Runner:
 
 
 Factory = Callable[[ModelConfig, dict, torch.device, torch.dtype], Runner]
+Target = "str | Factory"  # a spec ('reference', 'package.module:factory') or the factory itself
+
+# the Capabilities feature of each dtype (mpt_kv.model.config.DTYPES names)
+DTYPE_FEATURES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 BUILTIN = {
     "reference": "mpt_kv.targets.reference:build",
@@ -113,8 +125,36 @@ BUILTIN = {
 }
 
 
-def resolve(spec: str) -> Factory:
-    """A built-in name or `package.module:factory` -> the factory (TargetUnavailable if not)."""
+def target_name(target: Target) -> str:
+    """How a target is named in test ids, messages, known failures and reports: the spec as
+    given, or `module:qualname` for a factory passed as a callable (the spec that would load it)."""
+    if isinstance(target, str):
+        return target
+    if not callable(target):
+        raise TypeError(f"a target is a spec string or a factory callable, not {type(target).__name__}")
+    return f"{target.__module__}:{target.__qualname__}"
+
+
+def required_features(path: str | None = None, bucket: int | None = None, dtype: torch.dtype | None = None,
+                      device=None, clip_qkv: float | None = None) -> list[str]:
+    """The Capabilities features a case needs: its cache path, buckets, dtype, device kind, clip_qkv."""
+    out = [path] if path else []
+    if bucket:
+        out.append("bucket")
+    if dtype is not None:
+        out.append(DTYPE_FEATURES.get(dtype, str(dtype)))
+    if device is not None:
+        out.append(torch.device(device).type)
+    if clip_qkv:
+        out.append("clip_qkv")
+    return [f for f in out if f in FEATURES]
+
+
+def resolve(spec: Target) -> Factory:
+    """A built-in name, `package.module:factory` or a factory -> the factory (TargetUnavailable if not)."""
+    if not isinstance(spec, str):
+        target_name(spec)  # TypeError for anything that is not callable
+        return spec
     path = BUILTIN.get(spec, spec)
     if ":" not in path:
         raise TargetUnavailable(
@@ -130,7 +170,10 @@ def resolve(spec: str) -> Factory:
         raise TargetUnavailable(f"target {spec!r}: {module_name} has no {attr!r}") from e
 
 
-def build(spec: str, cfg: ModelConfig, state_dict: dict, device, dtype) -> Runner:
+def build(spec: Target, cfg: ModelConfig, state_dict: dict, device, dtype) -> Runner:
     runner = resolve(spec)(cfg, state_dict, torch.device(device), dtype)
-    runner.name = getattr(runner, "name", None) or spec
+    if not isinstance(runner, Runner):
+        raise TypeError(f"target {target_name(spec)}: the factory returned {type(runner).__name__}, expected a "
+                        "mpt_kv.targets.Runner (see docs/targets.md; mpt_kv.targets.wrappers has ready-made ones)")
+    runner.name = getattr(runner, "name", None) or target_name(spec)
     return runner

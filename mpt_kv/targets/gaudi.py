@@ -7,9 +7,11 @@ and its models package imports habana_frameworks), but the MPT module itself gua
 HPU import and runs on CPU: `load_gaudi_mpt_module` registers the parent packages as bare
 namespace modules so their `__init__` never runs, then imports just that module (FACTS.md).
 
-`GaudiStyleRunner` drives any model with the same forward signature
-(`input_ids, attention_mask, past_key_values, use_cache, token_idx, cache_idx`); a user's
-own optimum-habana-style model can reuse it (README, "Add a target").
+Public API (docs/targets.md): `load_gaudi_mpt_module()` returns optimum-habana's MPT module,
+on CPU too (TargetUnavailable with the reason where it cannot); `gaudi_classes(module)` is the
+context in which `module.GaudiMptForCausalLM(config)` builds Gaudi blocks. A fork of
+optimum-habana installed in its place loads the same way. `GaudiStyleRunner` (defined in
+`mpt_kv.targets.wrappers`, imported here too) drives any model with the same forward signature.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import types
 from pathlib import Path
 
 from mpt_kv.errors import TargetUnavailable
-from mpt_kv.model.session import TokenIdxSession, check_prompt
-from mpt_kv.targets import Runner
+from mpt_kv.targets.wrappers import GaudiStyleRunner, GaudiStyleSession  # noqa: F401  (public here too)
+
+__all__ = ["load_gaudi_mpt_module", "gaudi_classes", "GaudiStyleRunner", "GaudiStyleSession", "build"]
 
 MPT_MODULE = "optimum.habana.transformers.models.mpt.modeling_mpt"
 
@@ -74,54 +77,10 @@ def gaudi_classes(module):
             setattr(hf, n, cls)
 
 
-class GaudiStyleSession(TokenIdxSession):
-    def __init__(self, runner: "GaudiStyleRunner", path, max_len, bucket=None):
-        cfg = runner.model.config
-        super().__init__(path, max_len, bucket, runner.sync, max_seq_len=cfg.max_seq_len, vocab_size=cfg.vocab_size)
-        self.runner = runner
-        self.past = None
-
-    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
-        if self.path == "concat":
-            token_idx = None  # the concat path is the one without token_idx
-        if self.past is None and cache_idx is not None:
-            for block in self.runner.blocks():
-                block.attn.kv_cache_len = self.max_len  # what prepare_inputs_for_generation sets
-        out = self.runner.model(input_ids, attention_mask=mask, past_key_values=self.past, use_cache=True,
-                                token_idx=token_idx, cache_idx=cache_idx)
-        self.past = out.past_key_values
-        return out.logits
-
-    def kv(self):
-        return [(layer[0], layer[1]) for layer in self.past]
-
-
-class GaudiStyleRunner(Runner):
-    name = "optimum-habana"
-
-    def __init__(self, model, sync=lambda: None, name: str | None = None):
-        self.model, self.sync = model, sync
-        self.name = name or self.name
-
-    def blocks(self):
-        return self.model.transformer.blocks
-
-    def logits(self, input_ids, attention_mask):
-        check_prompt(input_ids, attention_mask, self.model.config.vocab_size, self.model.config.max_seq_len)
-        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
-        self.sync()
-        return out
-
-    def session(self, path, max_len, bucket=None):
-        return GaudiStyleSession(self, path, max_len, bucket)
-
-
 def build(cfg, state_dict, device, dtype):
-    from mpt_kv.devices import sync
-
     module = load_gaudi_mpt_module()
     with gaudi_classes(module):
         model = module.GaudiMptForCausalLM(cfg.to_hf())
     model.load_state_dict(state_dict, strict=True)
     model.to(device=device, dtype=dtype).eval()
-    return GaudiStyleRunner(model, sync=lambda: sync(device.type))
+    return GaudiStyleRunner(model, device)

@@ -1,0 +1,217 @@
+"""Ready-made runners for the common model shapes: a target's factory is then a few lines.
+
+    GaudiStyleRunner(model, device)    optimum-habana's forward signature: `model(input_ids,
+                                       attention_mask=, past_key_values=, use_cache=, token_idx=,
+                                       cache_idx=)` returning `.logits` and `.past_key_values`
+                                       (a per-layer [key, value] list). `token_idx` and
+                                       `cache_idx` are optional: a forward without them declares
+                                       the static path / cache_idx buckets unsupported.
+    TransformersRunner(model, device)  a transformers-style model with Cache objects:
+                                       `DynamicCache` for concat, `StaticCache` for static.
+    ReferenceRunner                    a model built from the reference's pieces
+                                       (`mpt_kv.model.reference`): subclass it, set `model_class`.
+
+Each takes `capabilities=Capabilities({...})` for what the model does not implement (with the
+reason), merged with what the wrapper finds in the forward signature. docs/targets.md shows a
+factory for each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mpt_kv.model.session import Session, TokenIdxSession, check_prompt
+from mpt_kv.targets import Capabilities, Runner
+from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
+
+__all__ = ["GaudiStyleRunner", "GaudiStyleSession", "TransformersRunner", "TransformersSession",
+           "ReferenceRunner", "ReferenceSession", "forward_accepts"]
+
+
+def forward_accepts(model: nn.Module, name: str) -> bool:
+    """Whether `model.forward` takes the keyword `name` (a **kwargs catch-all counts)."""
+    params = inspect.signature(model.forward).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def device_sync(device) -> Callable[[], None]:
+    """What makes queued work finish on `device` (cuda synchronize, hpu mark_step); None: nothing."""
+    if device is None:
+        return lambda: None
+    from mpt_kv.devices import sync
+
+    kind = torch.device(device).type
+    return lambda: sync(kind)
+
+
+def with_declared(detected: dict[str, str], declared: Capabilities | None) -> Capabilities:
+    """The user's declaration wins where both name a feature; detected gaps are added to it."""
+    declared = declared or Capabilities()
+    return dataclasses.replace(declared, unsupported={**detected, **declared.unsupported})
+
+
+def model_limits(model: nn.Module, cfg) -> tuple[int, int]:
+    """(max_seq_len, vocab_size) from `cfg` (a ModelConfig) or else the model's own config."""
+    source = cfg if cfg is not None else getattr(model, "config", None)
+    try:
+        return int(source.max_seq_len), int(source.vocab_size)
+    except AttributeError as e:
+        raise AttributeError(f"{type(model).__name__}: pass cfg= (the factory's ModelConfig) to the runner, or give the "
+                             f"model a .config with max_seq_len and vocab_size ({e})") from e
+
+
+# --- optimum-habana's forward signature -------------------------------------------------------------
+
+class GaudiStyleSession(TokenIdxSession):
+    """optimum-habana's generation protocol (`TokenIdxSession`) over a model's own per-layer cache."""
+
+    def __init__(self, runner: "GaudiStyleRunner", path, max_len, bucket=None):
+        super().__init__(path, max_len, bucket, runner.sync, max_seq_len=runner.max_seq_len,
+                         vocab_size=runner.vocab_size)
+        self.runner = runner
+        self.past = None
+
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        if self.path == "concat":
+            token_idx = None  # the concat path is the one without token_idx
+        extra = {}  # only what the model takes: an older release has no cache_idx
+        if token_idx is not None:
+            extra["token_idx"] = token_idx
+        if cache_idx is not None:
+            if self.past is None:
+                for block in self.runner.blocks():
+                    block.attn.kv_cache_len = self.max_len  # what prepare_inputs_for_generation sets
+            extra["cache_idx"] = cache_idx
+        out = self.runner.model(input_ids, attention_mask=mask, past_key_values=self.past, use_cache=True, **extra)
+        self.past = out.past_key_values
+        return out.logits
+
+    def kv(self):
+        return [(layer[0], layer[1]) for layer in self.past]
+
+
+class GaudiStyleRunner(Runner):
+    """A model with optimum-habana's forward signature, e.g. `GaudiMptForCausalLM` or a port of it.
+
+    model         the nn.Module, already on its device and dtype, in eval mode
+    device        where it runs: its queued work is synchronized before results are read
+    name          how reports name it (default: the target's spec)
+    capabilities  what it does not implement, with reasons; a forward without `token_idx`
+                  (static path) or `cache_idx` (buckets) is detected and added
+    cfg           the factory's ModelConfig, if the model has no `.config` with max_seq_len and
+                  vocab_size
+    sync          instead of `device`: a callable that waits for queued work
+    """
+
+    name = "optimum-habana"
+
+    def __init__(self, model, device=None, *, name: str | None = None, capabilities: Capabilities | None = None,
+                 cfg=None, sync: Callable[[], None] | None = None):
+        self.model = model
+        self.sync = sync or device_sync(device)
+        self.name = name or self.name
+        self.max_seq_len, self.vocab_size = model_limits(model, cfg)
+        detected = {}
+        if not forward_accepts(model, "token_idx"):
+            detected["static"] = f"{type(model).__name__}.forward has no token_idx parameter (optimum-habana's static path)"
+        if not forward_accepts(model, "cache_idx"):
+            detected["bucket"] = f"{type(model).__name__}.forward has no cache_idx parameter (optimum-habana's bucketed cache)"
+        self.capabilities = with_declared(detected, capabilities)
+
+    def blocks(self):
+        """The layers whose `attn.kv_cache_len` the cache_idx path sets (optimum-habana's layout)."""
+        return self.model.transformer.blocks
+
+    def logits(self, input_ids, attention_mask):
+        check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+        self.sync()
+        return out
+
+    def session(self, path, max_len, bucket=None):
+        self.require(path, "bucket" if bucket else None)
+        return GaudiStyleSession(self, path, max_len, bucket)
+
+
+# --- transformers-style models with Cache objects --------------------------------------------------------
+
+def transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+class TransformersSession(Session):
+    """concat = `DynamicCache`, static = `StaticCache`, passed to the model's forward each step.
+    The keyword is `cache` in transformers 5.x and `past_key_values` before."""
+
+    def __init__(self, runner: "TransformersRunner", path: str, max_len: int):
+        from transformers import DynamicCache, StaticCache
+
+        cfg = runner.model.config
+        super().__init__(path, max_len, runner.max_seq_len, runner.vocab_size)
+        self.runner = runner
+        if path == "concat":
+            self.cache = DynamicCache(config=cfg) if transformers_major() >= 5 else DynamicCache()
+        else:
+            self.cache = StaticCache(config=cfg, max_cache_len=max_len)
+
+    def _forward(self, input_ids, mask):
+        kw = {self.runner.cache_kw: self.cache}
+        out = self.runner.model(input_ids, attention_mask=mask, use_cache=True, **kw)
+        returned = getattr(out, self.runner.cache_kw, None) if hasattr(out, self.runner.cache_kw) else None
+        if returned is None:
+            returned = out.past_key_values
+        self.cache = returned  # 4.55 may hand back a legacy tuple
+        self.runner.sync()
+        return out.logits
+
+    def _prefill(self, input_ids, attention_mask):
+        self.mask = attention_mask.to(torch.long)
+        return self._forward(input_ids, self.mask)
+
+    def _decode(self, tokens):
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        return self._forward(tokens, self.mask)[:, -1]
+
+    def kv(self):
+        c = self.cache
+        if isinstance(c, (tuple, list)):
+            return [(k, v) for k, v in c]
+        if hasattr(c, "layers"):
+            return [(layer.keys, layer.values) for layer in c.layers]
+        return list(zip(c.key_cache, c.value_cache))
+
+
+class TransformersRunner(Runner):
+    """A transformers-style causal LM (`forward(input_ids, attention_mask=, use_cache=, cache= |
+    past_key_values=)` returning `.logits` and the cache) whose `.config` transformers' cache
+    classes accept. Cache objects have no cache_idx buckets: that feature is declared unsupported.
+    Arguments as `GaudiStyleRunner`."""
+
+    name = "transformers"
+
+    def __init__(self, model, device=None, *, name: str | None = None, capabilities: Capabilities | None = None,
+                 cfg=None, sync: Callable[[], None] | None = None):
+        self.model = model
+        self.sync = sync or device_sync(device)
+        self.name = name or self.name
+        self.max_seq_len, self.vocab_size = model_limits(model, cfg)
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        detected = {"bucket": "transformers' Cache objects have no cache_idx buckets"}
+        self.capabilities = with_declared(detected, capabilities)
+
+    def logits(self, input_ids, attention_mask):
+        check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)  # before the model crashes inside
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+        self.sync()
+        return out
+
+    def session(self, path, max_len, bucket=None):
+        self.require(path, "bucket" if bucket else None)
+        return TransformersSession(self, path, max_len)
