@@ -8,7 +8,11 @@
   nothing.
 - `target` runs once per built-in target and per `--target package.module:factory`.
 - Known upstream failures (known_failures.json) become strict xfails.
-- The terminal summary prints the conformance matrix; `--mpt-kv-report FILE` writes it as JSON.
+- The terminal summary prints the conformance matrix; `--mpt-kv-report FILE` writes it as JSON
+  (`python -m mpt_kv report A.json B.json` merges reports of several environments into one).
+- A project configures it in its own ini file (`mpt_kv_targets`, `mpt_kv_only_targets`,
+  `mpt_kv_dtypes`, `mpt_kv_known_failures`, `mpt_kv_ceilings_dir`, `mpt_kv_require_ceilings`):
+  see `add_project_options` and docs/targets.md.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def pytest_addoption(parser):
                 help="dtypes to run (repeatable; default fp32 and bf16)")
     g.addoption("--mpt-kv-report", metavar="FILE", default=None, help="write the conformance matrix as JSON")
     add_ceiling_options(g)
+    add_project_options(parser, g)
 
 
 def required_devices(config) -> list[str]:
@@ -69,6 +74,8 @@ def pytest_configure(config):
     config._mpt_kv_required = required_devices(config)
     _results.clear()  # one list per process: the controller's (or a worker's) reports
     _memory.clear()
+    for extra in _extras.values():
+        extra.clear()
 
 
 def pytest_sessionstart(session):
@@ -80,20 +87,25 @@ def pytest_sessionstart(session):
 
 
 def target_specs(config) -> list[str]:
-    extra = config.getoption("target")
-    return extra if config.getoption("only_targets") else [*BUILTIN, *[t for t in extra if t not in BUILTIN]]
+    extra = list(dict.fromkeys([*config.getini("mpt_kv_targets"), *config.getoption("target")]))
+    only = config.getoption("only_targets") or config.getini("mpt_kv_only_targets")
+    return extra if only else [*BUILTIN, *[t for t in extra if t not in BUILTIN]]
 
 
 def pytest_generate_tests(metafunc):
     config = metafunc.config
-    if "device" in metafunc.fixturenames:
+    explicit = explicitly_parametrized(metafunc)  # a test's own parametrize of these names wins
+    if "device" in metafunc.fixturenames and "device" not in explicit:
         kinds = config.getoption("device") or list(devices.KINDS)
         metafunc.parametrize("device", [pytest.param(k, marks=getattr(pytest.mark, k), id=k) for k in kinds],
                              indirect=True)
-    if "target" in metafunc.fixturenames:
+    if "target" in metafunc.fixturenames and "target" not in explicit:
         metafunc.parametrize("target", target_specs(config), indirect=True)
-    if "dtype" in metafunc.fixturenames:
-        names = config.getoption("dtype") or ["fp32", "bf16"]
+    if "dtype" in metafunc.fixturenames and "dtype" not in explicit:
+        names = config.getoption("dtype") or config.getini("mpt_kv_dtypes") or ["fp32", "bf16"]
+        unknown = [n for n in names if n not in DTYPES]
+        if unknown:
+            raise pytest.UsageError(f"mpt_kv_dtypes: unknown {unknown}, expected some of {sorted(DTYPES)}")
         metafunc.parametrize("dtype", [pytest.param(DTYPES[n], id=n) for n in names])
 
 
@@ -125,9 +137,9 @@ def target(request, device) -> str:
 
 def _params(item) -> dict:
     cs = getattr(item, "callspec", None)
-    p = dict(cs.params) if cs else {}
+    p = check_params(dict(cs.params) if cs else {})
     prop = item.get_closest_marker("property")
-    out = {k: p[k] for k in ("target", "device", "path", "bucket") if k in p}
+    out = {k: p[k] for k in ("target", "device", "path", "bucket", "check") if k in p}
     if "dtype" in p:
         out["dtype"] = str(p["dtype"]).replace("torch.", "")
     if prop:
@@ -136,7 +148,7 @@ def _params(item) -> dict:
 
 
 def pytest_collection_modifyitems(config, items):
-    entries = known_failures.load()
+    entries = known_failure_entries(config)
     for item in items:
         p = _params(item)
         if "property" in p and "target" in p:
@@ -148,12 +160,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     collect_memory(report)
+    collect_extras(report)
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         props = dict(report.user_properties)
         if "mpt_kv" in props:
             outcome = "xfail" if hasattr(report, "wasxfail") and report.skipped else report.outcome
             if hasattr(report, "wasxfail") and report.passed:
                 outcome = "XPASS"
+            outcome = dict(report.user_properties).get("mpt_kv_outcome", outcome)
             note = [v for k, v in report.user_properties if k == "mpt_kv_note"]
             _results.append({**props["mpt_kv"], "outcome": outcome, "nodeid": report.nodeid, "notes": note,
                              "kinds": [k for k in devices.KINDS if report.keywords.get(k)]})
@@ -183,45 +197,22 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     path = session.config.getoption("mpt_kv_report")
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"results": [r for r in _results if "property" in r],
-                       "hypothesis_profile": session.config._mpt_kv_profile}, f, indent=1)
+        write_report(session.config, path)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if getattr(config, "workerinput", None) is not None:
         return
-    rows = defaultdict(dict)
-    notes = []
-    for r in _results:
-        if "property" not in r:
-            continue
-        key = (r.get("target", "?"), r.get("device", "?"), r.get("dtype", "-"),
-               r.get("path", "-") + ("" if r.get("bucket") is None else f"+bucket{r['bucket']}"))
-        prev = rows[key].get(r["property"])
-        rows[key][r["property"]] = r["outcome"] if prev in (None, r["outcome"]) else f"{prev}/{r['outcome']}"
-        notes += r.get("notes", [])
     tw = terminalreporter
-    # a device that is absent here gets one line, not a row of "skipped" per target and path
-    absent = sorted({k[1] for k in rows if k[1] in devices.KINDS and devices.unavailable_reason(k[1])})
-    skipped = {kind: sum(len(v) for k, v in rows.items() if k[1] == kind) for kind in absent}
-    rows = {k: v for k, v in rows.items() if k[1] not in absent}
-    if rows or absent:
-        tw.write_sep("=", "mpt-kv conformance")
-    for kind in absent:
-        tw.write_line(f"{kind}: {skipped[kind]} cases skipped, not available here: {devices.unavailable_reason(kind)}")
-    if rows:
-        w = max(len("target"), *(len(k[0]) for k in rows))
-        head = f"{'target':<{w}} {'device':<6} {'dtype':<8} {'path':<15} " + " ".join(f"{p:<8}" for p in PROPERTY_NAMES)
-        tw.write_line(head)
-        for key in sorted(rows):
-            cells = " ".join(f"{rows[key].get(p, '-'):<8}" for p in PROPERTY_NAMES)
-            tw.write_line(f"{key[0]:<{w}} {key[1]:<6} {key[2]:<8} {key[3]:<15} {cells}")
-        tw.write_line("  " + "; ".join(f"{k} {v}" for k, v in PROPERTY_NAMES.items())
-                      + f"; hypothesis profile {config._mpt_kv_profile}. Skip reasons: pytest -rs")
-        for n in notes[:20]:
-            tw.write_line(f"  note: {n}")
+    if not config.getoption("no_mpt_kv_matrix"):
+        results = with_versions([r for r in _results if "property" in r])
+        lines = matrix_lines(results, absent_devices(results), config._mpt_kv_profile)
+        if lines:
+            tw.write_sep("=", "mpt-kv conformance")
+        for line in lines:
+            tw.write_line(line)
+        for line in project_lines(_extras, config):
+            tw.write_line(line)
     for msg in gate_failures(config):
         tw.write_sep("!", "device gate")
         tw.write_line(msg, red=True)
@@ -241,7 +232,7 @@ def add_ceiling_options(g):
                 help="with --update-ceilings: accept measurements above their stored ceilings")
     g.addoption("--ceilings-dir", metavar="DIR", default=None,
                 help="folder of the baseline files ceilings-<device>.json (default: $MPT_KV_CEILINGS_DIR, "
-                     "else mpt_kv/baselines)")
+                     "else the ini option mpt_kv_ceilings_dir, else <rootdir>/mpt_kv_ceilings)")
 
 
 def collect_memory(report):
@@ -263,7 +254,7 @@ def update_ceilings(config) -> bool:
     config._mpt_kv_ceilings_diff = lines = []
     failed = False
     for kind in sorted({m["device"] for m in _memory}):
-        path = ceilings.baseline_path(kind, config.getoption("ceilings_dir"))
+        path = ceilings.baseline_path(kind, ceilings_dir(config))
         measured = [m for m in _memory if m["device"] == kind]
         try:
             written, refused = ceilings.update_baseline(path, kind, measured, config.getoption("allow_looser_ceilings"))
@@ -288,7 +279,7 @@ def update_ceilings(config) -> bool:
 def memory_summary(tw, config):
     if getattr(config, "workerinput", None) is not None:
         return
-    if _memory:
+    if _memory and not config.getoption("no_mpt_kv_matrix"):
         from mpt_kv.checks.ceilings import table
 
         tw.write_sep("=", "mpt-kv memory")
@@ -299,3 +290,255 @@ def memory_summary(tw, config):
         tw.write_sep("=", "mpt-kv memory ceilings updated")
         for line in diff:
             tw.write_line(line, red=line.startswith(("NOT", "  !")))
+
+
+# --- a project's own configuration (its ini file) ----------------------------------------------------------
+# A project that installed mpt-kv keeps its data in its own repository and names it in its ini
+# file, so its CI line is just `pytest -m hpu` (docs/targets.md).
+
+CEILINGS_FOLDER = "mpt_kv_ceilings"  # default: <rootdir>/mpt_kv_ceilings
+
+
+def add_project_options(parser, g):
+    parser.addini("mpt_kv_targets", type="linelist", default=[],
+                  help="mpt-kv: targets to run (package.module:factory or built-in names), as --target")
+    parser.addini("mpt_kv_only_targets", type="bool", default=False,
+                  help="mpt-kv: run only mpt_kv_targets / --target, not the built-in targets (as --only-targets)")
+    parser.addini("mpt_kv_dtypes", type="linelist", default=[], help="mpt-kv: dtypes to run (fp32, bf16), as --dtype")
+    parser.addini("mpt_kv_known_failures", default="",
+                  help="mpt-kv: the project's known-failures JSON file (relative to the ini file), "
+                       "in addition to mpt-kv's own entries for its built-in targets")
+    parser.addini("mpt_kv_ceilings_dir", default="",
+                  help=f"mpt-kv: folder of the stored memory ceilings (relative to the ini file; default "
+                       f"<rootdir>/{CEILINGS_FOLDER})")
+    parser.addini("mpt_kv_require_ceilings", type="linelist", default=[],
+                  help="mpt-kv: targets whose memory cases fail without a stored ceiling ('*': all); a target "
+                       "that has any entry must have all of them anyway")
+    g.addoption("--no-mpt-kv-matrix", action="store_true",
+                help="do not print the conformance matrix and memory table (--mpt-kv-report still writes them)")
+
+
+def ini_relative(config, value: str):
+    from pathlib import Path
+
+    base = config.inipath.parent if config.inipath else config.rootpath
+    return base / Path(value).expanduser()
+
+
+def ceilings_dir(config):
+    """--ceilings-dir, else $MPT_KV_CEILINGS_DIR, else ini mpt_kv_ceilings_dir, else <rootdir>/mpt_kv_ceilings."""
+    explicit = config.getoption("ceilings_dir") or os.environ.get("MPT_KV_CEILINGS_DIR")
+    if explicit:
+        return explicit
+    ini = config.getini("mpt_kv_ceilings_dir")
+    return ini_relative(config, ini) if ini else config.rootpath / CEILINGS_FOLDER
+
+
+def known_failures_path(config):
+    """The project's known-failures file (ini mpt_kv_known_failures), or None: mpt-kv's own only."""
+    ini = config.getini("mpt_kv_known_failures")
+    return ini_relative(config, ini) if ini else None
+
+
+def known_failure_entries(config) -> list[dict]:
+    """mpt-kv's own entries (its built-in targets' upstream bugs) and the project's."""
+    path = known_failures_path(config)
+    return [*known_failures.load(), *(known_failures.load(path) if path else [])]
+
+
+def stored_ceilings(config):
+    """The project's StoredCeilings for the memory checks (mpt_kv.checks.registry), made once."""
+    if not hasattr(config, "_mpt_kv_stored_ceilings"):
+        from pathlib import Path
+
+        from mpt_kv.checks.registry import StoredCeilings
+
+        config._mpt_kv_stored_ceilings = StoredCeilings(Path(ceilings_dir(config)),
+                                                        tuple(config.getini("mpt_kv_require_ceilings")),
+                                                        bool(config.getoption("update_ceilings")))
+    return config._mpt_kv_stored_ceilings
+
+
+def explicitly_parametrized(metafunc) -> set[str]:
+    """Argnames the test parametrizes itself (`parametrize_with_checks([build])` gives `target`)."""
+    names = set()
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        names.update(a.strip() for a in argnames.split(",")) if isinstance(argnames, str) else names.update(argnames)
+    return names
+
+
+def check_params(params: dict) -> dict:
+    """A registry check's property, path and bucket, and a target factory's name, as report fields."""
+    check = params.get("check")
+    if check is not None and hasattr(check, "property") and hasattr(check, "id"):
+        params = {**params, "check": check.id, "path": check.path, "bucket": check.bucket}
+        if check.path is None:
+            del params["path"]
+    if "target" in params and not isinstance(params["target"], str):
+        from mpt_kv.targets import target_name
+
+        params["target"] = target_name(params["target"])
+    return params
+
+
+# --- outcomes: a property failure, an error, an unsupported feature -----------------------------------------
+
+def outcome_of(excinfo) -> str:
+    """'failed' only for PropertyFailure (also a group of them); 'unsupported' for Unsupported;
+    any other exception is the target's or the adapter's 'error' (a TypeError from a forward
+    without a keyword, an AttributeError, a corrupt ceilings file)."""
+    from mpt_kv.checks.compare import PropertyFailure
+    from mpt_kv.errors import Unsupported
+
+    exc = excinfo.value
+    if isinstance(exc, Unsupported):
+        return "unsupported"
+    if isinstance(exc, pytest.skip.Exception):
+        return "skipped"
+    leaves = [exc]
+    while any(isinstance(e, BaseExceptionGroup) for e in leaves):
+        leaves = [x for e in leaves for x in (e.exceptions if isinstance(e, BaseExceptionGroup) else [e])]
+    return "failed" if all(isinstance(e, PropertyFailure) for e in leaves) else "error"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "setup" and report.failed:
+        report.user_properties.append(("mpt_kv_outcome", "error"))
+    elif call.excinfo is not None and report.when == "call" and not hasattr(report, "wasxfail"):
+        report.user_properties.append(("mpt_kv_outcome", outcome_of(call.excinfo)))
+    elif report.when == "call" and isinstance(report.longrepr, str) and report.longrepr.startswith("[XPASS(strict)]"):
+        report.user_properties.append(("mpt_kv_outcome", "XPASS"))
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """While a test runs, registry checks record their measurements and notes on it, and compare
+    memory with the project's stored ceilings."""
+    import sys
+
+    registry = sys.modules.get("mpt_kv.checks.registry")  # not imported: no check in this session
+    if registry is None:
+        return (yield)
+    context = registry.RunContext(lambda name, value: item.user_properties.append((name, value)),
+                                  stored_ceilings(item.config))
+    with registry.running(context):
+        return (yield)
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+_extras: dict[str, dict] = {"capabilities": {}, "unrecorded": {}}  # per target / per (target, device, file)
+
+
+def collect_extras(report):
+    if report.when != "call":
+        return
+    for name, value in report.user_properties:
+        if name == "mpt_kv_capabilities":
+            _extras["capabilities"][value["target"]] = value["unsupported"]
+        elif name == "mpt_kv_unrecorded":
+            key = f"{value['target']}|{value['device']}|{value['file']}"
+            _extras["unrecorded"].setdefault(key, {**value, "cases": 0})["cases"] += 1
+
+
+def project_lines(extras: dict, config=None) -> list[str]:
+    """What targets declared unsupported, and which memory cases had no stored ceiling (one line each)."""
+    lines = []
+    for target, unsupported in sorted(extras.get("capabilities", {}).items()):
+        what = "; ".join(f"{f} ({why})" + (": not drawn, its other cases run" if f == "clip_qkv" else "")
+                         for f, why in sorted(unsupported.items()))
+        lines.append(f"  {target} declares unsupported: {what}")
+    for u in extras.get("unrecorded", {}).values():
+        args = " ".join(config.invocation_params.args) if config is not None else "..."
+        lines.append(f"  memory: {u['target']} on {u['device']} has no stored ceilings in {u['file']} ({u['cases']} "
+                     f"cases checked against the analytic model only); record them: pytest {args} --update-ceilings, "
+                     "then commit the file")
+    return lines
+
+
+def path_cell(r: dict) -> str:
+    return r.get("path", "-") + ("" if r.get("bucket") is None else f"+bucket{r['bucket']}")
+
+
+def target_label(r: dict) -> str:
+    """'transformers 5.24', 'optimum-habana 1.21 (transformers 4.55)', 'reference', 'pkg.mod:build'."""
+    target, versions = r.get("target", "?"), r.get("target_version", "")
+    if not versions:
+        return target
+    first, _, rest = versions.partition(", ")
+    if first.split(" ")[0] == target:
+        return first + (f" ({rest})" if rest else "")
+    return f"{target} ({versions})"
+
+
+def absent_devices(results: list[dict]) -> dict[str, str]:
+    kinds = {r.get("device") for r in results}
+    return {k: devices.unavailable_reason(k) for k in devices.KINDS if k in kinds and devices.unavailable_reason(k)}
+
+
+def matrix_lines(results: list[dict], absent: dict[str, str], profile: str | None) -> list[str]:
+    """The conformance matrix: one row per target (with its version), device, dtype and cache path;
+    one column per property. A device absent here gets one line, not a row per target."""
+    rows, notes = defaultdict(dict), []
+    for r in results:
+        if r.get("device") in absent:
+            continue
+        key = (target_label(r), r.get("device", "?"), r.get("dtype", "-"), path_cell(r))
+        prev = rows[key].get(r["property"])
+        rows[key][r["property"]] = r["outcome"] if prev in (None, r["outcome"]) else f"{prev}/{r['outcome']}"
+        notes += r.get("notes", [])
+    lines = []
+    for kind, reason in absent.items():
+        n = sum(1 for r in results if r.get("device") == kind)
+        lines.append(f"{kind}: {n} cases skipped, not available here: {reason}")
+    if rows:
+        heads = ["target", "device", "dtype", "path", *PROPERTY_NAMES]
+        table = [[*key, *(rows[key].get(p, "-") for p in PROPERTY_NAMES)] for key in sorted(rows)]
+        widths = [max(len(str(row[i])) for row in [heads, *table]) for i in range(len(heads))]
+        for row in [heads, *table]:
+            lines.append(" ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip())
+        lines.append("  " + "; ".join(f"{k} {v}" for k, v in PROPERTY_NAMES.items())
+                     + (f"; hypothesis profile {profile}" if profile else "")
+                     + ". failed: a property does not hold; error: the target or its adapter raised something else; "
+                       "unsupported: the target declares it does not implement what the case needs. Reasons: pytest -rs")
+        for n in list(dict.fromkeys(notes))[:20]:
+            lines.append(f"  note: {n}")
+    return lines
+
+
+def environment() -> dict:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "optimum-habana", "mpt-kv"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def with_versions(results: list[dict]) -> list[dict]:
+    """Each result with its target's implementing package versions (built-in targets)."""
+    from mpt_kv.checks.ceilings import target_version
+
+    versions = {t: target_version(t) for t in {r.get("target", "") for r in results}}
+    return [{**r, "target_version": versions[r.get("target", "")]} if versions[r.get("target", "")] else r
+            for r in results]
+
+
+def write_report(config, path) -> None:
+    """The run as JSON: results, memory measurements, absent devices, capabilities, environment.
+    `python -m mpt_kv report` prints and merges such files."""
+    results = with_versions([r for r in _results if "property" in r])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"results": results, "memory": _memory, "absent_devices": absent_devices(results),
+                   "hypothesis_profile": config._mpt_kv_profile, "environment": environment(),
+                   "capabilities": _extras["capabilities"], "unrecorded": list(_extras["unrecorded"].values())},
+                  f, indent=1, default=str)

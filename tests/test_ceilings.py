@@ -17,13 +17,18 @@ from mpt_kv.memory import analytic
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.model.config import random_state_dict
 from mpt_kv.checks.properties import Case, Context
-from mpt_kv.conformance.test_memory import _stored, runner, stored_ceilings
+from mpt_kv.checks.registry import StoredCeilings, compare_stored, running, RunContext
+from mpt_kv.targets import build
 from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
 from mpt_kv.catalogue.variants import VARIANTS, runner_factory
 
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def runner(target, device, dtype, cfg):
+    return build(target, cfg, random_state_dict(cfg), device, dtype)
 
 
 
@@ -232,7 +237,7 @@ def test_update_ceilings_under_xdist_merges_once_prints_diff_and_refuses_to_loos
     """`pytest -n 2 --update-ceilings`: workers only measure; the controller receives every
     measurement with the reports and writes the file once (entries that did not run are kept)."""
     path = tmp_path / "ceilings-cpu.json"
-    data = json.loads(C.baseline_path("cpu").read_text())
+    data = json.loads(C.baseline_path("cpu", REPO / "mpt_kv_ceilings").read_text())
     k_static, static = entry(data, SELECT["static"])
     k_concat, concat = entry(data, SELECT["concat"])
     k_bucket, _ = entry(data, SELECT["bucket"])
@@ -280,22 +285,34 @@ def test_allow_looser_ceilings_writes_the_looser_value(tmp_path, monkeypatch):
     assert C.load_baseline(path, "cpu")[C.key_of(m)]["allocated"] == m["allocated"]
 
 
-def test_a_missing_baseline_fails_each_memory_test(tmp_path):
-    class Config:
-        options = {"ceilings_dir": str(tmp_path), "update_ceilings": False}
-
-        def getoption(self, name):
-            return self.options[name]
-
-    with pytest.raises(pytest.fail.Exception, match="does not exist: record it with"):
-        stored_ceilings(Config(), "cpu")
+def test_a_missing_or_corrupt_baseline_fails_where_ceilings_are_expected(tmp_path):
+    """Fail-closed (docs/targets.md, "Stored ceilings"): a required target with no file, a corrupt
+    file, a target that has entries but not this one: BaselineError (an error, never a pass)."""
+    m = reference_measurement("static", C.CONFIGS[0])
+    required = StoredCeilings(tmp_path, required=("reference",))
+    with pytest.raises(C.BaselineError, match="does not exist: record it with"):
+        compare_stored(m, required, "static")
     (tmp_path / "ceilings-cpu.json").write_text("[]")
-    _stored.cache_clear()
-    with pytest.raises(pytest.fail.Exception, match="malformed"):
-        stored_ceilings(Config(), "cpu")
-    Config.options["update_ceilings"] = True  # updating: a corrupt file still stops it
-    with pytest.raises(pytest.fail.Exception, match="malformed"):
-        stored_ceilings(Config(), "cpu")
-    (tmp_path / "ceilings-cpu.json").unlink()  # ... but a missing one is created
-    _stored.cache_clear()
-    assert stored_ceilings(Config(), "cpu") == (tmp_path / "ceilings-cpu.json", {})
+    for store in (required, StoredCeilings(tmp_path)):  # corrupt: an error, required or not
+        with pytest.raises(C.BaselineError, match="malformed"):
+            compare_stored(m, store, "static")
+    other = {**asdict(m), "max_new": m.max_new + 1}  # the same target, another config
+    (tmp_path / "ceilings-cpu.json").unlink()
+    C.update_baseline(tmp_path / "ceilings-cpu.json", "cpu", [other], allow_looser=False)
+    with pytest.raises(C.BaselineError, match=f"no entry {C.key_of(m)!r}"):
+        compare_stored(m, StoredCeilings(tmp_path), "static")
+    # --update-ceilings: measured only, the controller writes the file
+    assert compare_stored(m, StoredCeilings(tmp_path, required=("*",), update=True), "static") == []
+
+
+def test_a_target_never_recorded_rests_on_the_analytic_checks_and_says_how_to_record(tmp_path):
+    m = reference_measurement("static", C.CONFIGS[0])
+    recorded = []
+    with running(RunContext(lambda name, value: recorded.append((name, value)))):
+        assert compare_stored(m, StoredCeilings(tmp_path), "static") == []
+    assert recorded == [("mpt_kv_unrecorded", {"target": "reference", "device": "cpu",
+                                               "file": str(tmp_path / "ceilings-cpu.json")})]
+    # once one entry of it is stored, the others are expected too (above); a stored one is compared
+    C.update_baseline(tmp_path / "ceilings-cpu.json", "cpu", [{**asdict(m), "allocated": m.allocated - 8}], True)
+    with pytest.raises(PropertyFailure, match="allocated .* 8 bytes above its ceiling"):
+        compare_stored(m, StoredCeilings(tmp_path), "static")

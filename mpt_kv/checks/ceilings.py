@@ -33,7 +33,7 @@ Two kinds of limit, combined like this:
      (nothing leaks across steps or calls).
 
 2. Stored ceilings (`Baseline`), for the config table `CONFIGS` only: per device kind a JSON
-   file (`baselines/ceilings-<kind>.json`) maps a key (target and its implementing package's
+   file (`<project>/mpt_kv_ceilings/ceilings-<kind>.json`) maps a key (target and its implementing package's
    version, path, dtype, batch, max input, max new, model shape) to the measured `METRICS`.
    A run fails where a measurement exceeds its ceiling (cpu: by one byte; allocator devices:
    by more than `CEILING_SLACK`) or where the entry is missing; a lower measurement passes
@@ -413,7 +413,9 @@ def check_memory(runner, c: Context) -> None:
 
 SCHEMA = 1
 ENV_DIR = "MPT_KV_CEILINGS_DIR"
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "baselines"
+# A project's own folder, relative to the current directory; the pytest plugin resolves it against
+# the project's rootdir (or its ini option mpt_kv_ceilings_dir). This repo's: <repo>/mpt_kv_ceilings.
+DEFAULT_DIR = Path("mpt_kv_ceilings")
 # How far above its ceiling a measurement may read: cpu is exact; an allocator's peak can move
 # by a block when the order of frees changes (1% and a few 512-byte blocks).
 CEILING_SLACK = {"cpu": (0.0, 0), "cuda": (0.01, 4 * 512), "hpu": (0.01, 4 * 4096)}
@@ -430,7 +432,7 @@ class BaselineError(Exception):
 
 
 def baseline_path(kind: str, directory: str | Path | None = None) -> Path:
-    """`<dir>/ceilings-<kind>.json`; dir: the argument, else $MPT_KV_CEILINGS_DIR, else mpt_kv/baselines."""
+    """`<dir>/ceilings-<kind>.json`; dir: the argument, else $MPT_KV_CEILINGS_DIR, else ./mpt_kv_ceilings."""
     directory = directory or os.environ.get(ENV_DIR) or DEFAULT_DIR
     return Path(directory) / f"ceilings-{kind}.json"
 

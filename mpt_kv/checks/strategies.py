@@ -36,7 +36,9 @@ def load_profile() -> str:
 
 
 @st.composite
-def cases(draw, device: str = "cpu") -> Case:
+def cases(draw, device: str = "cpu", capabilities=None) -> Case:
+    """`capabilities` (mpt_kv.targets.Capabilities): a feature the target declares unsupported
+    (clip_qkv) is not drawn, so the cases that do not need it still run."""
     if device == "hpu":
         n_heads, head_dim, n_layers = draw(st.sampled_from([2, 3])), 8, 2
         batch = draw(st.sampled_from([1, 2]))
@@ -50,5 +52,11 @@ def cases(draw, device: str = "cpu") -> Case:
         lens = draw(st.lists(st.integers(1, 8), min_size=batch, max_size=batch))
         new_tokens = draw(st.integers(1, 6))
     cfg = ModelConfig(d_model=n_heads * head_dim, n_heads=n_heads, n_layers=n_layers, vocab_size=64,
-                      max_seq_len=32, clip_qkv=draw(st.sampled_from([None, None, 0.5, 4.0])))
+                      max_seq_len=32, clip_qkv=draw(clip_qkv_values(capabilities)))
     return Case(cfg, tuple(lens), new_tokens, seed=draw(st.integers(0, 2**16)))
+
+
+def clip_qkv_values(capabilities=None):
+    if capabilities is not None and capabilities.reason("clip_qkv"):
+        return st.just(None)
+    return st.sampled_from([None, None, 0.5, 4.0])

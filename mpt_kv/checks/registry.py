@@ -1,0 +1,371 @@
+"""Every conformance check as a plain function with a stable id, for pytest and for anyone.
+
+    import torch
+    from mpt_kv.checks.registry import CHECKS
+
+    notes = CHECKS["P1/static"](build, "cpu", torch.float32)
+
+A check takes a target (a factory `build(cfg, state_dict, device, dtype) -> Runner`, or its spec
+string such as "reference" or "package.module:build"), a device and a dtype. It first reads the
+target's `Capabilities` from a tiny runner: a check that needs a feature the target declares
+unsupported raises `Unsupported` with the target's reason, and hypothesis does not draw a feature
+the target lacks (clip_qkv), so the cases that do not need it still run. It returns notes for
+the report (near-ties in greedy decoding) and raises:
+
+    PropertyFailure  the property does not hold; the message names target, device, dtype, case,
+                     step and layer
+    Unsupported      the check needs a feature the target does not implement (a pytest skip)
+    anything else    the target or its adapter broke (a TypeError from a wrong signature, a
+                     BaselineError from a corrupt ceilings file): an error, never a property failure
+
+Ids: "P0", "P1/<path>", "P2/<path>", "P3/<path>", "static-shape/<path>", "memory/<path>/<config>";
+<path> is concat, static or static+bucket<N>. The shipped tests (mpt_kv/conformance) and a
+project's own tests (`parametrize_with_checks`) run these same functions. The drawn checks (P0-P3)
+run hypothesis under mpt-kv's profile; `check.run_case(target, device, dtype, case)` runs one
+`Case` (a failure's "Falsifying example" prints it) without hypothesis.
+
+The memory checks always check the analytic properties; the stored ceilings are compared where a
+`StoredCeilings` is given (the pytest plugin gives the project's, see docs/targets.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from mpt_kv.checks import ceilings as C
+from mpt_kv.checks import properties as P
+from mpt_kv.checks import static_shape
+from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.checks.properties import Case, Context
+from mpt_kv.errors import Unsupported
+from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
+from mpt_kv.targets import Capabilities, Runner, Target, build, required_features, target_name
+
+PROPERTIES = ("P0", "P1", "P2", "P3", "static-shape", "memory")
+BUCKET = 4          # P1-P3 and static-shape: with 5 + 6 tokens, bucketed decode crosses a boundary
+MEMORY_BUCKET = 8   # the memory configs' bucket (mpt_kv.checks.ceilings.CONFIGS)
+# 3 heads, clip_qkv, a left-padded row, 6 decode steps (bucket 4 crosses a boundary)
+STATIC_SHAPE_CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32, clip_qkv=4.0),
+                         (5, 3), 6, seed=3)
+PROBE = ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=16, max_seq_len=8)
+
+
+def path_label(path: str | None, bucket: int | None) -> str:
+    return (path or "") + ("" if bucket is None else f"+bucket{bucket}")
+
+
+# --- what a run under pytest plugs in ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoredCeilings:
+    """Where a project keeps its memory ceilings, and which targets must have them.
+
+    directory  holds ceilings-<device kind>.json (`mpt_kv.checks.ceilings`)
+    required   target names whose missing entries fail ("*": every target). Any target that already
+               has an entry in the file must have all of its entries, listed here or not
+    update     --update-ceilings: measure only; the plugin writes the file at the end of the run
+    """
+
+    directory: Path
+    required: tuple[str, ...] = ()
+    update: bool = False
+
+    def file(self, kind: str) -> Path:
+        return C.baseline_path(kind, self.directory)
+
+    def requires(self, target: str) -> bool:
+        return "*" in self.required or target in self.required
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the pytest plugin gives a check while a test runs: where to record measurements and
+    notes (they travel to the report), and the project's stored ceilings."""
+
+    record: Callable[[str, object], None]
+    ceilings: StoredCeilings | None = None
+
+
+_context: ContextVar[RunContext | None] = ContextVar("mpt_kv_run_context", default=None)
+
+
+@contextlib.contextmanager
+def running(context: RunContext):
+    token = _context.set(context)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def record(name: str, value) -> None:
+    ctx = _context.get()
+    if ctx is not None:
+        ctx.record(name, value)
+
+
+# --- targets ------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def _probe(target, device: str, dtype: torch.dtype) -> Capabilities:
+    runner = build(target, PROBE, random_state_dict(PROBE), torch.device(device), dtype)
+    return runner.capabilities
+
+
+def capabilities(target: Target, device, dtype: torch.dtype) -> Capabilities:
+    """The target's declared capabilities, read from a tiny runner built once per device and dtype."""
+    return _probe(target, str(torch.device(device)), dtype)
+
+
+def runner_for(target: Target, cfg: ModelConfig, seed: int, device, dtype, features: Iterable[str | None]) -> Runner:
+    runner = build(target, cfg, random_state_dict(cfg, seed=seed), device, dtype)
+    runner.require(*features)
+    return runner
+
+
+def as_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r}: expected a torch dtype or one of {sorted(DTYPES)}")
+
+
+# --- the checks ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Check:
+    """One conformance check: `check(target, device, dtype) -> notes` (module doc)."""
+
+    id: str
+    property: str
+    path: str | None = None
+    bucket: int | None = None
+    config: C.MemoryConfig | None = None  # memory checks: the (batch, max input, max new) row
+    doc: str = ""
+
+    def __str__(self) -> str:
+        return self.id
+
+    def features(self, device, dtype) -> list[str]:
+        return required_features(self.path, self.bucket, dtype, device)
+
+    def __call__(self, target: Target, device="cpu", dtype=torch.float32, *,
+                 ceilings: StoredCeilings | None = None) -> list[str]:
+        device, dtype = torch.device(device), as_dtype(dtype)
+        name = target_name(target)
+        caps = capabilities(target, device, dtype)
+        if caps.unsupported:
+            record("mpt_kv_capabilities", {"target": name, "unsupported": dict(caps.unsupported)})
+        for feature in self.features(device, dtype):
+            reason = caps.reason(feature)
+            if reason:
+                raise Unsupported(f"{name}: {reason}")
+        if self.property == "memory":
+            notes = self._memory(target, device, dtype, ceilings)
+        elif self.property == "static-shape":
+            notes = self.run_case(target, device, dtype, self._static_shape_case(caps))
+        else:
+            notes = self._drawn(target, device, dtype, caps)
+        for note in dict.fromkeys(notes):
+            record("mpt_kv_note", note)
+        return notes
+
+    # P0-P3 and static-shape: one case
+    def run_case(self, target: Target, device, dtype, case: Case) -> list[str]:
+        """Run this check on one `Case` (no hypothesis): to reproduce a failure, or for fixed cases."""
+        device, dtype = torch.device(device), as_dtype(dtype)
+        features = [*self.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
+        runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
+        c = Context(target_name(target), device.type, dtype, case, self.path, self.bucket)
+        if self.property == "P0":
+            reference = runner_for("reference", case.cfg, case.seed, device, dtype, ())
+            P.check_oracle(runner, reference, c)
+        elif self.property == "P1":
+            P.check_cached_equals_uncached(runner, c)
+        elif self.property == "P2":
+            P.check_static_equals_concat(runner, c)
+        elif self.property == "P3":
+            P.check_no_aliasing(runner, c)
+        elif self.property == "static-shape":
+            static_shape.check_static_shape(runner, c)
+        else:
+            raise ValueError(f"{self.id}: run_case is for P0-P3 and static-shape; memory checks run their configs")
+        return list(c.notes)
+
+    def _drawn(self, target, device, dtype, caps: Capabilities) -> list[str]:
+        from hypothesis import given, settings
+
+        from mpt_kv.checks.strategies import cases
+
+        notes: list[str] = []
+
+        def one_case(case):
+            notes.extend(self.run_case(target, device, dtype, case))
+
+        test = given(case=cases(device.type, caps))(one_case)
+        # the first (shrunk) failure only: a group of several would not read as a PropertyFailure
+        test = settings(hypothesis_profile(), report_multiple_bugs=False, print_blob=False)(test)
+        # one example database entry per check, target, device and dtype (the function is shared)
+        test.hypothesis.inner_test._hypothesis_internal_add_digest = \
+            f"{self.id}|{target_name(target)}|{device}|{dtype}".encode()
+        test()
+        return notes
+
+    def _static_shape_case(self, caps: Capabilities) -> Case:
+        case = STATIC_SHAPE_CASE
+        if caps.reason("clip_qkv"):  # the property does not need clip_qkv: run it without
+            case = dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, clip_qkv=None))
+        return case
+
+    # memory: one config
+    def _memory(self, target, device, dtype, ceilings: StoredCeilings | None) -> list[str]:
+        name, config = target_name(target), self.config
+        runner = runner_for(target, config.cfg, 0, device, dtype, ())
+        m = C.measure(runner, config.case(), self.path, device, dtype, self.bucket, target=name)
+        # recorded before any check: the report and --update-ceilings see failing cases too
+        record("mpt_kv_memory", {**asdict(m), "problems": len(m.problems), "torch": str(torch.__version__)})
+        if m.problems:
+            raise PropertyFailure("\n".join(m.problems))
+        if ceilings is None:
+            ctx = _context.get()
+            ceilings = ctx.ceilings if ctx is not None else None
+        return compare_stored(m, ceilings, self.path)
+
+
+def compare_stored(m: C.Measurement, store: StoredCeilings | None, path: str) -> list[str]:
+    """Compare a measurement with its stored ceiling (notes: where it could be tighter).
+
+    Fail-closed where a ceiling is expected: a corrupt file always, and a missing entry (or
+    file) for a target that `store` requires or that already has entries in the file
+    (BaselineError: an error, not a property failure). A target never recorded and not
+    required rests on the analytic checks above; the report says how to record it."""
+    if store is None or store.update:
+        return []
+    file = store.file(m.device)
+    entries = C.load_baseline(file, m.device) if file.exists() or store.requires(m.target) else {}
+    key = C.key_of(m)
+    recorded = any(k.split("|", 1)[0].split(" (", 1)[0] == m.target for k in entries)
+    if key not in entries and not (recorded or store.requires(m.target)):
+        record("mpt_kv_unrecorded", {"target": m.target, "device": m.device, "file": str(file)})
+        return []
+    failures, notes = C.compare(m, entries, file)
+    if key not in entries:
+        raise C.BaselineError(failures[0])
+    if failures:
+        raise PropertyFailure("\n".join(failures) + f" [{m.target}, {m.device}, {m.dtype}, {path}]")
+    return notes
+
+
+_profile_loaded = False
+
+
+def hypothesis_profile():
+    """mpt-kv's hypothesis profile (dev; ci under CI=true; MPT_KV_HYPOTHESIS_PROFILE), loaded
+    once per process; under pytest the plugin has loaded it already."""
+    global _profile_loaded
+    from hypothesis import settings
+
+    from mpt_kv.checks.strategies import load_profile
+
+    if not _profile_loaded:
+        load_profile()
+        _profile_loaded = True
+    return settings.default
+
+
+def _build_registry() -> dict[str, Check]:
+    out: list[Check] = []
+    paths = (("concat", None), ("static", None), ("static", BUCKET))
+    out.append(Check("P0", "P0", doc="uncached logits equal the reference's"))
+    for path, bucket in paths:
+        out.append(Check(f"P1/{path_label(path, bucket)}", "P1", path, bucket,
+                         doc="every prefill and decode step equals a full forward over the same tokens"))
+    for path, bucket in paths[1:]:
+        out.append(Check(f"P2/{path_label(path, bucket)}", "P2", path, bucket,
+                         doc="static and concat agree: logits and cached K/V; never-written slots do not leak"))
+    for path, bucket in paths:
+        out.append(Check(f"P3/{path_label(path, bucket)}", "P3", path, bucket,
+                         doc="no cached K/V shares storage with mixed_qkv or pins bytes beyond itself"))
+    for path, bucket in paths[1:]:
+        out.append(Check(f"static-shape/{path_label(path, bucket)}", "static-shape", path, bucket,
+                         doc="static decode keeps attention's shapes and scalars, and the cache storages never move"))
+    for path, bucket in (("concat", None), ("static", None), ("static", MEMORY_BUCKET)):
+        for config in C.CONFIGS:
+            out.append(Check(f"memory/{path_label(path, bucket)}/{config.id}", "memory", path, bucket, config,
+                             doc="retained = KV cache, bounded decode transients, nothing leaks; stored ceilings"))
+    return {c.id: c for c in out}
+
+
+CHECKS: Mapping[str, Check] = _build_registry()
+
+
+def select(*properties: str) -> list[Check]:
+    """The checks of the given properties ("P0", ..., "static-shape", "memory"), or ids; none: all."""
+    unknown = [p for p in properties if p not in PROPERTIES and p not in CHECKS]
+    if unknown:
+        raise ValueError(f"unknown properties or check ids {unknown}: properties {list(PROPERTIES)}, "
+                         f"ids {list(CHECKS)}")
+    return [c for c in CHECKS.values() if not properties or c.property in properties or c.id in properties]
+
+
+# --- the Python API for a project's own tests --------------------------------------------------------------
+
+def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: Iterable[Check | str] | None = None,
+                            expected_failed_checks: Mapping[str, str] | Callable[[Target], Mapping[str, str]] | None = None):
+    """A pytest mark that runs every check (or `checks`) on `targets`, in the test it decorates:
+
+        @mpt_kv.parametrize_with_checks([build], expected_failed_checks={"P3/concat": "why"})
+        def test_mpt_kv(check, target, device, dtype):
+            check(target, device, dtype)
+
+    targets    factories or spec strings; None: the plugin's targets (--target, ini mpt_kv_targets)
+    checks     Check objects or ids/properties (default: all of CHECKS)
+    expected_failed_checks
+               {check id: reason}, or a callable target -> such a dict: a strict xfail that only a
+               PropertyFailure satisfies (any other exception fails the case; a pass fails as XPASS)
+
+    `device` and `dtype` come from the mpt-kv plugin: every device kind with its marker (so
+    `pytest -m hpu` selects the HPU cases), fp32 and bf16 (`--device`, `--dtype`, ini options).
+    Each case's id shows the check id and the target.
+    """
+    import pytest
+
+    chosen = list(CHECKS.values()) if checks is None else []
+    for c in checks or ():
+        chosen += [c] if isinstance(c, Check) else select(c)
+    if not chosen:
+        raise ValueError("parametrize_with_checks: no checks selected (a gate that checks nothing must not pass)")
+    target_list = None if targets is None else list(targets)
+    if target_list is not None and not target_list:
+        raise ValueError("parametrize_with_checks: an empty target list (a gate that checks nothing must not pass)")
+    if callable(expected_failed_checks) and target_list is None:
+        raise ValueError("parametrize_with_checks: a callable expected_failed_checks needs the targets list")
+
+    def expected(target) -> Mapping[str, str]:
+        found = expected_failed_checks(target) if callable(expected_failed_checks) else (expected_failed_checks or {})
+        for check_id, reason in found.items():
+            if check_id not in CHECKS:
+                raise ValueError(f"expected_failed_checks: unknown check id {check_id!r}; known: {list(CHECKS)}")
+            if not isinstance(reason, str) or not reason.strip():
+                raise ValueError(f"expected_failed_checks[{check_id!r}]: give the reason as a non-empty string")
+        return found
+
+    def param(check: Check, *target):
+        marks = [pytest.mark.property(check.property)]
+        reason = expected(target[0] if target else None).get(check.id)
+        if reason:
+            marks.append(pytest.mark.xfail(raises=PropertyFailure, strict=True, reason=f"expected failure: {reason}"))
+        return pytest.param(check, *target, marks=marks, id="-".join([check.id, *map(target_name, target)]))
+
+    if target_list is None:
+        return pytest.mark.parametrize("check", [param(c) for c in chosen])
+    return pytest.mark.parametrize("check, target", [param(c, t) for t in target_list for c in chosen])
