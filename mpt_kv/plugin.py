@@ -154,7 +154,7 @@ def pytest_collection_modifyitems(config, items):
         if "property" in p and "target" in p:
             reason = known_failures.match(p["target"], p["property"], p.get("path"), entries, p.get("bucket"))
             if reason:
-                item.add_marker(pytest.mark.xfail(strict=True, reason=f"known upstream failure: {reason}"))
+                item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {reason}"))
             item.user_properties.append(("mpt_kv", p))
 
 
@@ -241,6 +241,7 @@ def collect_memory(report):
     for name, value in report.user_properties:
         if name == "mpt_kv_memory":
             outcome = "xfail" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+            outcome = dict(report.user_properties).get("mpt_kv_outcome", outcome)
             _memory.append({**value, "outcome": outcome, "nodeid": report.nodeid})
 
 
@@ -424,7 +425,7 @@ def pytest_runtest_call(item):
     if registry is None:
         return (yield)
     context = registry.RunContext(lambda name, value: item.user_properties.append((name, value)),
-                                  stored_ceilings(item.config))
+                                  stored_ceilings(item.config), item.get_closest_marker("xfail") is not None)
     with registry.running(context):
         return (yield)
 

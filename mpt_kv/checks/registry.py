@@ -88,10 +88,12 @@ class StoredCeilings:
 @dataclass(frozen=True)
 class RunContext:
     """What the pytest plugin gives a check while a test runs: where to record measurements and
-    notes (they travel to the report), and the project's stored ceilings."""
+    notes (they travel to the report), the project's stored ceilings, and whether a failure is
+    expected (an xfail only has to fail: hypothesis then skips shrinking, which can take long)."""
 
     record: Callable[[str, object], None]
     ceilings: StoredCeilings | None = None
+    expected_to_fail: bool = False
 
 
 _context: ContextVar[RunContext | None] = ContextVar("mpt_kv_run_context", default=None)
@@ -202,7 +204,7 @@ class Check:
         return list(c.notes)
 
     def _drawn(self, target, device, dtype, caps: Capabilities) -> list[str]:
-        from hypothesis import given, settings
+        from hypothesis import Phase, given, settings
 
         from mpt_kv.checks.strategies import cases
 
@@ -212,8 +214,11 @@ class Check:
             notes.extend(self.run_case(target, device, dtype, case))
 
         test = given(case=cases(device.type, caps))(one_case)
+        profile = hypothesis_profile()
+        ctx = _context.get()
+        phases = [p for p in profile.phases if p != Phase.shrink] if ctx and ctx.expected_to_fail else profile.phases
         # the first (shrunk) failure only: a group of several would not read as a PropertyFailure
-        test = settings(hypothesis_profile(), report_multiple_bugs=False, print_blob=False)(test)
+        test = settings(profile, report_multiple_bugs=False, print_blob=False, phases=phases)(test)
         # one example database entry per check, target, device and dtype (the function is shared)
         test.hypothesis.inner_test._hypothesis_internal_add_digest = \
             f"{self.id}|{target_name(target)}|{device}|{dtype}".encode()

@@ -1,0 +1,3 @@
+from tinympt.modeling import TinyMptConfig, TinyMptForCausalLM
+
+__all__ = ["TinyMptConfig", "TinyMptForCausalLM"]
