@@ -417,12 +417,14 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """While a test runs, registry checks record their measurements and notes on it, and compare
-    memory with the project's stored ceilings."""
+    """While a test parametrized with registry checks (parametrize_with_checks) runs, its checks
+    record their measurements and notes on it, and compare memory with the project's stored
+    ceilings. A check called by hand elsewhere stays a plain function (analytic memory only)."""
     import sys
 
     registry = sys.modules.get("mpt_kv.checks.registry")  # not imported: no check in this session
-    if registry is None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if registry is None or not isinstance(params.get("check"), registry.Check):
         return (yield)
     context = registry.RunContext(lambda name, value: item.user_properties.append((name, value)),
                                   stored_ceilings(item.config), item.get_closest_marker("xfail") is not None)

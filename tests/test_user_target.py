@@ -1,5 +1,7 @@
-"""`--target package.module:factory`: the README's worked example runs, a broken spec is a
-skip with its reason (never silently dropped)."""
+"""User targets: `--target package.module:factory` and `mpt_kv.parametrize_with_checks` in a
+project's own test file. The README's worked example runs; a broken spec is a skip with its
+reason (never silently dropped); an adapter that raises is an "error" in the matrix, never a
+property failure; expected failures xfail only a PropertyFailure."""
 
 from pathlib import Path
 
@@ -16,7 +18,7 @@ def run(pytester, *args):
 
 
 def test_worked_example_target_passes_the_properties(pytester):
-    result = run(pytester, "--target=examples.sdpa_mpt:build", "-k", "test_p1 or test_p3")
+    result = run(pytester, "--target=examples.sdpa_mpt:build", "-k", "P1/ or P3/")  # not "P3": fp32 contains p3
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines(["*examples.sdpa_mpt:build*cpu*float32*concat*passed*"])
 
@@ -29,7 +31,8 @@ from mpt_kv.targets.reference import ReferenceRunner
 
 class OffByOneCache(StaticCache):
     def update(self, layer, k, v, token_idx=None, cache_idx=None):
-        return super().update(layer, k, v, None if token_idx is None else token_idx + 1, cache_idx)
+        # one slot behind: overwrites the previous token, leaves its own slot unwritten (never out of range)
+        return super().update(layer, k, v, None if token_idx is None else token_idx - 1, cache_idx)
 
 
 class Model(ReferenceMPT):
@@ -51,7 +54,7 @@ def build(cfg, state_dict, device, dtype):
 
 def test_user_target_with_a_cache_bug_fails(pytester):
     pytester.makepyfile(off_by_one=OFF_BY_ONE)
-    result = run(pytester, "--target=off_by_one:build", "-k", "test_p1 and static")
+    result = run(pytester, "--target=off_by_one:build", "-k", "P1 and static")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*PropertyFailure: P1 decode logits vs full forward*target=off_by_one:build*"])
 
@@ -62,6 +65,97 @@ def test_user_target_with_a_cache_bug_fails(pytester):
     ("not-a-spec", "*neither built in*"),
 ])
 def test_unloadable_target_is_skipped_with_its_reason(pytester, spec, reason):
-    result = run(pytester, f"--target={spec}", "-k", "test_p0")
+    result = run(pytester, f"--target={spec}", "-k", "P0")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines([f"SKIPPED*{reason}"])
+
+
+WRONG_KEYWORD = """
+from mpt_kv import GaudiStyleRunner
+from mpt_kv.targets.wrappers import GaudiStyleSession
+from tinympt import TinyMptConfig, TinyMptForCausalLM
+
+
+class Session(GaudiStyleSession):
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        # written for a newer optimum-habana: cache_idx= on every call, which this model lacks
+        out = self.runner.model(input_ids, attention_mask=mask, past_key_values=self.past, use_cache=True,
+                                token_idx=None if self.path == "concat" else token_idx, cache_idx=cache_idx)
+        self.past = out.past_key_values
+        return out.logits
+
+
+class Runner(GaudiStyleRunner):
+    def session(self, path, max_len, bucket=None):
+        return Session(self, path, max_len, bucket)
+
+
+def build(cfg, state_dict, device, dtype):
+    model = TinyMptForCausalLM(TinyMptConfig(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len))
+    model.load_state_dict(state_dict)
+    return Runner(model.to(device, dtype).eval(), device, name="wrong-keyword")
+"""
+
+
+@pytest.fixture
+def pytester(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "examples" / "downstream" / "src"))  # tinympt
+    return pytester
+
+
+def test_an_adapter_that_raises_is_an_error_in_the_matrix_never_a_property_failure(pytester):
+    pytester.makepyfile(wrong_keyword=WRONG_KEYWORD)
+    result = run(pytester, "--target=wrong_keyword:build", "-k", "P1/")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*TypeError*unexpected keyword argument 'cache_idx'*"])
+    # columns P0 P1 P2 P3 memory static-shape; the bucket path: what the wrapper found, as the reason
+    result.stdout.re_match_lines([r"wrong_keyword:build +cpu +float32 +concat +- +error +- +- +- +-$",
+                                  r"wrong_keyword:build +cpu +float32 +static +- +error +- +- +- +-$",
+                                  r"wrong_keyword:build +cpu +float32 +static\+bucket4 +- +unsupported +- +- +- +-$"])
+    result.stdout.fnmatch_lines(["*wrong_keyword:build declares unsupported: bucket (TinyMptForCausalLM.forward has no "
+                                 "cache_idx parameter*"])
+    assert " failed " not in result.stdout.str().split("mpt-kv conformance")[1]
+
+
+OWN_TESTS = """
+import pytest
+import mpt_kv
+from mpt_kv.catalogue.variants import kv_views_of_mixed_qkv
+from wrong_keyword import build as wrong_keyword
+
+views_bug = "prefill caches views of mixed_qkv"
+
+
+@mpt_kv.parametrize_with_checks([kv_views_of_mixed_qkv, "reference", wrong_keyword], checks=["P3/concat"],
+                                expected_failed_checks=lambda target: {"P3/concat": views_bug})
+def test_mpt_kv(check, target, device, dtype):
+    check(target, device, dtype)
+"""
+
+
+def test_expected_failed_checks_xfail_only_a_property_failure_and_strictly(pytester):
+    """One expected failure per target: the views bug xfails; on the reference the check passes
+    (XPASS, strict: the run fails); on an adapter that raises TypeError the expectation does not
+    absorb it (a failure, "error" in the matrix)."""
+    pytester.makepyfile(wrong_keyword=WRONG_KEYWORD, test_own=OWN_TESTS)
+    result = pytester.runpytest_subprocess("test_own.py", f"--rootdir={REPO}", "-p", "no:cacheprovider", "--device=cpu",
+                                           "--dtype=fp32", "-ra")
+    result.assert_outcomes(xfailed=1, failed=2)
+    result.stdout.fnmatch_lines(["XFAIL*P3/concat-mpt_kv.catalogue.variants:kv_views_of_mixed_qkv*prefill caches views*"])
+    result.stdout.fnmatch_lines(["[[]XPASS(strict)[]] expected failure: prefill caches views of mixed_qkv"])
+    result.stdout.fnmatch_lines(["E * TypeError: *unexpected keyword argument 'cache_idx'"])
+    result.stdout.re_match_lines([r"reference +cpu +float32 +concat +- +- +- +XPASS",
+                                  r"wrong_keyword:build +cpu +float32 +concat +- +- +- +error"])
+
+
+def test_an_unknown_expected_check_id_stops_collection(pytester):
+    pytester.makepyfile(test_own="""
+import mpt_kv
+
+@mpt_kv.parametrize_with_checks(["reference"], expected_failed_checks={"P3-concat": "typo"})
+def test_mpt_kv(check, target, device, dtype):
+    check(target, device, dtype)
+""")
+    result = pytester.runpytest_subprocess("test_own.py", f"--rootdir={REPO}", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(["*unknown check id 'P3-concat'*"])

@@ -127,6 +127,14 @@ def capabilities(target: Target, device, dtype: torch.dtype) -> Capabilities:
     return _probe(target, str(torch.device(device)), dtype)
 
 
+def require(name: str, caps: Capabilities, features: Iterable[str | None]) -> None:
+    """Unsupported, with the target's own reason, if it declares one of `features` unsupported."""
+    for feature in features:
+        reason = caps.reason(feature)
+        if reason:
+            raise Unsupported(f"{name}: {reason}")
+
+
 def runner_for(target: Target, cfg: ModelConfig, seed: int, device, dtype, features: Iterable[str | None]) -> Runner:
     runner = build(target, cfg, random_state_dict(cfg, seed=seed), device, dtype)
     runner.require(*features)
@@ -167,10 +175,7 @@ class Check:
         caps = capabilities(target, device, dtype)
         if caps.unsupported:
             record("mpt_kv_capabilities", {"target": name, "unsupported": dict(caps.unsupported)})
-        for feature in self.features(device, dtype):
-            reason = caps.reason(feature)
-            if reason:
-                raise Unsupported(f"{name}: {reason}")
+        require(name, caps, self.features(device, dtype))
         if self.property == "memory":
             notes = self._memory(target, device, dtype, ceilings)
         elif self.property == "static-shape":
@@ -186,6 +191,7 @@ class Check:
         """Run this check on one `Case` (no hypothesis): to reproduce a failure, or for fixed cases."""
         device, dtype = torch.device(device), as_dtype(dtype)
         features = [*self.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
+        require(target_name(target), capabilities(target, device, dtype), features)
         runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
         c = Context(target_name(target), device.type, dtype, case, self.path, self.bucket)
         if self.property == "P0":

@@ -11,6 +11,7 @@ be imported raises `TargetUnavailable` with the reason. docs/targets.md document
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -132,7 +133,10 @@ def target_name(target: Target) -> str:
         return target
     if not callable(target):
         raise TypeError(f"a target is a spec string or a factory callable, not {type(target).__name__}")
-    return f"{target.__module__}:{target.__qualname__}"
+    module, name = getattr(target, "__module__", None), getattr(target, "__name__", None)
+    if name and getattr(sys.modules.get(module), name, None) is target:
+        return f"{module}:{name}"  # what `package.module:factory` would load
+    return f"{module}:{getattr(target, '__qualname__', name or type(target).__name__)}"
 
 
 def required_features(path: str | None = None, bucket: int | None = None, dtype: torch.dtype | None = None,
