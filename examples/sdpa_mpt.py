@@ -1,15 +1,16 @@
-"""A worked example of `--target`: your own fused-QKV attention, checked by mpt-kv.
+"""A worked example of a user target: your own fused-QKV attention, checked by mpt-kv.
 
 Say you ship an MPT whose attention calls `F.scaled_dot_product_attention` with ALiBi and the
-mask folded into one additive bias. To run the
-suite against it, write a factory `build(cfg, state_dict, device, dtype) -> Runner` and pass
-`--target examples.sdpa_mpt:build`:
+mask folded into one additive bias. To run the suite against it, write a factory
+`build(cfg, state_dict, device, dtype) -> Runner` and name it:
 
-    pytest tests/test_properties.py --target examples.sdpa_mpt:build --only-targets --device cpu
+    pytest --pyargs mpt_kv.conformance --target examples.sdpa_mpt:build --only-targets -m cpu
 
-Here the model reuses the reference's blocks and caches and swaps the attention; a model with
-optimum-habana's forward signature would return `mpt_kv.targets.gaudi.GaudiStyleRunner(model)`,
-and anything else subclasses `mpt_kv.targets.Runner` and `mpt_kv.session.Session`.
+Here the model reuses the reference's blocks and caches and swaps the attention
+(`ReferenceRunner` with a `model_class`). A model with optimum-habana's forward signature
+returns `mpt_kv.GaudiStyleRunner(model, device)`, a transformers-style one
+`mpt_kv.TransformersRunner(model, device)`; docs/targets.md has each, and how to write a
+Runner from scratch.
 """
 
 import math
@@ -17,8 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mpt_kv import ReferenceRunner
 from mpt_kv.model import reference
-from mpt_kv.targets.reference import ReferenceRunner
 
 
 class SdpaAttention(reference.Attention):

@@ -172,3 +172,19 @@ def test_the_public_api_imports_lazily():
     code = "import sys, mpt_kv; assert 'torch' not in sys.modules; print(sorted(mpt_kv.__all__)[:3])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "CHECKS" in out
+
+
+def test_the_downstream_adapter_is_at_most_15_lines_of_documented_api():
+    """The acceptance of issue 10: a model with optimum-habana's signature and no cache_idx is
+    adapted in <= 15 lines, importing only names mpt_kv exports (docs/targets.md)."""
+    import ast
+
+    source = (Path(__file__).resolve().parents[1] / "examples" / "downstream" / "src" / "tinympt" / "mpt_kv_target.py")
+    tree = ast.parse(source.read_text())
+    docstring = {n.lineno for n in tree.body[:1] if isinstance(n, ast.Expr)}
+    code = [i for i, line in enumerate(source.read_text().splitlines(), 1)
+            if line.strip() and not line.strip().startswith("#") and i not in docstring]
+    assert len(code) <= 15, f"{len(code)} lines of code in {source}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module.startswith("mpt_kv"):
+            assert node.module == "mpt_kv" and all(a.name in mpt_kv.__all__ for a in node.names), ast.dump(node)

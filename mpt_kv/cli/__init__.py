@@ -4,6 +4,7 @@
   memory      the analytic memory model (and the seed PR's table)
   bench       throughput and memory table per (batch, max input, max new) config
   killmatrix  run every known-bad variant against the properties; non-zero if one survives
+  report      one conformance matrix from the JSON reports of several runs (environments)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ COMMANDS = {
     "memory": "mpt_kv.cli.memory",
     "bench": "mpt_kv.cli.bench",
     "killmatrix": "mpt_kv.cli.killmatrix",
+    "report": "mpt_kv.cli.report",
 }
 
 
