@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import defaultdict
 
 import pytest
@@ -73,6 +74,7 @@ def pytest_configure(config):
     config._mpt_kv_profile = load_profile()
     config._mpt_kv_required = required_devices(config)
     _results.clear()  # one list per process: the controller's (or a worker's) reports
+    clear_stale_report(config)
     _memory.clear()
     for extra in _extras.values():
         extra.clear()
@@ -535,6 +537,13 @@ def with_versions(results: list[dict]) -> list[dict]:
             for r in results]
 
 
+def clear_stale_report(config) -> None:
+    """A report left by an earlier run must not stand in for this one if it stops early."""
+    path = config.getoption("mpt_kv_report")
+    if path and getattr(config, "workerinput", None) is None and os.path.exists(path):
+        os.remove(path)
+
+
 def write_report(config, path) -> None:
     """The run as JSON: results, memory measurements, absent devices, capabilities, environment.
     `python -m mpt_kv report` prints and merges such files."""
@@ -543,5 +552,6 @@ def write_report(config, path) -> None:
     with open(path, "w") as f:
         json.dump({"results": results, "memory": _memory, "absent_devices": absent_devices(results),
                    "hypothesis_profile": config._mpt_kv_profile, "environment": environment(),
+                   "written": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "capabilities": _extras["capabilities"], "unrecorded": list(_extras["unrecorded"].values())},
                   f, indent=1, default=str)

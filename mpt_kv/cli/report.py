@@ -53,7 +53,7 @@ def merge(reports: list[dict]) -> dict:
     profiles = sorted({rep.get("hypothesis_profile") for rep in reports if rep.get("hypothesis_profile")})
     return {"results": results, "memory": memory, "absent_devices": absent, "capabilities": capabilities,
             "unrecorded": unrecorded, "hypothesis_profile": "/".join(profiles) or None,
-            "environments": [rep.get("environment", {}) for rep in reports]}
+            "environments": [{"written": rep.get("written", "?"), **rep.get("environment", {})} for rep in reports]}
 
 
 def main(argv: list[str]) -> int:
