@@ -502,7 +502,8 @@ def matrix_lines(results: list[dict], absent: dict[str, str], profile: str | Non
         lines.append(f"{kind}: {n} cases skipped, not available here: {reason}")
     if rows:
         heads = ["target", "device", "dtype", "path", *PROPERTY_NAMES]
-        table = [[*key, *(rows[key].get(p, "-") for p in PROPERTY_NAMES)] for key in sorted(rows)]
+        order = sorted(rows, key=lambda k: (k[0] != "reference", k))  # the oracle first
+        table = [[*key, *(rows[key].get(p, "-") for p in PROPERTY_NAMES)] for key in order]
         widths = [max(len(str(row[i])) for row in [heads, *table]) for i in range(len(heads))]
         for row in [heads, *table]:
             lines.append(" ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip())
