@@ -21,8 +21,9 @@ the report (near-ties in greedy decoding) and raises:
 Ids: "P0", "P1/<path>", "P2/<path>", "P3/<path>", "static-shape/<path>", "memory/<path>/<config>";
 <path> is concat, static or static+bucket<N>. The shipped tests (mpt_kv/conformance) and a
 project's own tests (`parametrize_with_checks`) run these same functions. The drawn checks (P0-P3)
-run hypothesis under mpt-kv's profile; `check.run_case(target, device, dtype, case)` runs one
-`Case` (a failure's "Falsifying example" prints it) without hypothesis.
+run hypothesis under mpt-kv's profile (a failure is shrunk to a minimal case locally, not under
+CI=true: see SHRINKING_PROFILES); `check.run_case(target, device, dtype, case)` runs one `Case`
+(a failure's "Failing test case" prints it) without hypothesis.
 
 The memory checks always check the analytic properties; the stored ceilings are compared where a
 `StoredCeilings` is given (the pytest plugin gives the project's, see docs/targets.md).
@@ -220,9 +221,10 @@ class Check:
             notes.extend(self.run_case(target, device, dtype, case))
 
         test = given(case=cases(device.type, caps))(one_case)
-        profile = hypothesis_profile()
+        profile, name = hypothesis_profile()
         ctx = _context.get()
-        phases = [p for p in profile.phases if p != Phase.shrink] if ctx and ctx.expected_to_fail else profile.phases
+        shrink = name in SHRINKING_PROFILES and not (ctx and ctx.expected_to_fail)
+        phases = [p for p in profile.phases if p != Phase.shrink or shrink]
         # the first (shrunk) failure only: a group of several would not read as a PropertyFailure
         test = settings(profile, report_multiple_bugs=False, print_blob=False, phases=phases)(test)
         # one example database entry per check, target, device and dtype (the function is shared)
@@ -276,21 +278,26 @@ def compare_stored(m: C.Measurement, store: StoredCeilings | None, path: str) ->
     return notes
 
 
-_profile_loaded = False
+# Shrinking reruns a failing check on ever smaller cases: about 20 s of CPU for one failure of
+# these tiny models, and on HPU every new shape is a graph compilation. Under the ci profile
+# (CI=true) a failure is reported as found: derandomized, so it reproduces, and its message names
+# the whole case (`run_case` reruns it). Locally (dev, thorough) hypothesis shrinks it to a
+# minimal case. An expected failure (xfail) is never shrunk: it only has to fail.
+SHRINKING_PROFILES = ("dev", "thorough")
+_profile_name: str | None = None
 
 
 def hypothesis_profile():
-    """mpt-kv's hypothesis profile (dev; ci under CI=true; MPT_KV_HYPOTHESIS_PROFILE), loaded
-    once per process; under pytest the plugin has loaded it already."""
-    global _profile_loaded
+    """(settings, name) of mpt-kv's hypothesis profile (dev; ci under CI=true;
+    MPT_KV_HYPOTHESIS_PROFILE), loaded once per process (under pytest the plugin loads it too)."""
+    global _profile_name
     from hypothesis import settings
 
     from mpt_kv.checks.strategies import load_profile
 
-    if not _profile_loaded:
-        load_profile()
-        _profile_loaded = True
-    return settings.default
+    if _profile_name is None:
+        _profile_name = load_profile()
+    return settings.default, _profile_name
 
 
 def _build_registry() -> dict[str, Check]:
