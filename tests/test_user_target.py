@@ -3,6 +3,7 @@ project's own test file. The README's worked example runs; a broken spec is a sk
 reason (never silently dropped); an adapter that raises is an "error" in the matrix, never a
 property failure; expected failures xfail only a PropertyFailure."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,8 @@ def build(cfg, state_dict, device, dtype):
 
 @pytest.fixture
 def pytester(pytester, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(REPO / "examples" / "downstream" / "src"))  # tinympt
+    tinympt = str(REPO / "examples" / "downstream" / "src")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tinympt, os.environ.get("PYTHONPATH")])))
     return pytester
 
 
