@@ -338,15 +338,15 @@ def ceilings_dir(config):
 
 
 def known_failures_path(config):
-    """The project's known-failures file (ini mpt_kv_known_failures), or None: mpt-kv's own only."""
+    """The project's known-failures file (ini mpt_kv_known_failures, relative to the ini file),
+    else mpt-kv's own (its built-in targets' upstream bugs). One file: a project lists the
+    entries that apply to what it runs (copying mpt-kv's where it runs the built-in targets)."""
     ini = config.getini("mpt_kv_known_failures")
-    return ini_relative(config, ini) if ini else None
+    return ini_relative(config, ini) if ini else known_failures.FILE
 
 
 def known_failure_entries(config) -> list[dict]:
-    """mpt-kv's own entries (its built-in targets' upstream bugs) and the project's."""
-    path = known_failures_path(config)
-    return [*known_failures.load(), *(known_failures.load(path) if path else [])]
+    return known_failures.load(known_failures_path(config))
 
 
 def stored_ceilings(config):
@@ -408,13 +408,18 @@ def outcome_of(excinfo) -> str:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
+    record_outcome(report, call)
+    return report
+
+
+def record_outcome(report, call) -> None:
+    """The matrix's word for a finished phase (after any xfail handling), on the report."""
     if report.when == "setup" and report.failed:
         report.user_properties.append(("mpt_kv_outcome", "error"))
     elif call.excinfo is not None and report.when == "call" and not hasattr(report, "wasxfail"):
         report.user_properties.append(("mpt_kv_outcome", outcome_of(call.excinfo)))
     elif report.when == "call" and isinstance(report.longrepr, str) and report.longrepr.startswith("[XPASS(strict)]"):
         report.user_properties.append(("mpt_kv_outcome", "XPASS"))
-    return report
 
 
 @pytest.hookimpl(wrapper=True)
