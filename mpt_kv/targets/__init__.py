@@ -136,7 +136,8 @@ def target_name(target: Target) -> str:
     module, name = getattr(target, "__module__", None), getattr(target, "__name__", None)
     if name and getattr(sys.modules.get(module), name, None) is target:
         return f"{module}:{name}"  # what `package.module:factory` would load
-    return f"{module}:{getattr(target, '__qualname__', name or type(target).__name__)}"
+    qualname = getattr(target, "__qualname__", None) or name or type(target).__name__
+    return f"{module}:{name if '<locals>' in qualname and name else qualname}"  # a made factory: its own name
 
 
 def required_features(path: str | None = None, bucket: int | None = None, dtype: torch.dtype | None = None,
