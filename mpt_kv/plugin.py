@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from collections import defaultdict
 
@@ -463,7 +464,7 @@ def project_lines(extras: dict, config=None) -> list[str]:
                          for f, why in sorted(unsupported.items()))
         lines.append(f"  {target} declares unsupported: {what}")
     for u in extras.get("unrecorded", {}).values():
-        args = " ".join(config.invocation_params.args) if config is not None else "..."
+        args = shlex.join(config.invocation_params.args) if config is not None else "..."
         lines.append(f"  memory: {u['target']} on {u['device']} has no stored ceilings in {u['file']} ({u['cases']} "
                      f"cases checked against the analytic model only); record them: pytest {args} --update-ceilings, "
                      "then commit the file")
