@@ -76,10 +76,10 @@ def _unique_bytes(model) -> int:
 
 
 def test_untying_mpt_costs_one_vocab_matrix():
-    # The lm_head term, on transformers' own MPT: when Module._apply cannot update a parameter in
-    # place it makes a new Parameter per module (torch/nn/modules/module.py, the branch lazy-mode HPU
-    # parameters need Habana's weight-sharing wrapper for), so the tied wte/lm_head pair ends up as
-    # two matrices. Forced on CPU with overwrite_module_params_on_conversion; fp64 makes new tensors.
+    # The size of the lm_head term, on transformers' own MPT: when Module._apply does not update a
+    # parameter in place it gives each module a new Parameter (torch/nn/modules/module.py), so the
+    # tied wte/lm_head pair ends up as two matrices, what Habana's weight-sharing wrapper exists to
+    # undo. Forced on CPU with overwrite_module_params_on_conversion; fp64 makes new tensors.
     from transformers import MptConfig, MptForCausalLM
 
     cfg = MptConfig(d_model=TINY.d_model, n_heads=TINY.n_heads, n_layers=TINY.n_layers,

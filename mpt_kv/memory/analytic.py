@@ -285,7 +285,8 @@ def untied_lm_head_bytes(shape: Shape, itemsize: int) -> int:
     is false ([WS] core/__init__.py _enable_weight_sharing_if_needed). The
     example sets EXPERIMENTAL_WEIGHT_SHARING=FALSE in setup_env ([EU] 136) before
     setup_device imports the core ([EU] 571-572), then calls model.to(device)
-    ([EU] 229): lm_head and wte come out as two matrices.
+    ([EU] 229): lm_head and wte come out as two matrices. Inferred from the
+    wrapper's existence; the plain lazy-mode path was not read in the bridge's C++.
     """
     return shape.vocab_size * shape.d_model * itemsize
 
@@ -458,14 +459,14 @@ def seed_table_text() -> str:
     lines = [SEED_TERMS_TEXT, ""]
     lines.append(
         f"{'version':7} {'B':>4} {'in':>5} {'new':>5} | {'alloc':>6} {'model':>6} {'err':>7} | "
-        f"{'max':>6} {'model':>6} {'err':>7} | {'k':>5}   (GiB)"
+        f"{'max':>6} {'model':>6} {'err':>7} | {'k':>6}   (GiB)"
     )
     for c in rows:
         r = c.row
         lines.append(
             f"{r.version:7} {r.batch:4d} {r.max_input:5d} {r.max_new:5d} | "
             f"{r.allocated_gb:6.2f} {c.model_allocated_gb:6.2f} {c.allocated_error:+7.1%} | "
-            f"{r.max_allocated_gb:6.2f} {c.model_max_gb:6.2f} {c.max_error:+7.1%} | {c.k:5.3f}"
+            f"{r.max_allocated_gb:6.2f} {c.model_max_gb:6.2f} {c.max_error:+7.1%} | {c.k:6.4f}"
         )
         if c.note:
             lines.append(f"    {c.note}")
@@ -484,7 +485,7 @@ def seed_table_text() -> str:
     ks = [c.k for c in rows]
     lines.append("")
     lines.append(f"leave-one-out: {within} of {len(rows)} rows within {TOLERANCE:.0%} in both columns "
-                 f"(worst {worst:.2%}); k from the other rows {min(ks):.3f}-{max(ks):.3f}")
+                 f"(worst {worst:.2%}); k from the other rows {min(ks):.4f}-{max(ks):.4f}")
     units = seed_units()
     gib, gb = (" ".join(f"{e:.1%}" for e in units[k]) for k in ("GiB", "GB"))
     lines.append(f"units: before-after alloc gap vs views' n*u, per pair: GB read as GiB {gib};"
