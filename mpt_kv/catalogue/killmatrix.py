@@ -8,7 +8,9 @@ must-kill catalogue (the known-bad variants of variants.py). Columns: P0-P4 (pro
 the output-reuse check, is "n/a" in a build that lacks it), static-shape (static_shape.py) and
 memory (ceilings.check_memory). Each column runs over fixed, deterministic cases (`CASES`) and
 its cache paths (concat, static, static with the case's cache_idx bucket), fp32, CPU by default.
-The value columns (P0-P2) also run the long case, which the structural columns do not need.
+Each case names the columns that run it, to keep the matrix fast: the long case runs the value
+columns (P0-P2) only; the memory column (the costliest: an exact byte count of every op) and
+static-shape run the first case, static-shape the wide one too.
 
 A kill is a check that raises: `PropertyFailure` is "killed", any other exception "killed (error:
 ExcType)" (the variant crashes, which a user would see too). A column stops at its first kill.
@@ -45,10 +47,11 @@ class MatrixCase:
     case: P.Case
     bucket: int                 # cache_idx bucket of the bucketed static path
     reaches: str                # what the case is there for
-    value_columns_only: bool = False
+    columns: tuple[str, ...] = COLUMNS  # the columns that run it (the costly ones run where they matter)
 
 
-VALUE_COLUMNS = ("P0", "P1", "P2")
+VALUES = ("P0", "P1", "P2")
+PROPERTIES = ("P0", "P1", "P2", "P3", "P4")
 
 CASES = (
     MatrixCase(P.Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 5, seed=1),
@@ -56,16 +59,16 @@ CASES = (
                   "bucket boundary (cache_idx 8 and 10)"),
     MatrixCase(P.Case(ModelConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32, clip_qkv=0.5),
                       (6, 2, 4), 4, seed=2),
-               4, "clip_qkv small enough to clamp most of mixed_qkv; three rows, two padded"),
+               4, "clip_qkv small enough to clamp most of mixed_qkv; three rows, two padded", PROPERTIES),
     MatrixCase(P.Case(ModelConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=16), (1,), 3, seed=3),
-               4, "a one-token, one-row prompt: its k, v slices of mixed_qkv are already contiguous"),
+               4, "a one-token, one-row prompt: its k, v slices of mixed_qkv are already contiguous", PROPERTIES),
     MatrixCase(P.Case(ModelConfig(d_model=64, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=24), (18, 11), 6, seed=4),
                8, "head_dim 32 (fused kernels' sizes; MPT-7B has 128), decode past 16 positions, the last slot at "
-                  "max_seq_len"),
-    MatrixCase(P.Case(ModelConfig(d_model=32, n_heads=1, n_layers=1, vocab_size=64, max_seq_len=258), (250, 129), 8,
+                  "max_seq_len", (*PROPERTIES, "static-shape")),
+    MatrixCase(P.Case(ModelConfig(d_model=32, n_heads=1, n_layers=1, vocab_size=64, max_seq_len=258), (254, 129), 4,
                       seed=5),
                128, "prompts past 128, decode across position 256 (bf16 positions, the bucket boundary of 128) to "
-                    "max_seq_len", value_columns_only=True),
+                    "max_seq_len", VALUES),
 )
 
 
@@ -141,7 +144,7 @@ def run_column(check: Check, build, name: str, device, dtype, runners: dict) -> 
         return Cell("n/a", reason)
     ran, skipped = 0, ""
     for mc in CASES:
-        if mc.value_columns_only and check.name not in VALUE_COLUMNS:
+        if check.name not in mc.columns:
             continue
         for path, bucket in paths(check.paths, mc.bucket):
             c = P.Context(name, device.type, dtype, mc.case, path, bucket)

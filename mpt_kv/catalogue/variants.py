@@ -105,7 +105,7 @@ contiguous_is_not_always_a_copy = variant(
     "contiguous, so they stay views of mixed_qkv",
     "the `.transpose(1, 2).contiguous()` idiom used as a copy; a no-op on a tensor that is already "
     "contiguous (size-1 dimensions make the (1, H, 1, hd) slice so)",
-    ["P3", "memory"], concat=ContiguousConcatCache)
+    ["P3"], concat=ContiguousConcatCache)
 
 
 class KeepsOldConcatCache(ConcatCache):

@@ -13,7 +13,7 @@ import torch
 
 from mpt_kv.catalogue.killmatrix import CASES, CHECKS, Cell, must_pass, problems, run_matrix, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
-from mpt_kv.catalogue.variants import VARIANTS, Variant
+from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 
 
 def mark(variant: Variant | None, col: str, cell: Cell) -> str:
@@ -71,8 +71,8 @@ def format_markdown(matrix: dict, checks: list[str], seconds: float) -> str:
 
 
 def legend(matrix: dict) -> str:
-    cases = "; ".join(f"{mc.case.describe()}, bucket {mc.bucket}" + (" (P0-P2 only)" if mc.value_columns_only else "")
-                      for mc in CASES)
+    cases = "; ".join(f"{mc.case.describe()}, bucket {mc.bucket}"
+                      + ("" if mc.columns == COLUMNS else f" ({', '.join(mc.columns)} only)") for mc in CASES)
     na = {c: cell.detail for cells in matrix["must_pass"].values() for c, cell in cells.items() if cell.result == "n/a"}
     return (f"Cases (fp32): {cases}; paths concat, static, static with the case's cache_idx bucket. A kill is a "
             f"check that raises: PropertyFailure (killed / FAIL) or any other exception (killed / FAIL (error: type)); "
@@ -85,7 +85,7 @@ def to_json(matrix: dict, checks: list[str], seconds: float) -> dict:
     return {
         "checks": checks,
         "cases": [{"case": mc.case.describe(), "bucket": mc.bucket, "reaches": mc.reaches,
-                   "value_columns_only": mc.value_columns_only} for mc in CASES],
+                   "columns": list(mc.columns)} for mc in CASES],
         "seconds": round(seconds, 2),
         "must_pass": {name: {"what": designs[name].what if name in designs else "",
                              "origin": designs[name].origin if name in designs else "",
