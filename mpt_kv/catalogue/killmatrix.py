@@ -28,6 +28,7 @@ Exit status:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,6 +51,14 @@ class MatrixCase:
     columns: tuple[str, ...] = COLUMNS  # the columns that run it (the costly ones run where they matter)
 
 
+def bool_mask(case: P.Case) -> P.Case:
+    """The case with a bool attention mask, where `Case` carries a mask dtype (issue 12.4, the value
+    checks' side); the case as it is in a build without one."""
+    if "mask_dtype" not in {f.name for f in dataclasses.fields(P.Case)}:
+        return case
+    return dataclasses.replace(case, mask_dtype=torch.bool)
+
+
 VALUES = ("P0", "P1", "P2")
 PROPERTIES = ("P0", "P1", "P2", "P3", "P4")
 
@@ -57,9 +66,9 @@ CASES = (
     MatrixCase(P.Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 5, seed=1),
                4, "3 heads (ALiBi slopes of a non-power of two), left padding, decode steps at and before a "
                   "bucket boundary (cache_idx 8 and 10)"),
-    MatrixCase(P.Case(ModelConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32, clip_qkv=0.5),
-                      (6, 2, 4), 4, seed=2),
-               4, "clip_qkv small enough to clamp most of mixed_qkv; three rows, two padded", PROPERTIES),
+    MatrixCase(bool_mask(P.Case(ModelConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32,
+                                            clip_qkv=0.5), (6, 2, 4), 4, seed=2)),
+               4, "clip_qkv small enough to clamp most of mixed_qkv; three rows, two padded; a bool mask", PROPERTIES),
     MatrixCase(P.Case(ModelConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=16), (1,), 3, seed=3),
                4, "a one-token, one-row prompt: its k, v slices of mixed_qkv are already contiguous", PROPERTIES),
     MatrixCase(P.Case(ModelConfig(d_model=64, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=24), (18, 11), 6, seed=4),

@@ -20,7 +20,9 @@ Two kinds of limit, combined like this:
      (counters such as transformers' `cumulative_length`), found by walking the session's
      attributes. Exact on cpu (to the byte); within the allocator's rounding elsewhere
      (`ROUNDING`). A cache that keeps K/V as views of `mixed_qkv` pins the q third: exactly
-     n * B * S * D * s too many after prefill, reported per layer with the storage's size.
+     n * B * S * D * s too many after prefill, reported per layer with the storage's size. A
+     cache pool's storages (kept from the warm-up generation and reused) are part of KV(L):
+     allocated before the generation, they are counted as the cache, not as missing bytes.
    - static decode: a step's peak above what was allocated before it is at most
      `decode_bound`: one layer's transients at q = 1 (`analytic.layer_transients`, times
      `TRANSIENT_SLACK`), the step's logits and its masks. None of it is proportional to the
@@ -29,8 +31,12 @@ Two kinds of limit, combined like this:
      (`torch.cat` while the old tensors are referenced: per layer in the reference, the whole
      cache in optimum-habana's tuple cache, the transformers issue in shared/seeds/), but
      nothing beyond one old and one new cache.
-   - returned: after the session is deleted, allocation is back to the level before it
-     (nothing leaks across steps or calls).
+   - no leak: allocation does not grow from one generation to the next: after the measured
+     generation's session is deleted, and after `LEAK_GENERATIONS - 1` more, allocation is back
+     at the level before it (net growth over repeated generations, as PyTorch's CUDA leak checks
+     judge a test). A cache pool allocated once passes; a pool that grows every generation fails.
+   - cache with its session: the cache's storages die with its session, unless the target
+     declares a pool (`Capabilities(cache_pool=True)`, optimum-habana's reuse_cache).
 
 2. Stored ceilings (`Baseline`), for the config table `CONFIGS` only: per device kind a JSON
    file (`baselines/ceilings-<kind>.json`) maps a key (target and its implementing package's
