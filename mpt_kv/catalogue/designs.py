@@ -125,15 +125,16 @@ class PoolMPT(ReferenceMPT):
     zero_on_reuse = True
 
     def new_cache(self, path, batch, max_len=None, fill=None):
-        pool = getattr(self, "pool", None)
         if path != "static":
             return super().new_cache(path, batch, max_len, fill)
+        pool = getattr(self, "pool", None)
         if pool is None or pool.kv[0][0].shape[0] != batch or pool.max_len != (max_len or self.cfg.max_seq_len):
             self.pool = super().new_cache(path, batch, max_len, fill)  # a pool of another shape is freed
             return self.pool
         if self.zero_on_reuse:
             for k, v in pool.kv:
-                k.zero_(), v.zero_()
+                k.zero_()
+                v.zero_()
         pool.prefilled = [False] * self.cfg.n_layers  # the prefill writes from slot 0 again
         return pool
 
