@@ -94,7 +94,7 @@ def check_outputs_not_reused(runner, reference, c):
 def p4_unavailable() -> str | None:
     if hasattr(P, "check_outputs_not_reused"):
         return None
-    return "the output-reuse check (issue 12.2: properties.check_outputs_not_reused) is not in this build"
+    return "the output-reuse check (issue 12.2: properties.check_outputs_not_reused), not in this build"
 
 
 def check_memory(runner, reference, c):

@@ -353,8 +353,8 @@ fused_decode_drops_alibi_for_large_heads = variant(
     "fused_decode_drops_alibi_for_large_heads",
     "for head_dim >= 32, decode takes a fused attention kernel (scaled_dot_product_attention with "
     "the bool mask) that has no bias input: ALiBi is dropped",
-    "kernels dispatch on head size (flash/fused SDPA kernels cover 32..256; MPT-7B has head_dim 128) "
-    "and many take no arbitrary bias; the tiny drawn cases (head_dim 4-16) never take that path",
+    "kernels dispatch on head size (a fused kernel is taken only for the head sizes it supports; MPT-7B has "
+    "head_dim 128) and many take no arbitrary bias; the tiny drawn cases (head_dim 4-16) never take that path",
     ["P1"], attention=FusedPathForLargeHeads)
 
 
