@@ -99,6 +99,38 @@ def sync(kind: str) -> None:
         torch.hpu.synchronize()
 
 
+def available_memory(kind: str) -> tuple[int, str]:
+    """(bytes free for a new allocation on `kind`, where that number comes from), read without
+    allocating: cpu from /proc/meminfo's MemAvailable (capped by a cgroup v2 limit, which is what
+    the OOM killer enforces in a container), else os.sysconf; cuda from torch.cuda.mem_get_info;
+    hpu from the allocator's memory_stats (Limit - InUse)."""
+    if kind == "cpu":
+        free, source = None, ""
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+            free, source = info["MemAvailable"], "MemAvailable in /proc/meminfo"
+        except (OSError, KeyError, ValueError):
+            free, source = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "os.sysconf(SC_AVPHYS_PAGES)"
+        try:
+            with open("/sys/fs/cgroup/memory.max") as f:
+                limit = f.read().strip()
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read())
+            if limit != "max" and int(limit) - used < free:
+                free, source = int(limit) - used, "the cgroup's memory.max - memory.current"
+        except (OSError, ValueError):
+            pass
+        return free, source
+    import torch
+
+    torch_device(kind)  # raises DeviceUnavailable with the reason if it is not here
+    if kind == "cuda":
+        return torch.cuda.mem_get_info(0)[0], "torch.cuda.mem_get_info"
+    stats = torch.hpu.memory_stats()
+    return int(stats["Limit"]) - int(stats["InUse"]), "torch.hpu.memory_stats() Limit - InUse"
+
+
 # --- cards: counted by the xdist controller, one pinned per worker -------------------------------
 
 def _split(value: str) -> list[str]:

@@ -123,12 +123,12 @@ def device(request) -> "torch.device":  # noqa: F821
         pytest.fail(f"xdist worker {worker} was given no {kind} card (more workers than cards?)", pytrace=False)
     reason = devices.unavailable_reason(kind)
     if reason:
-        why = request.config._mpt_kv_required.get(kind)
-        if why:
-            pytest.fail(f"{why}: {kind} is not available: {reason}", pytrace=False)
         if card:  # the controller counted this card; a worker that cannot see it must not pass quietly
             pytest.fail(f"xdist worker {worker} was given {kind} card {card} ({devices.VISIBLE[kind]}={card}) but "
                         f"{kind} is not available in it: {reason}", pytrace=False)
+        why = request.config._mpt_kv_required.get(kind)
+        if why:
+            pytest.fail(f"{why}: {kind} is not available: {reason}", pytrace=False)
         pytest.skip(f"{kind} unavailable: {reason}")
     return devices.torch_device(kind)
 
@@ -212,7 +212,7 @@ def pytest_runtest_logreport(report):
             note = [v for k, v in report.user_properties if k == "mpt_kv_note"]
             _results.append({**props["mpt_kv"], "outcome": outcome, "nodeid": report.nodeid, "notes": note,
                              "kinds": kinds})
-        elif report.when == "call":
+        else:  # any other case: its call, or its setup where that failed (a device case that errored counts)
             _results.append({"outcome": report.outcome, "nodeid": report.nodeid, "kinds": kinds})
 
 
@@ -342,13 +342,8 @@ def device_requirements(config) -> dict[str, str]:
 
 
 def configure_gate(config) -> None:
-    """Everything the gate can refuse before collection: a worker's card pin, --update-ceilings
-    under CI, an unwritable report path, a malformed known-failures file."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        try:
-            devices.check_pinned()
-        except devices.DeviceUnavailable as e:
-            raise pytest.UsageError(str(e)) from None
+    """Everything the gate can refuse before collection: --update-ceilings under CI, an
+    unwritable report path, a malformed known-failures file."""
     if config.getoption("update_ceilings") and in_ci():
         raise pytest.UsageError("--update-ceilings is refused under CI: recording a baseline is a local step whose "
                                 "diff a reviewer reads; run it locally, review the diff and commit the file")
@@ -408,7 +403,11 @@ def kind_reason(config, kind: str) -> str | None:
 
 
 def check_required_devices(config) -> None:
-    """A required kind that is absent stops the run before any test, with one line."""
+    """A required kind that is absent stops the run before any test, with one line. Decided by
+    the controller under xdist: a worker whose card is missing fails its cases instead (the
+    device fixture), it must not crash and be restarted on the same card again and again."""
+    if hasattr(config, "workerinput"):
+        return
     for kind, why in config._mpt_kv_required.items():
         reason = kind_reason(config, kind)
         if reason:
@@ -488,7 +487,10 @@ def missing_package(spec: str) -> str | None:
 
 
 def check_named_targets(config) -> None:
-    """A named target that cannot even be imported stops the run before any test."""
+    """A named target that cannot even be imported stops the run before any test (decided by
+    the controller under xdist)."""
+    if hasattr(config, "workerinput"):
+        return
     from mpt_kv.errors import TargetUnavailable
     from mpt_kv.targets import resolve
 

@@ -18,19 +18,19 @@ def dir_problem(path: str | os.PathLike) -> str | None:
     path = Path(path).absolute()
     if path.exists():
         if not path.is_dir():
-            return "exists and is not a folder"
-        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+            return f"{path} exists and is not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
     base = _nearest_existing(path.parent)
     if not base.is_dir():
-        return f"cannot be created: {base} is not a folder"
-    return None if os.access(base, os.W_OK | os.X_OK) else f"cannot be created: {base} is not writable"
+        return f"{path} cannot be created: {base} is not a folder"
+    return None if os.access(base, os.W_OK | os.X_OK) else f"{path} cannot be created: {base} is not writable"
 
 
 def file_problem(path: str | os.PathLike) -> str | None:
     """Why a file cannot be written (None if it can; its missing parent folders are created later)."""
     path = Path(path).absolute()
     if path.is_dir():
-        return "is a folder, expected a file name"
+        return f"{path} is a folder, expected a file name"
     if path.exists():
-        return None if os.access(path, os.W_OK) else "is not writable"
+        return None if os.access(path, os.W_OK) else f"{path} is not writable"
     return dir_problem(path.parent)

@@ -28,7 +28,7 @@ class HpuOnCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(_is_hpu(a) for a in (*args, *kwargs.values())):
+        if func is not torch.device and any(_is_hpu(a) for a in (*args, *kwargs.values())):
             if MODE == "broken":
                 raise RuntimeError(f"synStatus 26 [Device not found]: fake broken HPU, {func.__name__} failed")
             args = tuple(torch.device("cpu") if _is_hpu(a) else a for a in args)
