@@ -117,14 +117,16 @@ def test_selection_implies_requirement_unless_allowed_missing(monkeypatch):
 
 
 @pytest.mark.skipif(devices.unavailable_reason("hpu") is None, reason="this machine has an HPU: the gate would pass")
-def test_pytest_m_hpu_without_hpu_is_one_clear_usage_error(run):
-    result = run(ONE_CASE_PER_DEVICE, "-m", "hpu")
+@pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["single", "xdist"])
+def test_pytest_m_hpu_without_hpu_is_one_clear_usage_error(run, xdist):
+    result = run(ONE_CASE_PER_DEVICE, "-m", "hpu", *xdist)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, output(result)
     errors = [line for line in result.errlines if line.startswith("ERROR:")]
     assert len(errors) == 1 and errors[0].startswith("ERROR: -m 'hpu' selects hpu cases, but hpu is not available "
                                                      "here: habana_frameworks"), output(result)
     assert "This runner cannot gate hpu changes" in errors[0]
     assert "test_add" not in output(result), "no case may run once the gate refused"
+    assert "created:" not in output(result), "the xdist controller refuses before it starts a worker"
 
 
 @pytest.mark.skipif(devices.unavailable_reason("hpu") is None, reason="this machine has an HPU")
@@ -619,6 +621,14 @@ def test_every_output_path_is_checked_before_the_work_starts(tmp_path, capsys, m
         main([fill(a) for a in args])
     assert e.value.code == 2
     assert fill(message) in capsys.readouterr().err
+
+
+def test_the_plugin_checks_its_report_path_before_collecting(tmp_path):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    with pytest.raises(pytest.UsageError, match=re.escape(f"--mpt-kv-report {file}/r.json: {file} exists and is not "
+                                                          "a folder")):
+        plugin.configure_gate(FakeConfig(mpt_kv_report=f"{file}/r.json"))
 
 
 @pytest.mark.skipif(devices.unavailable_reason("cuda") is None, reason="this machine has CUDA")
