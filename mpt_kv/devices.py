@@ -196,10 +196,12 @@ def survey(kinds) -> dict[str, dict]:
     out = {k: {"reason": r, "cards": []} for k in kinds if (r := _cannot_be_here(k))}
     todo = [k for k in kinds if k not in out]
     if todo:
-        proc = subprocess.run([sys.executable, "-m", "mpt_kv.devices", *todo], capture_output=True, text=True,
-                              timeout=300)
         try:
+            proc = subprocess.run([sys.executable, "-m", "mpt_kv.devices", *todo], capture_output=True, text=True,
+                                  timeout=300)
             out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        except subprocess.TimeoutExpired:
+            out.update({k: {"reason": "probing it in a subprocess took over 300 s", "cards": []} for k in todo})
         except (IndexError, ValueError):
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             out.update({k: {"reason": f"probing it in a subprocess failed (exit {proc.returncode}): {tail}",

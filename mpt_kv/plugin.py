@@ -95,8 +95,10 @@ def pytest_sessionstart(session):
 
 
 def target_specs(config) -> list[str]:
+    from mpt_kv.targets import BUILTIN
+
     extra = config.getoption("target")
-    return extra if config.getoption("only_targets") else [*BUILTIN_PACKAGES, *[t for t in extra if t not in BUILTIN_PACKAGES]]
+    return extra if config.getoption("only_targets") else [*BUILTIN, *[t for t in extra if t not in BUILTIN]]
 
 
 def pytest_generate_tests(metafunc):
