@@ -174,7 +174,9 @@ def pytest_collection_modifyitems(config, items):
     entries = config._mpt_kv_known
     covered = set()
     for item in items:
-        item.user_properties.append(("mpt_kv_kinds", item_kinds(item)))
+        kinds = item_kinds(item)
+        if kinds:  # travels to the xdist controller with the reports
+            item.user_properties.append(("mpt_kv_kinds", kinds))
         p = _params(item)
         if "property" in p and "target" in p:
             config._mpt_kv_known_cases = True
