@@ -296,26 +296,23 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
-def kinds_required_by_markexpr(expr: str | None) -> list[str]:
-    """The device kinds a `-m` expression cannot select a case without: a kind is required if
-    the expression is false whenever that kind's marker is absent, whatever the other markers
-    (`hpu`, `hpu and not slow`, `(hpu or cuda) and hpu`; not `hpu or cpu`, not `not hpu`).
-    Evaluated with pytest's own expression parser over every assignment of its names."""
-    if not expr or not expr.strip():
-        return []
+def _markexpr_can_select(expr: str, markers: dict[str, bool]) -> bool:
+    """Whether the `-m` expression is true for some case whose markers named in `markers` are
+    as given (the rest: any). Evaluated with pytest's own expression parser, over every
+    assignment of the other names it asks about."""
     from _pytest.mark.expression import Expression
 
     try:
         compiled = Expression.compile(expr)
     except SyntaxError:
-        return []  # pytest reports the malformed expression itself
+        return True  # pytest reports the malformed expression itself
 
-    def satisfiable(absent: str, fixed: dict) -> bool:
+    def satisfiable(fixed: dict) -> bool:
         asked = []
 
         def matcher(name, **kwargs):
-            if name == absent:
-                return False
+            if name in markers:
+                return markers[name]
             key = (name, tuple(sorted(kwargs.items())))
             if key not in fixed and key not in asked:
                 asked.append(key)
@@ -324,10 +321,26 @@ def kinds_required_by_markexpr(expr: str | None) -> list[str]:
         if compiled.evaluate(matcher):
             return True
         free = [k for k in asked if k not in fixed]
-        return bool(free) and (satisfiable(absent, {**fixed, free[0]: True})
-                               or satisfiable(absent, {**fixed, free[0]: False}))
+        return bool(free) and (satisfiable({**fixed, free[0]: True}) or satisfiable({**fixed, free[0]: False}))
 
-    return [kind for kind in devices.KINDS if not satisfiable(kind, {})]
+    return satisfiable({})
+
+
+def kinds_required_by_markexpr(expr: str | None) -> list[str]:
+    """The device kinds a `-m` expression cannot select a case without: the expression is
+    false whenever that kind's marker is absent, whatever the other markers (`hpu`, `hpu and
+    not slow`, `(hpu or cuda) and hpu`; not `hpu or cpu`, not `not hpu`)."""
+    if not expr or not expr.strip():
+        return []
+    return [kind for kind in devices.KINDS if not _markexpr_can_select(expr, {kind: False})]
+
+
+def kinds_selectable_by_markexpr(expr: str | None) -> list[str]:
+    """The device kinds whose cases (one device marker each) the `-m` expression can select."""
+    if not expr or not expr.strip():
+        return list(devices.KINDS)
+    return [kind for kind in devices.KINDS
+            if _markexpr_can_select(expr, {k: k == kind for k in devices.KINDS})]
 
 
 def device_requirements(config) -> dict[str, str]:
@@ -390,7 +403,8 @@ def device_survey(config) -> dict[str, dict]:
     xdist controller probes them in a subprocess (devices.survey): it never initialises a device
     its workers need. A single process probes here; it is the one that uses the device."""
     if getattr(config, "_mpt_kv_survey", None) is None:
-        kinds = [k for k in devices.KINDS if k != "cpu" and
+        selectable = kinds_selectable_by_markexpr(config.getoption("markexpr", ""))
+        kinds = [k for k in devices.KINDS if k != "cpu" and k in selectable and
                  (k in (config.getoption("device") or devices.KINDS) or k in config._mpt_kv_required)]
         if is_xdist_controller(config):
             config._mpt_kv_survey = devices.survey(kinds)

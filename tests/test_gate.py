@@ -107,6 +107,14 @@ def test_a_marker_expression_requires_the_kinds_it_cannot_select_without(expr, r
     assert plugin.kinds_required_by_markexpr(expr) == required
 
 
+@pytest.mark.parametrize("expr,selectable", [
+    ("hpu", ["hpu"]), ("not hpu", ["cpu", "cuda"]), ("not hpu and not cuda", ["cpu"]), ("slow", ["cpu", "cuda", "hpu"]),
+    ("", ["cpu", "cuda", "hpu"]), ("hpu and cuda", [])])  # a case has one device marker
+def test_kinds_a_marker_expression_can_select(expr, selectable):
+    """Only these need cards under xdist: `-m 'not hpu' -n 16` on an 8-card Gaudi machine is fine."""
+    assert plugin.kinds_selectable_by_markexpr(expr) == selectable
+
+
 def test_selection_implies_requirement_unless_allowed_missing(monkeypatch):
     monkeypatch.delenv("MPT_KV_REQUIRE_DEVICE", raising=False)
     config = FakeConfig(markexpr="hpu and not slow", device=["cuda"], require_device=["cpu"])
