@@ -571,6 +571,10 @@ def test_locked_versions_are_the_ones_the_ceilings_are_keyed_by(constraints_diff
     assert cpu["torch"] == oh["torch"] == "2.13.0"
 
 
+def test_the_latest_env_pins_only_torch(constraints_diff):
+    assert constraints_diff.read_lock(ROOT / "constraints" / "latest.txt") == {"torch": "2.13.0"}
+
+
 def test_the_hpu_lock_never_installs_the_images_own_packages(constraints_diff):
     hpu = constraints_diff.read_lock(ROOT / "constraints" / "hpu.txt")
     assert not {"torch", "transformers", "habana-frameworks", "optimum-habana"} & set(hpu)
@@ -588,7 +592,7 @@ def test_tox_envs_install_from_the_locks_and_latest_is_not_default():
     assert "--strict-known-failures" in tox["testenv"]["commands"]
     assert "--target optimum-habana" in tox["testenv:ohabana"]["commands"]
     assert "torch" not in tox["testenv:hpu"]["deps"]
-    assert "PIP_CONSTRAINT" not in tox["testenv:latest"]["set_env"]
+    assert "constraints{/}latest.txt" in tox["testenv:latest"]["set_env"]  # only torch: the rest at its newest
     assert "diff.py" in tox["testenv:latest"]["commands_pre"]
 
 
