@@ -11,9 +11,11 @@ import time
 
 import torch
 
+from mpt_kv import devices
 from mpt_kv.catalogue.killmatrix import CASES, CHECKS, Cell, must_pass, problems, run_matrix, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
+from mpt_kv.cli.outputs import file_problem
 
 
 def mark(variant: Variant | None, col: str, cell: Cell) -> str:
@@ -123,6 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown design/variant/check {unknown}: designs {list(designs)}, variants {list(VARIANTS)}, "
               f"checks {list(CHECKS)}", file=sys.stderr)
         return 2
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError as e:
+        parser.error(f"--device {args.device!r} is not a torch device: {e}")
+    reason = devices.unavailable_reason(kind) if kind in devices.KINDS else f"mpt-kv supports {devices.KINDS}"
+    if not reason and kind == "cuda" and torch.device(args.device).index is not None \
+            and torch.device(args.device).index >= torch.cuda.device_count():
+        reason = f"only {torch.cuda.device_count()} cuda devices"
+    if reason:  # a usage error, not "reference FAIL" for every check
+        parser.error(f"--device {args.device} is not available here: {reason}")
+    for flag, path in (("--markdown", args.markdown), ("--json", args.json)):
+        problem = path and file_problem(path)
+        if problem:
+            parser.error(f"{flag} {path}: {problem}")
     chosen = args.design or args.variant  # naming some rows runs only those (and the reference)
     rows = [designs[n] for n in (args.design if chosen else designs)]
     variants = [VARIANTS[n] for n in (args.variant if chosen else VARIANTS)]
