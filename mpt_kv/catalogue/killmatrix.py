@@ -1,85 +1,145 @@
-"""The kill matrix: every property against every known-bad variant (variants.py).
+"""The kill matrix: every check against both catalogues.
 
-    python -m mpt_kv killmatrix [--variant NAME ...] [--check NAME ...] [--markdown FILE] [--json FILE]
+    python -m mpt_kv killmatrix [--design NAME ...] [--variant NAME ...] [--check NAME ...]
+                                [--markdown FILE] [--json FILE]
 
-Columns: P0-P3 (properties.py), static-shape (static_shape.py) and memory
-(`mpt_kv.ceilings.check_memory`, "n/a" until that module exists). Each column runs over a fixed,
-deterministic set of cases (`CASES`: left padding, 3 heads, clip_qkv, several decode steps) and
-its cache paths (concat, static, static with cache_idx buckets of `BUCKET`), fp32, CPU by default.
+Rows: the must-pass catalogue (the reference and the legitimate designs of designs.py) and the
+must-kill catalogue (the known-bad variants of variants.py). Columns: P0-P4 (properties.py; P4,
+the output-reuse check, is "n/a" in a build that lacks it), static-shape (static_shape.py) and
+memory (ceilings.check_memory). Each column runs over fixed, deterministic cases (`CASES`) and
+its cache paths (concat, static, static with the case's cache_idx bucket), fp32, CPU by default.
+Each case names the columns that run it, to keep the matrix fast: the long case runs the value
+columns (P0-P2) only; the memory column (the costliest: an exact byte count of every op) and
+static-shape run the first case, static-shape the wide one too.
 
-What counts as a kill: a check run on the variant raises. `PropertyFailure` is "killed"; any
-other exception is "killed (error: ExcType)": the variant crashes, which a user would see too.
-A column stops at its first kill. "survived": every run of the column passed.
+A kill is a check that raises: `PropertyFailure` is "killed", any other exception "killed (error:
+ExcType)" (the variant crashes, which a user would see too). A column stops at its first kill.
+On a must-pass row the same outcomes read "FAIL" and "FAIL (error: ExcType)". A case the target
+declares unsupported (`Capabilities`) is skipped; a column where every case was is "unsupported".
 
-The unmodified reference runs through the same checks first and must pass them all: checks that
-fail the good model prove nothing about the bad ones.
-
-Exit status: 0 every variant killed, each by the columns it names as expected killers (where
-those are available); 1 a variant survived every check, or an expected killer missed it; 2 the
-reference failed a check, or bad arguments.
+Exit status:
+  0  every must-pass row passes, every variant is killed by the columns it names (where those
+     exist in this build), or waits, as declared, for a check feature this build lacks
+  1  a variant survived (a missing or weak test), an expected killer missed it, or a waiting
+     variant is now killed by its expected killer (drop its `waits_for`, as for a strict xfail)
+  2  a must-pass row failed a check (a false positive: fix the check, not the design), or bad
+     arguments
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from mpt_kv.catalogue.designs import DESIGNS, Design
+from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 from mpt_kv.checks import properties as P
 from mpt_kv.checks import static_shape
 from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import ModelConfig, random_state_dict
-from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 
-BUCKET = 4
+
+@dataclass(frozen=True)
+class MatrixCase:
+    case: P.Case
+    bucket: int                 # cache_idx bucket of the bucketed static path
+    reaches: str                # what the case is there for
+    columns: tuple[str, ...] = COLUMNS  # the columns that run it (the costly ones run where they matter)
+
+
+def bool_mask(case: P.Case) -> P.Case:
+    """The case with a bool attention mask, where `Case` carries a mask dtype (issue 12.4, the value
+    checks' side); the case as it is in a build without one."""
+    if "mask_dtype" not in {f.name for f in dataclasses.fields(P.Case)}:
+        return case
+    return dataclasses.replace(case, mask_dtype=torch.bool)
+
+
+VALUES = ("P0", "P1", "P2")
+PROPERTIES = ("P0", "P1", "P2", "P3", "P4")
+
 CASES = (
-    # 3 heads (ALiBi slopes of a non-power of two), rows of 5 and 3 tokens (left padding); with
-    # bucket 4 the steps at token_idx 6..10 reach cache_idx 8 and 10 at and before the boundary
-    P.Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 5, seed=1),
-    # clip_qkv small enough to clamp most of mixed_qkv; three rows, two of them padded
-    P.Case(ModelConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32, clip_qkv=0.5),
-           (6, 2, 4), 4, seed=2),
+    MatrixCase(P.Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 5, seed=1),
+               4, "3 heads (ALiBi slopes of a non-power of two), left padding, decode steps at and before a "
+                  "bucket boundary (cache_idx 8 and 10)"),
+    MatrixCase(bool_mask(P.Case(ModelConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32,
+                                            clip_qkv=0.5), (6, 2, 4), 4, seed=2)),
+               4, "clip_qkv small enough to clamp most of mixed_qkv; three rows, two padded; a bool mask", PROPERTIES),
+    MatrixCase(P.Case(ModelConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=16), (1,), 3, seed=3),
+               4, "a one-token, one-row prompt: its k, v slices of mixed_qkv are already contiguous", PROPERTIES),
+    MatrixCase(P.Case(ModelConfig(d_model=64, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=24), (18, 11), 6, seed=4),
+               8, "head_dim 32 (fused kernels' sizes; MPT-7B has 128), decode past 16 positions, the last slot at "
+                  "max_seq_len", (*PROPERTIES, "static-shape")),
+    MatrixCase(P.Case(ModelConfig(d_model=32, n_heads=1, n_layers=1, vocab_size=64, max_seq_len=258), (254, 129), 4,
+                      seed=5),
+               128, "prompts past 128, decode across position 256 (bf16 positions, the bucket boundary of 128) to "
+                    "max_seq_len", VALUES),
 )
-ALL_PATHS = (("concat", None), ("static", None), ("static", BUCKET))
-STATIC_PATHS = (("static", None), ("static", BUCKET))
 
 
-def memory_unavailable() -> str | None:
-    if importlib.util.find_spec("mpt_kv.checks.ceilings") is None:
-        return "mpt_kv.checks.ceilings (memory ceilings) does not exist yet"
-    return None
+def paths(kind: str, bucket: int) -> tuple:
+    """(path, bucket) pairs of a column: 'none' (uncached), 'all' or 'static'."""
+    return {"none": ((None, None),), "all": (("concat", None), ("static", None), ("static", bucket)),
+            "static": (("static", None), ("static", bucket))}[kind]
+
+
+def check_outputs_not_reused(runner, reference, c):
+    return P.check_outputs_not_reused(runner, c)
+
+
+def p4_unavailable() -> str | None:
+    if hasattr(P, "check_outputs_not_reused"):
+        return None
+    return "the output-reuse check (issue 12.2: properties.check_outputs_not_reused), not in this build"
 
 
 def check_memory(runner, reference, c):
-    importlib.import_module("mpt_kv.checks.ceilings").check_memory(runner, c)
+    from mpt_kv.checks import ceilings
+
+    ceilings.check_memory(runner, c)
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    paths: tuple                              # (path, bucket) pairs it runs on
+    paths: str                                # 'none' | 'all' | 'static'
     run: Callable                             # (runner, reference, Context) -> None, raises to fail
     unavailable: Callable[[], str | None] = lambda: None
 
 
 CHECKS = {c.name: c for c in (
-    Check("P0", ((None, None),), lambda r, ref, c: P.check_oracle(r, ref, c)),
-    Check("P1", ALL_PATHS, lambda r, ref, c: P.check_cached_equals_uncached(r, c)),
-    Check("P2", STATIC_PATHS, lambda r, ref, c: P.check_static_equals_concat(r, c)),
-    Check("P3", ALL_PATHS, lambda r, ref, c: P.check_no_aliasing(r, c)),
-    Check("static-shape", STATIC_PATHS, lambda r, ref, c: static_shape.check_static_shape(r, c)),
-    Check("memory", ALL_PATHS, check_memory, memory_unavailable),
+    Check("P0", "none", lambda r, ref, c: P.check_oracle(r, ref, c)),
+    Check("P1", "all", lambda r, ref, c: P.check_cached_equals_uncached(r, c)),
+    Check("P2", "static", lambda r, ref, c: P.check_static_equals_concat(r, c)),
+    Check("P3", "all", lambda r, ref, c: P.check_no_aliasing(r, c)),
+    Check("P4", "all", check_outputs_not_reused, p4_unavailable),
+    Check("static-shape", "static", lambda r, ref, c: static_shape.check_static_shape(r, c)),
+    Check("memory", "all", check_memory),
 )}
 assert tuple(CHECKS) == COLUMNS
 
 
+def reference_build(cfg, state_dict, device, dtype):
+    from mpt_kv.targets.reference import build
+
+    return build(cfg, state_dict, device, dtype)
+
+
+REFERENCE = Design("reference", "the oracle itself", "mpt_kv/model/reference.py", reference_build)
+
+
+def must_pass() -> dict[str, Design]:
+    return {"reference": REFERENCE, **DESIGNS}
+
+
 @dataclass
 class Cell:
-    result: str          # "killed" | "killed (error: X)" | "survived" | "n/a"  (reference: "pass" | "FAIL ...")
-    detail: str = ""     # the first failure's message, or why n/a
+    result: str          # "killed" | "killed (error: X)" | "survived" | "n/a" | "unsupported"
+    detail: str = ""     # the first failure's message, or why n/a / unsupported
 
     @property
     def killed(self) -> bool:
@@ -91,23 +151,34 @@ def run_column(check: Check, build, name: str, device, dtype, runners: dict) -> 
     reason = check.unavailable()
     if reason:
         return Cell("n/a", reason)
-    for case in CASES:
-        for path, bucket in check.paths:
-            c = P.Context(name, device.type, dtype, case, path, bucket)
+    ran, skipped = 0, ""
+    for mc in CASES:
+        if check.name not in mc.columns:
+            continue
+        for path, bucket in paths(check.paths, mc.bucket):
+            c = P.Context(name, device.type, dtype, mc.case, path, bucket)
             try:
-                runner, reference = runners_for(build, case, device, dtype, runners)
+                runner, reference = runners_for(build, mc.case, device, dtype, runners)
+                runner.require(path, "bucket" if bucket else None, dtype_feature(dtype), device.type)
                 check.run(runner, reference, c)
+                ran += 1
+            except Unsupported as e:  # a pytest skip: not an Exception
+                skipped = str(e.msg)
             except PropertyFailure as e:
                 return Cell("killed", first_line(e))
             except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
-                return Cell(f"killed (error: {type(e).__name__})", f"{type(e).__name__}: {first_line(e)} [{c.case.describe()}, path={path}, bucket={bucket}]")
-    return Cell("survived")
+                return Cell(f"killed (error: {type(e).__name__})",
+                            f"{type(e).__name__}: {first_line(e)} [{mc.case.describe()}, path={path}, bucket={bucket}]")
+    return Cell("survived") if ran else Cell("unsupported", skipped)
+
+
+def dtype_feature(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
 
 
 def runners_for(build, case, device, dtype, cache: dict):
-    """(runner, reference runner) for a case, built once and reused across columns."""
-    from mpt_kv.targets.reference import build as reference_build
-
+    """(runner, reference runner) for a case, built once and reused across columns (so a runner
+    sees several generations, as a served model does)."""
     key = (build, case)
     if key not in cache:
         sd = random_state_dict(case.cfg, seed=case.seed)
@@ -122,37 +193,61 @@ def first_line(e: BaseException, limit: int = 400) -> str:
     return s if len(s) <= limit else s[:limit] + " ..."
 
 
-def run_matrix(variants: list[Variant], checks: list[str], device="cpu", dtype=torch.float32) -> dict:
-    """{"reference": {check: Cell}, "variants": {name: {check: Cell}}} for the given variants and checks."""
-    from mpt_kv.targets.reference import build as reference_build
+def as_must_pass(cell: Cell) -> Cell:
+    """A must-pass row's reading of a cell: survived = pass, killed = FAIL."""
+    if cell.result == "survived":
+        return Cell("pass")
+    if cell.killed:
+        return Cell("FAIL" + cell.result[len("killed"):], cell.detail)
+    return cell
 
+
+def run_matrix(designs: list[Design], variants: list[Variant], checks: list[str], device="cpu",
+               dtype=torch.float32) -> dict:
+    """{"must_pass": {name: {check: Cell}}, "must_kill": {name: {check: Cell}}}. The reference is
+    always the first must-pass row."""
     device = torch.device(device)
     runners: dict = {}
-    ref_cells = {}
-    for name in checks:
-        cell = run_column(CHECKS[name], reference_build, "reference", device, dtype, runners)
-        if cell.result == "survived":
-            cell = Cell("pass")
-        elif cell.killed:
-            cell = Cell("FAIL" + cell.result[len("killed"):], cell.detail)
-        ref_cells[name] = cell
-    out = {}
-    for v in variants:
-        out[v.name] = {name: run_column(CHECKS[name], v.build, v.name, device, dtype, runners) for name in checks}
-    return {"reference": ref_cells, "variants": out}
+    rows = [REFERENCE] + [d for d in designs if d.name != "reference"]
+    passing = {d.name: {c: as_must_pass(run_column(CHECKS[c], d.build, d.name, device, dtype, runners))
+                        for c in checks} for d in rows}
+    killing = {v.name: {c: run_column(CHECKS[c], v.build, v.name, device, dtype, runners) for c in checks}
+               for v in variants}
+    return {"must_pass": passing, "must_kill": killing}
 
 
-def problems(matrix: dict, checks: list[str]) -> tuple[list[str], list[str]]:
-    """(reference failures, variant problems) as messages."""
-    ref = [f"the reference fails {name}: {cell.detail}" for name, cell in matrix["reference"].items()
-           if cell.result.startswith("FAIL")]
-    bad = []
-    for name, cells in matrix["variants"].items():
+def waiting(v: Variant, cells: dict[str, Cell]) -> str:
+    """Why a variant may survive in this build ('' if it may not): its declared `waits_for`, or
+    every expected killer that ran here is n/a (not in this build)."""
+    if v.waits_for:
+        return v.waits_for
+    mine = [cells[c] for c in v.killed_by if c in cells]
+    if mine and all(cell.result == "n/a" for cell in mine):
+        return "; ".join(sorted({cell.detail for cell in mine}))
+    return ""
+
+
+def problems(matrix: dict) -> tuple[list[str], list[str], list[str]]:
+    """(false positives, missed kills, waiting notes) as messages."""
+    false_positives = [f"must-pass {name} fails {c}: {cell.detail}" for name, cells in matrix["must_pass"].items()
+                       for c, cell in cells.items() if cell.result.startswith("FAIL")]
+    missed, notes = [], []
+    for name, cells in matrix["must_kill"].items():
+        v = VARIANTS.get(name) or Variant(name, "", "", (), None)
+        why = waiting(v, cells)
+        expected = [c for c in v.killed_by if c in cells]
+        if v.waits_for and any(cells[c].killed for c in expected):
+            missed.append(f"{name}: {', '.join(c for c in expected if cells[c].killed)} kills it now, but it is "
+                          f"declared waiting for '{v.waits_for}': drop its waits_for (variants.py)")
+            continue
+        if why:
+            if not any(cell.killed for cell in cells.values()):
+                notes.append(f"{name} survives here, waiting for {why} (expected killers: {', '.join(v.killed_by)})")
+            continue
         if not any(cell.killed for cell in cells.values()):
-            ran = [n for n, cell in cells.items() if cell.result != "n/a"]
-            bad.append(f"{name} SURVIVED every check that ran ({', '.join(ran) or 'none'}): a missing or weak test")
-        for col in VARIANTS[name].killed_by if name in VARIANTS else ():
-            cell = cells.get(col)
-            if cell is not None and cell.result == "survived":
-                bad.append(f"{name}: expected {col} to kill it, but it survived {col}")
-    return ref, bad
+            ran = [c for c, cell in cells.items() if cell.result not in ("n/a", "unsupported")]
+            missed.append(f"{name} SURVIVED every check that ran ({', '.join(ran) or 'none'}): a missing or weak test")
+        for c in expected:
+            if cells[c].result == "survived":
+                missed.append(f"{name}: expected {c} to kill it, but it survived {c}")
+    return false_positives, missed, notes

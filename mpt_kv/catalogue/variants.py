@@ -1,12 +1,15 @@
 """Known-bad variants of the reference: the regressions the suite must kill.
 
 Each variant is the reference with ONE small change that real KV-cache code has had or could
-easily get, written as a few-line override of one piece (`Attention`, `ConcatCache`,
-`StaticCache`, the session; `static_position_as_python_int` touches two: the int leaves the
-session, the cache makes it a tensor again). Each names the kill-matrix columns expected to kill
-it. `python -m mpt_kv killmatrix` (killmatrix.py) runs every check against every variant and
-fails if one survives; a survivor means a missing or weak test: strengthen the test, never
-delete the variant.
+easily get (assembled as in assembly.py), says where such a bug comes from, and names the
+kill-matrix columns expected to kill it. `python -m mpt_kv killmatrix` runs every check against
+every variant and fails if one survives; a survivor means a missing or weak test: strengthen
+the test, never delete the variant. Its twin catalogue, designs.py, holds legitimate designs
+that must pass every check.
+
+A variant whose killer is a check feature this build lacks says so in `waits_for`; the kill
+matrix then reports its survival as waiting (not a failure), and fails the day the expected
+killer kills it, until the `waits_for` line goes (as a strict xfail does).
 
 Every variant is also a target factory, so the whole pytest suite can run against it:
 
@@ -15,20 +18,21 @@ Every variant is also a target factory, so the whole pytest suite can run agains
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from mpt_kv.catalogue.assembly import (StaticAt, StaticDecode, StaticOutputMPT, attention_forward, attention_with,
+                                       model_with, runner_factory)
 from mpt_kv.model.cache import ConcatCache, StaticCache
 from mpt_kv.model.reference import Attention, ReferenceMPT
-from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
+from mpt_kv.targets.reference import ReferenceSession
 
-# The kill-matrix columns (killmatrix.CHECKS): P0-P3 from properties.py, static-shape from
-# static_shape.py, memory from ceilings.py.
-COLUMNS = ("P0", "P1", "P2", "P3", "static-shape", "memory")
+# The kill-matrix columns (killmatrix.CHECKS): P0-P4 from properties.py (P4: the output-reuse
+# check of issue 12, "n/a" where this build lacks it), static-shape from static_shape.py,
+# memory from ceilings.py.
+COLUMNS = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory")
 
 
 @dataclass(frozen=True)
@@ -38,81 +42,19 @@ class Variant:
     origin: str                   # which real code had it, or how it easily gets in
     killed_by: tuple[str, ...]    # kill-matrix columns expected to catch it
     build: Callable               # (cfg, state_dict, device, dtype) -> Runner
-
-
-# --- how a variant is assembled: the reference with one piece swapped -----------------------------
-
-def model_with(attention=Attention, concat=ConcatCache, static=StaticCache):
-    """A ReferenceMPT whose attention modules and caches are the given subclasses (same
-    constructor and parameters, so the weights load unchanged)."""
-
-    class Model(ReferenceMPT):
-        def __init__(self, cfg):
-            super().__init__(cfg)
-            for block in self.transformer.blocks:
-                block.attn.__class__ = attention
-
-        def new_cache(self, path, batch, max_len=None, fill=None):
-            cache = super().new_cache(path, batch, max_len, fill)
-            cache.__class__ = concat if path == "concat" else static
-            return cache
-
-    return Model
-
-
-def runner_factory(name, model_class=ReferenceMPT, session_class=ReferenceSession):
-    class VariantRunner(ReferenceRunner):
-        def session(self, path, max_len, bucket=None):
-            return session_class(self.model, path, max_len, bucket, self.sync)
-
-    VariantRunner.name, VariantRunner.model_class = name, model_class
-
-    def build(cfg, state_dict, device, dtype):
-        from mpt_kv.devices import sync
-
-        return VariantRunner(cfg, state_dict, device, dtype, sync=lambda: sync(device.type))
-
-    build.__name__ = name
-    return build
+    waits_for: str = ""           # the check feature, not in this build, that will kill it
 
 
 VARIANTS: dict[str, Variant] = {}
 
 
-def variant(name, bug, origin, killed_by, **pieces):
+def variant(name, bug, origin, killed_by, waits_for="", **pieces):
     """Register a variant and return its factory (also a module attribute of the same name)."""
     session_class = pieces.pop("session", ReferenceSession)
     model_class = pieces.pop("model", None) or model_with(**pieces)
     build = runner_factory(name, model_class, session_class)
-    VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build)
+    VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build, waits_for)
     return build
-
-
-def attention_forward(self, x, mask, bias, cache, layer, token_idx, cache_idx, *,
-                      clamp=True, bias_len=None, drop_mask=False, additive_mask=False, softmax_dtype=None):
-    """`Attention.forward` of the reference with the knobs the attention variants turn. With no
-    knob turned it computes exactly what the reference does (`no_change` below shows it)."""
-    B, T, D = x.shape
-    H, hd = self.cfg.n_heads, self.cfg.head_dim
-    mixed_qkv = self.Wqkv(x)
-    if self.cfg.clip_qkv and clamp:
-        mixed_qkv = mixed_qkv.clamp(min=-self.cfg.clip_qkv, max=self.cfg.clip_qkv)
-    q, k, v = (t.reshape(B, T, H, hd).transpose(1, 2) for t in mixed_qkv.chunk(3, dim=2))
-    if cache is not None:
-        k, v = cache.update(layer, k, v, token_idx, cache_idx)
-    K = k.shape[2]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
-    scores = scores + bias[:, :, -(bias_len or K):]
-    mask = mask[:, :, :, :K]
-    if drop_mask:
-        mask = torch.zeros_like(mask)
-    softmax_dtype = softmax_dtype or torch.float32
-    if additive_mask:
-        scores = scores + mask.to(scores.dtype) * -1e4
-    else:  # the fill must survive the cast to softmax_dtype (fp32's min is -inf in bf16)
-        scores = scores.masked_fill(mask, max(torch.finfo(q.dtype).min, torch.finfo(softmax_dtype).min))
-    weights = F.softmax(scores.to(softmax_dtype), dim=-1).to(v.dtype)
-    return self.out_proj((weights @ v).transpose(1, 2).reshape(B, T, D))
 
 
 # --- K/V kept as views: pinned memory (P3, memory) ---------------------------------------------------
@@ -147,6 +89,25 @@ only_v_cloned = variant(
     ["P3", "memory"], concat=OnlyVClonedConcatCache)
 
 
+class ContiguousConcatCache(ConcatCache):
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.kv[layer] is None:
+            # .contiguous() returns the tensor itself when it already is contiguous, and the
+            # (1, H, 1, hd) k of a one-token, one-row prompt is: it stays a view of mixed_qkv
+            self.kv[layer] = (k.contiguous(), v.contiguous())
+            return self.kv[layer]
+        return super().update(layer, k, v)
+
+
+contiguous_is_not_always_a_copy = variant(
+    "contiguous_is_not_always_a_copy",
+    "prefill stores k.contiguous(), v.contiguous(): for a one-token, one-row prompt they already are "
+    "contiguous, so they stay views of mixed_qkv",
+    "the `.transpose(1, 2).contiguous()` idiom used as a copy; a no-op on a tensor that is already "
+    "contiguous (size-1 dimensions make the (1, H, 1, hd) slice so)",
+    ["P3"], concat=ContiguousConcatCache)
+
+
 class KeepsOldConcatCache(ConcatCache):
     def update(self, layer, k, v, token_idx=None, cache_idx=None):
         self.previous = getattr(self, "previous", [None] * len(self.kv))
@@ -178,18 +139,6 @@ cat_on_wrong_dim = variant(
 
 
 # --- the static (index_copy_) path ------------------------------------------------------------------
-
-class StaticDecode(StaticCache):
-    """StaticCache whose decode step is `_decode(ck, cv, k, v, token_idx) -> (ck, cv)`."""
-
-    def update(self, layer, k, v, token_idx=None, cache_idx=None):
-        if not self.prefilled[layer]:
-            return super().update(layer, k, v, token_idx, cache_idx)
-        ck, cv = self.kv[layer] = self._decode(*self.kv[layer], k, v, token_idx)
-        if cache_idx is not None:
-            return ck[:, :, :cache_idx], cv[:, :, :cache_idx]
-        return ck, cv
-
 
 class OffByOneStaticCache(StaticDecode):
     def _decode(self, ck, cv, k, v, token_idx):
@@ -383,9 +332,176 @@ additive_mask_minus_1e4 = variant(
     ["P2"], attention=MinusTenThousandMask)
 
 
-class PlainAttention(Attention):
+# --- lengths, head sizes and positions far from the tiny drawn cases (issue 11) --------------------
+
+sliding_window_16 = variant(
+    "sliding_window_16",
+    "decode attends only the last 16 positions (a sliding window below max_seq_len): exact until "
+    "the sequence passes 16 tokens",
+    "a rolling-buffer cache or `sliding_window` setting (Mistral's; transformers' SlidingWindowCache) "
+    "reached by a model that has no window, through a shared cache class or config default",
+    ["P1"], attention=attention_with(window=16))
+
+
+class FusedPathForLargeHeads(Attention):
     def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
-        return attention_forward(self, x, mask, bias, cache, layer, token_idx, cache_idx)
+        fast = x.shape[1] == 1 and self.cfg.head_dim >= 32  # the kernel's supported head sizes
+        return attention_forward(self, x, mask, bias, cache, layer, token_idx, cache_idx, sdpa_without_alibi=fast)
+
+
+fused_decode_drops_alibi_for_large_heads = variant(
+    "fused_decode_drops_alibi_for_large_heads",
+    "for head_dim >= 32, decode takes a fused attention kernel (scaled_dot_product_attention with "
+    "the bool mask) that has no bias input: ALiBi is dropped",
+    "kernels dispatch on head size (a fused kernel is taken only for the head sizes it supports; MPT-7B has "
+    "head_dim 128) and many take no arbitrary bias; the tiny drawn cases (head_dim 4-16) never take that path",
+    ["P1"], attention=FusedPathForLargeHeads)
+
+
+class Bf16PositionStaticCache(StaticAt):
+    def _slot(self, token_idx):
+        # bf16 has 8 significant bits: from 256 on, odd positions round to even ones
+        return (token_idx - 1).to(torch.bfloat16).long()
+
+
+position_in_bf16 = variant(
+    "position_in_bf16",
+    "the static decode slot (token_idx - 1) passes through a bf16 tensor: from position 257 on, odd "
+    "positions round to even, and the new k, v overwrite a neighbour's slot",
+    "positions kept in a float tensor of the model's dtype (`torch.arange(..., dtype=hidden.dtype)`, a "
+    "cumsum of a bf16 mask); integers above 256 are not exact in bf16",
+    ["P1", "P2"], static=Bf16PositionStaticCache)
+
+
+class PreviousBucketStaticCache(StaticCache):
+    BUCKET = 128  # optimum-habana's usual --bucket_size
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if not self.prefilled[layer] or cache_idx is None:
+            return super().update(layer, k, v, token_idx, cache_idx)
+        ck, cv = super().update(layer, k, v, token_idx, None)
+        # the bucket of the previous position: right inside a bucket, one short at its first slot
+        previous = int(token_idx.reshape(-1)[0]) - 1
+        n = min(-(-previous // self.BUCKET) * self.BUCKET, int(cache_idx))
+        return ck[:, :, :n], cv[:, :, :n]
+
+
+bucket_of_previous_position = variant(
+    "bucket_of_previous_position",
+    "bucketed decode (buckets of 128) attends over the bucket of the previous position: at token_idx "
+    "129, 257, ... the new token's own key is cut off",
+    "optimum-habana recomputes cache_idx only when the bucket index changes (`prev_idx`, generation/utils.py); "
+    "computing it before token_idx advances is right everywhere except the first slot of each bucket",
+    ["P1", "P2"], static=PreviousBucketStaticCache)
+
+
+class LastSlotClampedCache(StaticAt):
+    def _slot(self, token_idx):
+        return (token_idx - 1).clamp(max=self.last_slot)
+
+
+class LastSlotClampedModel(ReferenceMPT):
+    def new_cache(self, path, batch, max_len=None, fill=None):
+        cache = super().new_cache(path, batch, max_len, fill)
+        if path == "static":
+            cache.__class__, cache.last_slot = LastSlotClampedCache, self.cfg.max_seq_len - 2  # meant: - 1
+        return cache
+
+
+last_slot_clamped = variant(
+    "last_slot_clamped",
+    "the static decode slot is clamped to max_seq_len - 2 (a guard meant to keep it inside ALiBi's "
+    "range, off by one): the token at the last slot overwrites the one before",
+    "overflow guards at the end of the cache (min(pos, max_len - 1) written with the wrong bound); only "
+    "a generation that reaches max_seq_len takes it",
+    ["P1", "P2"], model=LastSlotClampedModel)
+
+
+# --- state across calls and generations, mask dtypes (issue 12) --------------------------------------
+
+shared_output_buffer = variant(
+    "shared_output_buffer",
+    "every call returns its logits in one preallocated buffer per shape, which the next call of that "
+    "shape overwrites, without declaring it (Capabilities(graph_outputs=True))",
+    "CUDA graphs and HPU graphs (optimum-habana's --use_hpu_graphs): a replay returns the graph's static "
+    "output; a check holding the last result compares a buffer with itself",
+    ["P4"], model=StaticOutputMPT)
+
+
+class MaskBufferMPT(ReferenceMPT):
+    """Static path: the attention mask lives in one preallocated buffer, updated in place each step
+    (fixed shape and address, as graphs want); it is filled only when (re)allocated."""
+
+    def forward(self, input_ids, attention_mask=None, cache=None, token_idx=None, cache_idx=None):
+        if isinstance(cache, StaticCache) and attention_mask is not None:
+            buf = getattr(self, "mask_buffer", None)
+            if not cache.prefilled[0]:
+                if buf is None or buf.shape != (input_ids.shape[0], cache.max_len):
+                    buf = self.mask_buffer = torch.zeros(input_ids.shape[0], cache.max_len, dtype=torch.long,
+                                                         device=input_ids.device)
+                    buf[:, :attention_mask.shape[1]] = attention_mask  # bug: a reused buffer is not refilled
+            else:
+                buf.index_fill_(1, token_idx.reshape(-1) - 1, 1)  # the new token's slot
+            attention_mask = buf[:, :attention_mask.shape[1]]
+        return super().forward(input_ids, attention_mask, cache, token_idx, cache_idx)
+
+
+mask_buffer_not_refilled = variant(
+    "mask_buffer_not_refilled",
+    "the static path keeps the attention mask in a buffer on the model, refilled only when its shape "
+    "changes: the next generation of the same shape runs with the previous one's padding",
+    "graph-friendly generation keeps masks in preallocated buffers updated in place (index_fill_ at "
+    "token_idx); reallocation is the only refill",
+    ["P1", "P2"], waits_for="P1/P2 generations back to back with other batch layouts (issue 12.3)",
+    model=MaskBufferMPT)
+
+
+class PositionCounterMPT(ReferenceMPT):
+    """The position of the next token is counted on the model, from 0 when it is built."""
+
+    def _positions(self, T, cache, token_idx, cache_idx):
+        start, K = super()._positions(T, cache, token_idx, cache_idx)
+        if cache is None or (isinstance(cache, StaticCache) and cache.prefilled[0]):
+            return start, K  # uncached forwards and token_idx steps take their position as given
+        start = self.seen_tokens = getattr(self, "seen_tokens", 0)  # never reset for a new generation
+        self.seen_tokens += T
+        return start, K
+
+
+position_counter_across_generations = variant(
+    "position_counter_across_generations",
+    "the query position of cached calls comes from a counter on the model that is never reset: the "
+    "second generation's prompt sits past its own keys and sees the future",
+    "a seen-tokens / cache_position counter kept on the model (or a module) instead of the cache or "
+    "the generation; one generation per model instance never shows it",
+    ["P1"], model=PositionCounterMPT)
+
+
+class BoolMaskAsKeyPaddingMPT(ReferenceMPT):
+    """A bool mask is read as a key_padding_mask (True = ignore); integer masks stay 1 = attend."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # the reference rejects a mask row with nothing to attend to; a misread, full row is one
+        # (a target without that check attends nothing there): leave the misread to the checks
+        self.validate = False
+
+    def forward(self, input_ids, attention_mask=None, cache=None, token_idx=None, cache_idx=None):
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            attention_mask = ~attention_mask
+        return super().forward(input_ids, attention_mask, cache, token_idx, cache_idx)
+
+
+bool_mask_inverted = variant(
+    "bool_mask_inverted",
+    "a bool attention_mask is read the other way round (True = padding, nn.MultiheadAttention's "
+    "key_padding_mask convention); integer masks are right",
+    "bool masks have both conventions in torch (SDPA attn_mask: True = attend; key_padding_mask and "
+    "transformers' internal MPT mask: True = masked); a suite that only feeds long masks never sees it",
+    ["P0"], waits_for="value checks fed bool attention masks (issue 12.4)", model=BoolMaskAsKeyPaddingMPT)
+
+
+PlainAttention = attention_with()
 
 
 def no_change(cfg, state_dict, device, dtype):

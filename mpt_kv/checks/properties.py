@@ -18,6 +18,7 @@ import torch
 from mpt_kv.checks.compare import TOLERANCES, TOLERANCES_KV, PropertyFailure, assert_close, describe
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import Session
+from mpt_kv.checks.storages import covered_bytes, storage_key  # P3
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (FACTS.md)
 
@@ -212,33 +213,91 @@ class WqkvCapture:
         self.outputs = []
 
 
-def aliasing_problems(kv, captured) -> list[str]:
-    """What each layer's cached key and value keep alive beyond their own bytes."""
-    problems = []
-    for layer, (pair, qkv) in enumerate(zip(kv, captured)):
+@dataclass
+class CacheStorage:
+    """One storage the cached tensors live in, as seen after one step."""
+
+    storage: torch.UntypedStorage  # held: its identity cannot pass to a new storage while P3 compares steps
+    tensors: list[tuple[int, str, torch.Tensor]]  # (layer, "key"/"value", tensor)
+    made_at: object       # the step after which it first held cached tensors
+    persisted: bool       # it already held cached tensors at the previous step
+    covered: int = 0      # bytes of it the cached tensors reach
+
+    @property
+    def pinned(self) -> int:
+        return self.storage.nbytes() - self.covered
+
+    def names(self) -> str:
+        parts = [f"layer {layer} {name} {tuple(t.shape)}" for layer, name, t in self.tensors]
+        return " and ".join(parts) if len(parts) <= 4 else ", ".join(parts[:3]) + f" and {len(parts) - 3} more"
+
+    def sizes(self) -> str:
+        return (f"its storage holds {self.storage.nbytes()} bytes, the cached tensors in it {self.covered}: "
+                f"{self.pinned} bytes pinned beyond the cache")
+
+
+def cache_storages(kv, step, previous: dict[int, CacheStorage]) -> dict[int, CacheStorage]:
+    """The storages of every layer's cached key and value, by identity, with the bytes they cover."""
+    now: dict[int, CacheStorage] = {}
+    for layer, pair in enumerate(kv):
         for name, t in zip(("key", "value"), pair):
-            held, own = t.untyped_storage().nbytes(), t.numel() * t.element_size()
-            if qkv is not None and t.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr():
-                problems.append(f"layer {layer} cached {name} {tuple(t.shape)} is a view of mixed_qkv "
-                                f"{tuple(qkv.shape)}: its storage holds {held} bytes for a {own}-byte {name}, "
-                                f"{held - own} bytes pinned beyond it")
-            elif held > own:
-                problems.append(f"layer {layer} cached {name} {tuple(t.shape)} is a view of a larger buffer: "
-                                f"its storage holds {held} bytes for a {own}-byte {name}, {held - own} bytes pinned")
-    return problems
+            key = storage_key(t)
+            if key not in now:
+                before = previous.get(key)
+                now[key] = CacheStorage(t.untyped_storage(), [], before.made_at if before else step, before is not None)
+            now[key].tensors.append((layer, name, t))
+    for st in now.values():
+        st.covered = covered_bytes(st.storage.nbytes(), [t for _, _, t in st.tensors])
+    return now
+
+
+def aliasing_problems(kv, captured, previous: dict[int, CacheStorage] | None = None, step="prefill",
+                      last: bool = True) -> tuple[list[str], dict[int, CacheStorage]]:
+    """What the cached keys and values keep alive besides the cache, after `step`.
+
+    - a storage that is a layer's mixed_qkv (the `Wqkv` output captured at this step): bad, always;
+    - a storage whose every byte a cached tensor reaches is the cache's own allocation: fine (one
+      tensor each, K and V stacked in one buffer, all layers in one buffer);
+    - a storage with bytes no cached tensor reaches is fine if it persists from step to step (a
+      preallocated cache with room to spare, a pool), bad if it was made at one step and is gone at
+      the next (a view of a per-step temporary) or made at the last step (nothing shows it persists).
+
+    Returns (problems, this step's storages): pass the latter back as `previous` for the next step."""
+    previous = previous or {}
+    now = cache_storages(kv, step, previous)
+    qkv = {storage_key(t): (layer, t) for layer, t in enumerate(captured) if t is not None}
+    problems = []
+    for key, st in now.items():
+        if key in qkv:
+            layer, t = qkv[key]
+            verb = "are views" if len(st.tensors) > 1 else "is a view"
+            problems.append(f"{st.names()} {verb} of layer {layer}'s mixed_qkv {tuple(t.shape)}: {st.sizes()}")
+        elif st.pinned and not st.persisted and last:
+            problems.append(f"{st.names()} {'live' if len(st.tensors) > 1 else 'lives'} in a buffer made at the last "
+                            f"step ({step}) that the cache does not fill: {st.sizes()} (no later step shows it to be "
+                            "the cache's own, persisting allocation)")
+    for key, st in previous.items():
+        if st.pinned and not st.persisted and key not in now:
+            problems.append(f"{st.names()} {'were views' if len(st.tensors) > 1 else 'was a view'} of a per-step "
+                            f"temporary, made at step {st.made_at} and gone after the next: {st.sizes()}")
+    return problems, now
 
 
 def check_no_aliasing(runner, c: Context) -> None:
+    """P3: after the prefill and every decode step, the cached K/V keep nothing alive besides the
+    cache (`aliasing_problems`): no view of mixed_qkv, no view of a per-step temporary."""
     ids, mask = c.case.inputs(c.device)
     capture = WqkvCapture(runner.wqkv_modules())
     try:
         with torch.inference_mode():
             session = runner.session(c.path, c.case.total_len, c.bucket)
             logits = session.prefill(ids, mask)[:, -1]
-            for step in ["prefill", *range(c.case.new_tokens)]:
+            steps, storages = ["prefill", *range(c.case.new_tokens)], {}
+            for step in steps:
                 if step != "prefill":
                     logits = session.decode(greedy(logits))
-                problems = aliasing_problems(session.kv(), capture.outputs)
+                problems, storages = aliasing_problems(session.kv(), capture.outputs, storages, step,
+                                                       last=step == steps[-1])
                 if problems:
                     raise PropertyFailure(f"P3 cache aliasing after step {step}: " + "; ".join(problems)
                                           + f" [{describe(c.ctx(step=step))}]")

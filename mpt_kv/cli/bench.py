@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from mpt_kv import devices
+from mpt_kv.cli.outputs import dir_problem
 from mpt_kv.memory import analytic
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
 from mpt_kv.errors import TargetUnavailable
@@ -531,7 +532,41 @@ def check_args(p: argparse.ArgumentParser, a) -> tuple[ModelConfig, list[BenchCo
     for spec in a.target or []:
         if spec not in BUILTIN and ":" not in spec:
             p.error(f"--target {spec!r}: neither built in ({', '.join(BUILTIN)}) nor package.module:factory")
+    problem = dir_problem(a.out)
+    if problem:
+        p.error(f"--out {a.out}: {problem}")
     return cfg, list(dict.fromkeys(configs))
+
+
+# Eager code keeps more alive than the analytic minimum: measured peaks reach 1.29x of it
+# (transformers' static path, README "Benchmarks"), so a config is refused unless this much fits.
+FIT_MARGIN = 1.3
+
+
+def memory_needed(cfg: ModelConfig, bc: BenchConfig, n_targets: int, paths: list[str], itemsize: int) -> int:
+    """Bytes a config needs at its peak, from the analytic model: every target's weights stay
+    loaded (they are built together) + the largest generation, i.e. `analytic_minimum` with the
+    padded static prefill (L x L scores) + a second KV cache where the concat path's torch.cat
+    holds the old and the new cache at once."""
+    L = bc.max_input + bc.max_new
+    one = analytic_minimum(cfg, bc.batch, bc.max_input, bc.max_new, itemsize, (L, L))
+    extra_cache = analytic.kv_cache_bytes(shape_of(cfg), bc.batch, L, itemsize) if "concat" in paths else 0
+    return (n_targets - 1) * analytic.weights_bytes(shape_of(cfg), itemsize) + one + extra_cache
+
+
+def check_fits(p: argparse.ArgumentParser, cfg: ModelConfig, configs: list[BenchConfig], n_targets: int,
+               paths: list[str], kind: str, dtype: torch.dtype, model: str) -> None:
+    """Refuse, before anything is allocated, a config whose estimate does not fit in what the
+    device has free (the OOM killer is a worse error message)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    free, source = devices.available_memory(kind)
+    for bc in configs:
+        need = memory_needed(cfg, bc, n_targets, paths, itemsize)
+        if need * FIT_MARGIN > free:
+            p.error(f"config {bc} of model {model!r} ({str(dtype).replace('torch.', '')}, {n_targets} targets loaded "
+                    f"together) needs about {need * FIT_MARGIN / GiB:.1f} GiB on {kind} (analytic estimate "
+                    f"{need / GiB:.2f} GiB x {FIT_MARGIN} margin), but only {free / GiB:.1f} GiB is free ({source}); "
+                    "use a smaller model, batch or length, fewer --target, or bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -544,9 +579,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = a.dtype or ("fp32" if a.device == "cpu" else "bf16")
     targets = a.target or list(BUILTIN)
     paths = a.path or list(PATHS)
+    dtype = DTYPES[dtype_name]
+    from mpt_kv.plugin import missing_package
+
+    check_fits(p, cfg, configs, len([t for t in targets if not missing_package(t)]), paths, a.device, dtype, a.model)
     import transformers
 
-    dtype = DTYPES[dtype_name]
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     runners, pairs, skipped = load(cfg, targets, paths, a.device, dtype, a.seed, log)
     missing = [s for s in skipped if s["path"] == "*" and s["target"] in set(a.target or [])]

@@ -1,5 +1,6 @@
-"""`python -m mpt_kv killmatrix`: the kill matrix (mpt_kv.catalogue.killmatrix) as text,
-Markdown and JSON; exit status 0 when every variant is killed and the reference passes."""
+"""`python -m mpt_kv killmatrix`: the kill matrix (mpt_kv.catalogue.killmatrix) as text, Markdown
+and JSON: the must-pass catalogue (reference and designs) and the must-kill catalogue (variants).
+Exit status: see mpt_kv.catalogue.killmatrix (0 all as expected, 1 a missed kill, 2 a false positive)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import time
 
 import torch
 
-from mpt_kv.catalogue.killmatrix import CASES, BUCKET, CHECKS, Cell, problems, run_matrix
+from mpt_kv import devices
+from mpt_kv.catalogue.killmatrix import CASES, CHECKS, Cell, must_pass, problems, run_matrix, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
-from mpt_kv.catalogue.variants import VARIANTS, Variant
+from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
+from mpt_kv.cli.outputs import file_problem
 
 
 def mark(variant: Variant | None, col: str, cell: Cell) -> str:
@@ -21,16 +24,22 @@ def mark(variant: Variant | None, col: str, cell: Cell) -> str:
     return cell.result + ("*" if expected else "")
 
 
+def variant_name(name: str, cells: dict) -> str:
+    v = VARIANTS.get(name)
+    return name + (" (waits)" if v is not None and waiting(v, cells) else "")
+
+
 def table_rows(matrix: dict, checks: list[str]) -> list[list[str]]:
-    rows = [["reference (must pass)", *[matrix["reference"][c].result for c in checks]]]
-    for name, cells in matrix["variants"].items():
-        v = VARIANTS.get(name)
-        rows.append([name, *[mark(v, c, cells[c]) for c in checks]])
+    rows = [["MUST PASS", *[""] * len(checks)]]
+    rows += [[name, *[cells[c].result for c in checks]] for name, cells in matrix["must_pass"].items()]
+    rows.append(["MUST BE KILLED", *[""] * len(checks)])
+    rows += [[variant_name(name, cells), *[mark(VARIANTS.get(name), c, cells[c]) for c in checks]]
+             for name, cells in matrix["must_kill"].items()]
     return rows
 
 
 def format_text(matrix: dict, checks: list[str]) -> str:
-    rows = [["variant", *checks], *table_rows(matrix, checks)]
+    rows = [["", *checks], *table_rows(matrix, checks)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -38,80 +47,114 @@ def format_text(matrix: dict, checks: list[str]) -> str:
 
 
 def format_markdown(matrix: dict, checks: list[str], seconds: float) -> str:
-    head = ["variant", "what is wrong", *checks]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out.append("| reference | (none: must pass every check) | " + " | ".join(matrix["reference"][c].result for c in checks) + " |")
-    for name, cells in matrix["variants"].items():
+    designs = must_pass()
+    out = ["Must pass: the reference and legitimate designs (a FAIL is a false positive of that check).", "",
+           "| design | what it does | " + " | ".join(checks) + " |", "|" + "---|" * (len(checks) + 2)]
+    for name, cells in matrix["must_pass"].items():
+        d = designs.get(name)
+        out.append(f"| `{name}` | {d.what if d else ''} | " + " | ".join(cells[c].result for c in checks) + " |")
+    out += ["", "Must be killed: known-bad variants (`*`: the check expected to kill it).", "",
+            "| variant | what is wrong | " + " | ".join(checks) + " |", "|" + "---|" * (len(checks) + 2)]
+    for name, cells in matrix["must_kill"].items():
         v = VARIANTS.get(name)
-        out.append(f"| `{name}` | {v.bug if v else ''} | " + " | ".join(mark(v, c, cells[c]) for c in checks) + " |")
-    out.append("")
-    out.append(f"`*` marks the check each variant is expected to be killed by. {legend(checks, matrix)} "
-               f"Regenerate with `python -m mpt_kv killmatrix --markdown FILE` ({seconds:.0f} s on CPU).")
-    out.append("")
-    out.append("Where each bug comes from:")
-    out.append("")
-    for name in matrix["variants"]:
-        if name in VARIANTS:
-            out.append(f"- `{name}`: {VARIANTS[name].origin}")
+        out.append(f"| `{variant_name(name, cells)}` | {v.bug if v else ''} | "
+                   + " | ".join(mark(v, c, cells[c]) for c in checks) + " |")
+    out += ["", f"{legend(matrix)} Regenerate with `python -m mpt_kv killmatrix --markdown FILE` "
+                f"({seconds:.0f} s on CPU).", ""]
+    _, _, notes = problems(matrix)
+    if notes:
+        out += ["Waiting for a check this build lacks (reported, not failed):", ""]
+        out += [f"- {n}" for n in notes] + [""]
+    out += ["Where each design comes from:", ""]
+    out += [f"- `{name}`: {designs[name].origin}" for name in matrix["must_pass"] if name in designs]
+    out += ["", "Where each bug comes from:", ""]
+    out += [f"- `{name}`: {VARIANTS[name].origin}" for name in matrix["must_kill"] if name in VARIANTS]
     return "\n".join(out) + "\n"
 
 
-def legend(checks: list[str], matrix: dict) -> str:
-    na = {c: cell.detail for c, cell in matrix["reference"].items() if cell.result == "n/a"}
-    cases = "; ".join(c.describe() for c in CASES)
-    text = (f"Cases (fp32): {cases}; paths concat, static, static with cache_idx buckets of {BUCKET}. "
-            f"A kill is a check that raises on the variant: PropertyFailure (killed) or any other "
-            f"exception (killed (error: type)).")
-    return text + "".join(f" {c} n/a: {why}." for c, why in na.items())
+def legend(matrix: dict) -> str:
+    cases = "; ".join(f"{mc.case.describe()}, bucket {mc.bucket}"
+                      + ("" if mc.columns == COLUMNS else f" ({', '.join(mc.columns)} only)") for mc in CASES)
+    na = {c: cell.detail for cells in matrix["must_pass"].values() for c, cell in cells.items() if cell.result == "n/a"}
+    return (f"Cases (fp32): {cases}; paths concat, static, static with the case's cache_idx bucket. A kill is a "
+            f"check that raises: PropertyFailure (killed / FAIL) or any other exception (killed / FAIL (error: type)); "
+            f"(waits): the variant's killer is a check feature this build lacks."
+            + "".join(f" {c} n/a: {why}." for c, why in na.items()))
 
 
 def to_json(matrix: dict, checks: list[str], seconds: float) -> dict:
+    designs = must_pass()
     return {
         "checks": checks,
-        "cases": [c.describe() for c in CASES],
-        "bucket": BUCKET,
+        "cases": [{"case": mc.case.describe(), "bucket": mc.bucket, "reaches": mc.reaches,
+                   "columns": list(mc.columns)} for mc in CASES],
         "seconds": round(seconds, 2),
-        "reference": {c: vars(cell) for c, cell in matrix["reference"].items()},
-        "variants": {
-            name: {"bug": VARIANTS[name].bug, "origin": VARIANTS[name].origin,
-                   "killed_by": list(VARIANTS[name].killed_by),
-                   "killed": any(cell.killed for cell in cells.values()),
-                   "cells": {c: vars(cell) for c, cell in cells.items()}}
-            for name, cells in matrix["variants"].items()
-        },
+        "must_pass": {name: {"what": designs[name].what if name in designs else "",
+                             "origin": designs[name].origin if name in designs else "",
+                             "passed": not any(cell.result.startswith("FAIL") for cell in cells.values()),
+                             "cells": {c: vars(cell) for c, cell in cells.items()}}
+                      for name, cells in matrix["must_pass"].items()},
+        "must_kill": {name: {"bug": VARIANTS[name].bug if name in VARIANTS else "",
+                             "origin": VARIANTS[name].origin if name in VARIANTS else "",
+                             "killed_by": list(VARIANTS[name].killed_by) if name in VARIANTS else [],
+                             "waits_for": waiting(VARIANTS[name], cells) if name in VARIANTS else "",
+                             "killed": any(cell.killed for cell in cells.values()),
+                             "cells": {c: vars(cell) for c, cell in cells.items()}}
+                      for name, cells in matrix["must_kill"].items()},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
+    designs = must_pass()
     parser = argparse.ArgumentParser(prog="python -m mpt_kv killmatrix", description=MATRIX_DOC.split("\n\n")[0])
+    parser.add_argument("--design", action="append", default=[], metavar="NAME",
+                        help=f"run only this must-pass design (repeatable; the reference always runs): {', '.join(designs)}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME",
-                        help=f"run only this variant (repeatable): {', '.join(VARIANTS)}")
+                        help=f"run only this must-kill variant (repeatable): {', '.join(VARIANTS)}")
     parser.add_argument("--check", action="append", default=[], metavar="NAME",
                         help=f"run only this column (repeatable): {', '.join(CHECKS)}")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the matrix as Markdown (for the README)")
     parser.add_argument("--json", metavar="FILE", help="also write the matrix, with each first failure, as JSON")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print each kill's first failure")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each kill's and failure's first message")
     args = parser.parse_args(argv)
 
-    unknown = [n for n in args.variant if n not in VARIANTS] + [n for n in args.check if n not in CHECKS]
+    unknown = ([n for n in args.design if n not in designs] + [n for n in args.variant if n not in VARIANTS]
+               + [n for n in args.check if n not in CHECKS])
     if unknown:
-        print(f"unknown variant/check {unknown}: variants {list(VARIANTS)}, checks {list(CHECKS)}", file=sys.stderr)
+        print(f"unknown design/variant/check {unknown}: designs {list(designs)}, variants {list(VARIANTS)}, "
+              f"checks {list(CHECKS)}", file=sys.stderr)
         return 2
-    variants = [VARIANTS[n] for n in (args.variant or VARIANTS)]
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError as e:
+        parser.error(f"--device {args.device!r} is not a torch device: {e}")
+    reason = devices.unavailable_reason(kind) if kind in devices.KINDS else f"mpt-kv supports {devices.KINDS}"
+    if not reason and kind == "cuda" and torch.device(args.device).index is not None \
+            and torch.device(args.device).index >= torch.cuda.device_count():
+        reason = f"only {torch.cuda.device_count()} cuda devices"
+    if reason:  # a usage error, not "reference FAIL" for every check
+        parser.error(f"--device {args.device} is not available here: {reason}")
+    for flag, path in (("--markdown", args.markdown), ("--json", args.json)):
+        problem = path and file_problem(path)
+        if problem:
+            parser.error(f"{flag} {path}: {problem}")
+    chosen = args.design or args.variant  # naming some rows runs only those (and the reference)
+    rows = [designs[n] for n in (args.design if chosen else designs)]
+    variants = [VARIANTS[n] for n in (args.variant if chosen else VARIANTS)]
     checks = [c for c in CHECKS if not args.check or c in args.check]
 
     torch.set_num_threads(1)  # tiny tensors: more threads only contend (and make timings jump)
     start = time.perf_counter()
-    matrix = run_matrix(variants, checks, args.device)
+    matrix = run_matrix(rows, variants, checks, args.device)
     seconds = time.perf_counter() - start
 
-    print(f"kill matrix: {len(variants)} variants x {len(checks)} checks on {args.device}, fp32, "
-          f"{len(CASES)} cases ({seconds:.1f} s)")
+    print(f"kill matrix: {len(matrix['must_pass'])} must-pass rows and {len(variants)} must-kill variants x "
+          f"{len(checks)} checks on {args.device}, fp32, {len(CASES)} cases ({seconds:.1f} s)")
     print(format_text(matrix, checks))
-    print("* = expected killer.", legend(checks, matrix))
+    print("* = expected killer.", legend(matrix))
     if args.verbose:
-        for name, cells in [("reference", matrix["reference"]), *matrix["variants"].items()]:
+        for name, cells in [*matrix["must_pass"].items(), *matrix["must_kill"].items()]:
             for c, cell in cells.items():
                 if cell.detail:
                     print(f"  {name} / {c}: {cell.detail}")
@@ -122,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(to_json(matrix, checks, seconds), f, indent=1)
 
-    ref_failures, bad = problems(matrix, checks)
-    for msg in ref_failures + bad:
+    false_positives, missed, notes = problems(matrix)
+    for msg in notes:
+        print("WAITING:", msg)
+    for msg in false_positives + missed:
         print("FAIL:", msg, file=sys.stderr)
-    if ref_failures:
+    if false_positives:
         return 2
-    return 1 if bad else 0
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

@@ -8,8 +8,36 @@ import sys
 from dataclasses import replace
 
 from mpt_kv.memory.analytic import (
-    DTYPES, GiB, MiB, PRESETS, SEED_SETUP, Estimate, estimate, n_params, seed_table_text,
+    DTYPES, GiB, MiB, PRESETS, Estimate, estimate, n_params, seed_table_text,
 )
+
+
+DEFAULT_TOKENS = 128  # input and new tokens each, as in the seed PR's first row
+
+
+def default_tokens(max_seq_len: int, max_input: int | None, max_new: int | None) -> tuple[int, int, str]:
+    """(input, new, note): fill in what the user left out so that the defaults fit the preset.
+
+    128 each where there is room; on a shorter preset the prompt takes half of max_seq_len (or
+    what a given --max-new-tokens leaves) and new tokens take the rest (tiny, 64: 32 + 32).
+    `note` says which defaults were cut, "" if none. Input the user gave is kept as is: the
+    caller's checks reject it with the value and the limit.
+    """
+    cut = []
+    if max_input is None:
+        room = max_seq_len - (max_new if max_new is not None else max_seq_len // 2)
+        max_input = min(DEFAULT_TOKENS, room)
+        if max_input < DEFAULT_TOKENS:
+            cut.append(f"--max-input-tokens {max_input}")
+    if max_new is None:
+        max_new = max(0, min(DEFAULT_TOKENS, max_seq_len - max_input))
+        if max_new < DEFAULT_TOKENS:
+            cut.append(f"--max-new-tokens {max_new}")
+    note = ""
+    if cut:
+        note = (f"note: max_seq_len is {max_seq_len}, so the defaults are {' and '.join(cut)} "
+                f"(not {DEFAULT_TOKENS}); pass them to choose")
+    return max_input, max_new, note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mpt_kv memory", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mpt-7b", choices=sorted(PRESETS))
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--max-input-tokens", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-input-tokens", type=int, default=None,
+                   help=f"default {DEFAULT_TOKENS}, or half of a smaller preset's max_seq_len")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default {DEFAULT_TOKENS}, or what is left of a smaller preset's max_seq_len")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--max-seq-len", type=int, default=None, help="override the preset's max_seq_len")
     p.add_argument("--softmax-dtype", default="fp32", choices=sorted(DTYPES))
@@ -38,22 +68,29 @@ def main(argv: list[str] | None = None) -> int:
         shape = replace(shape, max_seq_len=a.max_seq_len)
     if a.batch_size <= 0:
         p.error(f"--batch-size must be >= 1, got {a.batch_size}")
-    if a.max_input_tokens <= 0:
+    if a.max_input_tokens is not None and a.max_input_tokens <= 0:
         p.error(f"--max-input-tokens must be >= 1, got {a.max_input_tokens}")
-    if a.max_new_tokens < 0:
+    if a.max_new_tokens is not None and a.max_new_tokens < 0:
         p.error(f"--max-new-tokens must be >= 0, got {a.max_new_tokens}")
+    limit = f"{a.model}'s max_seq_len {shape.max_seq_len} (ALiBi is built only that far); pass --max-seq-len to override"
+    if a.max_input_tokens is not None and a.max_input_tokens > shape.max_seq_len:
+        p.error(f"--max-input-tokens {a.max_input_tokens} exceeds {limit}")
+    if a.max_input_tokens is None and a.max_new_tokens is not None and a.max_new_tokens >= shape.max_seq_len:
+        p.error(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in {limit}")
+    a.max_input_tokens, a.max_new_tokens, note = default_tokens(shape.max_seq_len, a.max_input_tokens,
+                                                                a.max_new_tokens)
     if a.held_caches < 0:
         p.error(f"--held-caches must be >= 0, got {a.held_caches}")
     total = a.max_input_tokens + a.max_new_tokens
     if total > shape.max_seq_len:
-        p.error(
-            f"--max-input-tokens + --max-new-tokens = {total} exceeds {a.model}'s max_seq_len "
-            f"{shape.max_seq_len} (ALiBi is built only that far); pass --max-seq-len to override"
-        )
+        p.error(f"--max-input-tokens {a.max_input_tokens} + --max-new-tokens {a.max_new_tokens} = {total} "
+                f"exceeds {limit}")
 
     s = DTYPES[a.dtype]
     print(f"{a.model}: {n_params(shape):,} params, {a.dtype}, batch {a.batch_size}, "
           f"input {a.max_input_tokens} + new {a.max_new_tokens} = cache length {total}")
+    if note:
+        print(note)
     rows = [
         (label, estimate(
             shape, a.batch_size, a.max_input_tokens, a.max_new_tokens, s, fixed,
@@ -68,6 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:18} {est.row(unit)}")
     if a.seed_table:
         print()
-        print("seed PR table (mpt-7b bf16 on Gaudi) vs model with SEED_SETUP:", SEED_SETUP)
+        print("seed PR table (mpt-7b, bf16, one Gaudi, optimum-habana's run_generation.py) vs the Gaudi model:")
         print(seed_table_text())
     return 0

@@ -32,20 +32,33 @@ MPT_MODULE = "optimum.habana.transformers.models.mpt.modeling_mpt"
 
 
 def load_gaudi_mpt_module():
+    """optimum-habana's MPT module (GaudiMptForCausalLM), on HPU or CPU.
+
+    TargetUnavailable says why not. Only "optimum-habana is not installed" means the package is
+    absent; every other message is a package that is installed but does not load, which the
+    plugin reports as an error, never as a skip. Where habana_frameworks imports, the module is
+    imported normally, and its failure is reported as it is (it is not "needs HPU")."""
     if MPT_MODULE in sys.modules:
         return sys.modules[MPT_MODULE]
     spec = importlib.util.find_spec("optimum")
-    if spec is None or not spec.submodule_search_locations:
-        raise TargetUnavailable("optimum-habana is not installed (tox -e ohabana installs it)")
-    root = next((Path(p) / "habana" for p in spec.submodule_search_locations if (Path(p) / "habana").is_dir()), None)
+    root = next((Path(p) / "habana" for p in (spec.submodule_search_locations or []) if (Path(p) / "habana").is_dir()),
+                None) if spec else None
     if root is None:
-        raise TargetUnavailable("optimum is installed but optimum-habana is not (tox -e ohabana installs it)")
-    try:  # on a Gaudi machine the package imports normally
-        import habana_frameworks.torch  # noqa: F401
-
-        return importlib.import_module(MPT_MODULE)
-    except ImportError:
-        pass
+        raise TargetUnavailable("optimum-habana is not installed (pip install --no-deps optimum-habana, "
+                                "or tox -e ohabana)")
+    if importlib.util.find_spec("habana_frameworks") is not None:
+        # an HPU stack is installed: the normal import path, and any failure is the real one
+        try:
+            import habana_frameworks.torch  # noqa: F401
+        except Exception as e:
+            raise TargetUnavailable(f"habana_frameworks is installed but does not import ({type(e).__name__}: {e}), "
+                                    f"so {MPT_MODULE} cannot be loaded either") from e
+        try:
+            return importlib.import_module(MPT_MODULE)
+        except Exception as e:
+            raise TargetUnavailable(f"optimum-habana is installed and habana_frameworks imports, but {MPT_MODULE} "
+                                    f"fails to import: {type(e).__name__}: {e}") from e
+    # CPU: its package __init__ files need HPU (FACTS.md); the MPT module itself does not
     for name, folder in [("optimum.habana", root), ("optimum.habana.transformers", root / "transformers"),
                          ("optimum.habana.transformers.models", root / "transformers" / "models"),
                          ("optimum.habana.transformers.models.mpt", root / "transformers" / "models" / "mpt")]:
@@ -57,7 +70,8 @@ def load_gaudi_mpt_module():
         try:
             return importlib.import_module(MPT_MODULE)
         except Exception as e:
-            raise TargetUnavailable(f"cannot import {MPT_MODULE} without HPU: {type(e).__name__}: {e}") from e
+            raise TargetUnavailable(f"optimum-habana is installed but {MPT_MODULE} fails to import on CPU (its parent "
+                                    f"packages bypassed, see mpt_kv/targets/gaudi.py): {type(e).__name__}: {e}") from e
 
 
 @contextlib.contextmanager

@@ -1,46 +1,148 @@
-"""Known upstream failures are data: `known_failures.json`, one entry per (target, property,
-path) with the package versions it applies to. The plugin turns each match into a strict
-xfail, so the day upstream fixes it, the suite says so (XPASS fails) and the entry goes."""
+"""Known upstream failures are data: a JSON list of entries, one per (target, property, path)
+with the package versions it applies to (default: `known_failures.json` beside this file).
+
+    {"target": "transformers", "property": "P3", "path": "concat",
+     "when": {"transformers": "<4.56"},
+     "pattern": "cached (key|value) .* is a view of mixed_qkv",
+     "reason": "transformers <4.56: DynamicLayer.update stores the first K/V as is ..."}
+
+required  target, property (one of PROPERTIES), pattern (a regular expression), reason
+optional  path (one of PATHS; absent: any), bucket (true/false; absent: either),
+          when ({distribution: PEP 440 specifier}; absent: every version)
+
+A matching case is expected to fail with a `PropertyFailure` whose message the pattern finds
+(`re.search`); only that failure xfails. Any other exception, a message the pattern does not
+find, or a pass (the day upstream fixes it) fails the case: a known failure must never hide a
+different one. The plugin lists entries that matched no case of a run, an error with
+`--strict-known-failures`. A malformed file is a `KnownFailuresError` naming the file, the
+entry and what is wrong."""
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from packaging.specifiers import SpecifierSet
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 FILE = Path(__file__).with_name("known_failures.json")
+PROPERTIES = ("P0", "P1", "P2", "P3", "memory", "static-shape")
+PATHS = ("concat", "static")
+REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}
+OPTIONAL = {"path": str, "bucket": bool, "when": dict}
 
 
-def load(path: Path = FILE) -> list[dict]:
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise RuntimeError(f"cannot read known failures from {path}: {e}") from e
-    for e in entries:
-        missing = {"target", "property", "reason"} - e.keys()
-        if missing:
-            raise RuntimeError(f"{path}: entry {e} lacks {sorted(missing)}")
-    return entries
+class KnownFailuresError(ValueError):
+    """The known-failures file cannot be used; the message names the file, the entry and why."""
 
 
-def applies(entry: dict) -> bool:
-    for package, spec in entry.get("when", {}).items():
-        try:
-            if version(package) not in SpecifierSet(spec):
+@dataclass(frozen=True)
+class Entry:
+    index: int
+    target: str
+    property: str
+    reason: str
+    pattern: re.Pattern
+    path: str | None = None
+    bucket: bool | None = None
+    when: dict = field(default_factory=dict)  # distribution -> SpecifierSet
+    file: str = ""
+
+    @property
+    def name(self) -> str:
+        where = "".join(f" {x}" for x in (self.path, {True: "bucket", False: "no bucket"}.get(self.bucket)) if x)
+        return f"entry {self.index} ({self.target} {self.property}{where})"
+
+    def applies(self) -> bool:
+        """True where every package of `when` is installed in a version it names."""
+        for package, spec in self.when.items():
+            try:
+                if not spec.contains(version(package), prereleases=True):
+                    return False
+            except PackageNotFoundError:
                 return False
-        except PackageNotFoundError:
+        return True
+
+    def covers(self, target: str, prop: str, path: str | None, bucket: int | None) -> bool:
+        """This entry is about the case (target, property, path, bucketed or not)."""
+        return (self.target == target and self.property == prop and self.path in (None, path)
+                and self.bucket in (None, bucket is not None))
+
+    def explains(self, exc: BaseException | None) -> bool:
+        """The failure is the known one: a PropertyFailure (every one, when hypothesis reports
+        several) whose message the pattern finds."""
+        from mpt_kv.checks.compare import PropertyFailure
+
+        if exc is None:
             return False
-    return True
+        group = getattr(exc, "exceptions", None)  # an exception group of distinct failures
+        if group is not None and not isinstance(exc, PropertyFailure):
+            return bool(group) and all(self.explains(e) for e in group)
+        return isinstance(exc, PropertyFailure) and self.pattern.search(str(exc)) is not None
 
 
-def match(target: str, prop: str, path: str | None, entries: list[dict] | None = None,
-          bucket: int | None = None) -> str | None:
-    """The reason if (target, property, path, bucketed or not) is a known failure with the
-    installed versions. An entry without "path" or "bucket" matches any."""
+def _entry(raw, index: int, file: str) -> Entry:
+    def bad(what: str):
+        label = f"entry {index}"
+        if isinstance(raw, dict) and isinstance(raw.get("target"), str) and isinstance(raw.get("property"), str):
+            label += f" ({raw['target']} {raw['property']})"
+        return KnownFailuresError(f"known failures file {file}: {label}: {what}")
+
+    if not isinstance(raw, dict):
+        raise bad(f"expected an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise bad(f"unknown field(s) {unknown}; fields are {sorted(REQUIRED)} and optional {sorted(OPTIONAL)}")
+    missing = sorted(set(REQUIRED) - set(raw))
+    if missing:
+        raise bad(f"missing field(s) {missing}")
+    for name, kind in {**REQUIRED, **OPTIONAL}.items():
+        if name in raw and not isinstance(raw[name], kind):
+            raise bad(f"{name!r} must be a {kind.__name__}, got {raw[name]!r}")
+    if raw["property"] not in PROPERTIES:
+        raise bad(f"unknown property {raw['property']!r}; expected one of {PROPERTIES}")
+    if raw.get("path", PATHS[0]) not in PATHS:
+        raise bad(f"unknown path {raw['path']!r}; expected one of {PATHS}")
+    if not raw["reason"].strip():
+        raise bad("'reason' is empty: say what upstream does wrong and since when")
+    try:
+        pattern = re.compile(raw["pattern"])
+    except re.error as e:
+        raise bad(f"'pattern' {raw['pattern']!r} is not a regular expression: {e}") from None
+    if pattern.search(""):
+        raise bad(f"'pattern' {raw['pattern']!r} matches the empty string, so any message: name the failure")
+    when = {}
+    for package, spec in raw.get("when", {}).items():
+        try:
+            when[package] = SpecifierSet(spec)
+        except (InvalidSpecifier, TypeError):
+            raise bad(f"'when' {package}: {spec!r} is not a version specifier (e.g. '<4.56')") from None
+    return Entry(index, raw["target"], raw["property"], raw["reason"], pattern, raw.get("path"), raw.get("bucket"),
+                 when, file)
+
+
+def load(path: str | Path = FILE) -> list[Entry]:
+    """Every entry of the file, checked; KnownFailuresError if the file or an entry is malformed."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise KnownFailuresError(f"known failures file {path}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KnownFailuresError(f"known failures file {path}: not valid JSON ({e})") from None
+    if not isinstance(data, list):
+        raise KnownFailuresError(f"known failures file {path}: expected a JSON list of entries, got "
+                                 f"{type(data).__name__}")
+    return [_entry(raw, i, str(path)) for i, raw in enumerate(data)]
+
+
+def match(target: str, prop: str, path: str | None, entries: list[Entry] | None = None,
+          bucket: int | None = None) -> Entry | None:
+    """The entry that applies (installed versions) to the case (target, property, path,
+    bucketed or not), or None."""
     for e in load() if entries is None else entries:
-        if (e["target"] == target and e["property"] == prop and e.get("path", path) == path
-                and e.get("bucket", bucket is not None) == (bucket is not None) and applies(e)):
-            return e["reason"]
+        if e.covers(target, prop, path, bucket) and e.applies():
+            return e
     return None

@@ -1,0 +1,224 @@
+"""Legitimate designs that must pass every check: the suite's guard against false positives.
+
+Each design is the reference with ONE change that real, correct KV-cache code makes (assembled
+as in assembly.py), with where such a design comes from. `python -m mpt_kv killmatrix` runs
+every check on every design beside the catalogue that must be killed (variants.py), and fails
+if a check fails a design: a gate that fails correct code gets switched off, so a failing
+design means the check is wrong, never the design.
+
+Every design is also a target factory:
+
+    pytest --target mpt_kv.catalogue.designs:stacked_kv --only-targets
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mpt_kv.catalogue.assembly import StaticOutputMPT, attention_forward, attention_with, model_with, runner_factory
+from mpt_kv.model.cache import ConcatCache, StaticCache
+from mpt_kv.model.reference import Attention, ReferenceMPT
+from mpt_kv.targets import Capabilities
+
+
+@dataclass(frozen=True)
+class Design:
+    name: str
+    what: str        # one line: what it does differently from the reference
+    origin: str      # where such a design comes from
+    build: Callable  # (cfg, state_dict, device, dtype) -> Runner
+
+
+DESIGNS: dict[str, Design] = {}
+
+
+def design(name, what, origin, model, capabilities=Capabilities()):
+    """Register a design and return its factory (also a module attribute of the same name)."""
+    build = runner_factory(name, model, capabilities=capabilities)
+    DESIGNS[name] = Design(name, what, origin, build)
+    return build
+
+
+def static_cache(model, cache_class, batch, max_len, fill):
+    """`cache_class(...)` with the arguments the reference's StaticCache takes."""
+    c, w = model.cfg, model.transformer.wte.weight
+    return cache_class(c.n_layers, batch, c.n_heads, max_len or c.max_seq_len, c.head_dim, w.dtype, w.device, fill)
+
+
+# --- one storage for several cached tensors (P3 must tell them from views of mixed_qkv) ----------------
+
+class StackedConcatCache(ConcatCache):
+    """Each layer's K and V in one (2, B, H, T, hd) tensor; `kv` holds its two halves."""
+
+    def __init__(self, n_layers):
+        super().__init__(n_layers)
+        self.stacked: list[torch.Tensor | None] = [None] * n_layers
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        new = torch.stack([k, v])  # a copy: never a view of mixed_qkv
+        if self.stacked[layer] is not None:
+            new = torch.cat([self.stacked[layer], new], dim=3)
+        self.stacked[layer] = new
+        self.kv[layer] = (new[0], new[1])
+        return self.kv[layer]
+
+
+class StackedStaticCache(StaticCache):
+    def __init__(self, n_layers, batch, n_heads, max_len, head_dim, dtype, device, fill=None):
+        shape = (2, batch, n_heads, max_len, head_dim)
+        self.stacked = [torch.full(shape, 0.0 if fill is None else fill, dtype=dtype, device=device)
+                        for _ in range(n_layers)]
+        self.kv = [(s[0], s[1]) for s in self.stacked]
+        self.prefilled = [False] * n_layers
+        self.max_len = max_len
+
+
+class StackedMPT(ReferenceMPT):
+    def new_cache(self, path, batch, max_len=None, fill=None):
+        if path == "concat":
+            return StackedConcatCache(self.cfg.n_layers)
+        return static_cache(self, StackedStaticCache, batch, max_len, fill)
+
+
+stacked_kv = design(
+    "stacked_kv",
+    "each layer's K and V live in one stacked (2, B, H, T, hd) tensor (both paths): no byte wasted, "
+    "but K and V are views of a buffer twice their size",
+    "vLLM's FlashAttention backend keeps one (2, num_blocks, block_size, heads, head_size) cache per "
+    "layer; TensorRT-Edge-LLM's KV cache puts the K/V split outermost the same way",
+    StackedMPT)
+
+
+class OneAllocationStaticCache(StaticCache):
+    def __init__(self, n_layers, batch, n_heads, max_len, head_dim, dtype, device, fill=None):
+        shape = (n_layers, 2, batch, n_heads, max_len, head_dim)
+        self.buffer = torch.full(shape, 0.0 if fill is None else fill, dtype=dtype, device=device)
+        self.kv = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(n_layers)]
+        self.prefilled = [False] * n_layers
+        self.max_len = max_len
+
+
+class OneAllocationMPT(ReferenceMPT):
+    def new_cache(self, path, batch, max_len=None, fill=None):
+        if path == "concat":
+            return super().new_cache(path, batch, max_len, fill)
+        return static_cache(self, OneAllocationStaticCache, batch, max_len, fill)
+
+
+one_allocation_for_all_layers = design(
+    "one_allocation_for_all_layers",
+    "the static path allocates every layer's K and V in one (layers, 2, B, H, L, hd) buffer; each "
+    "cached tensor is a view of it (the concat path is the reference's)",
+    "TensorRT-LLM's KV cache packs all layers into each block of one pool; one allocation up front "
+    "avoids fragmentation and is what a graph captures",
+    OneAllocationMPT)
+
+
+# --- a cache pool kept across generations (memory must judge growth, not the first level) -----------
+
+class PoolMPT(ReferenceMPT):
+    """Keeps the static cache on the model and hands it to the next generation of the same shape."""
+
+    zero_on_reuse = True
+
+    def new_cache(self, path, batch, max_len=None, fill=None):
+        if path != "static":
+            return super().new_cache(path, batch, max_len, fill)
+        pool = getattr(self, "pool", None)
+        if pool is None or pool.kv[0][0].shape[0] != batch or pool.max_len != (max_len or self.cfg.max_seq_len):
+            self.pool = super().new_cache(path, batch, max_len, fill)  # a pool of another shape is freed
+            return self.pool
+        if self.zero_on_reuse:
+            for k, v in pool.kv:
+                k.zero_()
+                v.zero_()
+        pool.prefilled = [False] * self.cfg.n_layers  # the prefill writes from slot 0 again
+        return pool
+
+
+class UnzeroedPoolMPT(PoolMPT):
+    zero_on_reuse = False  # stale slots are masked until written: the static path's mask covers them
+
+
+POOL = Capabilities(cache_pool=True)
+
+cache_pool_zeroed = design(
+    "cache_pool_zeroed",
+    "the static cache is kept on the model and reused, zeroed, by the next generation of the same "
+    "shape (declared: Capabilities(cache_pool=True)); its bytes stay allocated between generations",
+    "optimum-habana's --reuse_cache: allocate_kv_cache keeps one KVCache per layer on the model and "
+    "KVCache.allocate reuses it with fill_(0) when the shape matches (models/llama/modeling_llama.py, 1.21)",
+    PoolMPT, POOL)
+
+cache_pool_not_zeroed = design(
+    "cache_pool_not_zeroed",
+    "the same pool reused without zeroing: every stale slot of the previous generation is masked "
+    "until this generation writes it",
+    "the fill_(0) of optimum-habana's KVCache.allocate is a saving to make when the mask covers "
+    "every slot not yet written (the static path's mask does)",
+    UnzeroedPoolMPT, POOL)
+
+
+# --- copies, ALiBi, softmax, outputs ---------------------------------------------------------------
+
+def copy_out(t: torch.Tensor) -> torch.Tensor:
+    # .contiguous() copies only a tensor that is not contiguous; the (1, 1, H, hd) slice of a
+    # one-token, one-row prompt is, and would stay a view (variants.contiguous_is_not_always_a_copy)
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+class TokenMajorConcatCache(ConcatCache):
+    """Keeps K and V as (B, T, H, hd) `.contiguous()` copies; attention and kv() get (B, H, T, hd) views."""
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, hd) views of mixed_qkv
+        if self.kv[layer] is None:
+            k, v = copy_out(k), copy_out(v)
+        else:
+            old_k, old_v = (t.transpose(1, 2) for t in self.kv[layer])
+            k, v = torch.cat([old_k, k], dim=1), torch.cat([old_v, v], dim=1)
+        self.kv[layer] = (k.transpose(1, 2), v.transpose(1, 2))
+        return self.kv[layer]
+
+
+contiguous_copies = design(
+    "contiguous_copies",
+    "the concat path copies K and V with .contiguous() into a token-major (B, T, H, hd) cache; "
+    "attention and kv() see transposed, non-contiguous views of it",
+    "the `.transpose(1, 2).contiguous()` idiom of many attention modules; (B, T, H, hd) is the layout "
+    "flash-attention style kernels read",
+    model_with(concat=TokenMajorConcatCache))
+
+alibi_sliced_from_the_front = design(
+    "alibi_sliced_from_the_front",
+    "ALiBi is sliced from the front of the (H, 1, max_seq_len) bias, [:K] instead of [-K:]: every "
+    "score of a query row moves by the same constant, which softmax ignores",
+    "BLOOM (transformers' build_alibi_tensor) counts ALiBi positions from 0 up; MPT counts them "
+    "from -(max_seq_len - 1) up and slices the end: the two differ by a per-row constant",
+    model_with(attention=attention_with(bias_from_front=True)))
+
+
+class ModelDtypeSoftmax(Attention):
+    def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
+        return attention_forward(self, x, mask, bias, cache, layer, token_idx, cache_idx, softmax_dtype=x.dtype)
+
+
+softmax_in_model_dtype = design(
+    "softmax_in_model_dtype",
+    "softmax in the model's dtype instead of an fp32 upcast: bit-identical in an fp32 model "
+    "(declared: bf16 unsupported, where it would be a different computation)",
+    "optimum-habana's --attn_softmax_bf16 keeps softmax in the model dtype; in fp32 it is the "
+    "reference's computation",
+    model_with(attention=ModelDtypeSoftmax),
+    Capabilities(unsupported={"bf16": "softmax in the model dtype is the reference's computation only in fp32"}))
+
+graph_outputs_declared = design(
+    "graph_outputs_declared",
+    "every call returns its logits in one preallocated buffer per shape, overwritten by the next call of "
+    "that shape, and declares it (Capabilities(graph_outputs=True))",
+    "CUDA graphs and HPU graphs (optimum-habana's --use_hpu_graphs, wrap_in_hpu_graph): a replay "
+    "returns the graph's static output tensor",
+    StaticOutputMPT, Capabilities(graph_outputs=True))

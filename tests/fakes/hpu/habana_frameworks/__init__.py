@@ -1,0 +1,1 @@
+"""Fake habana_frameworks for mpt-kv tests (tests/fakes/README.md)."""
