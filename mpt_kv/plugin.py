@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 import time
 from collections import defaultdict
 
@@ -44,7 +45,7 @@ DTYPE_NAMES = ("bf16", "fp32")  # the keys of mpt_kv.model.config.DTYPES (not im
 BUILTIN_PACKAGES = {"reference": (), "transformers": ("transformers",), "optimum-habana": ("optimum-habana",)}
 KNOWN = pytest.StashKey[object]()  # item -> its known_failures.Entry
 _results: list[dict] = []
-PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat", "P3": "no aliasing",
+PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat", "P3": "no aliasing", "P4": "outputs not reused",
                   "memory": "memory ceilings", "static-shape": "static shapes"}
 _memory: list[dict] = []  # measurements of mpt_kv/conformance/test_memory.py (user_properties "mpt_kv_memory")
 
@@ -778,6 +779,11 @@ def outcome_of(excinfo) -> str:
     without a keyword, an AttributeError, a corrupt ceilings file)."""
     from mpt_kv.checks.compare import PropertyFailure
     from mpt_kv.errors import Unsupported
+
+    if sys.version_info >= (3, 11):
+        from builtins import BaseExceptionGroup
+    else:  # hypothesis's own dependency on 3.10
+        from exceptiongroup import BaseExceptionGroup
 
     exc = excinfo.value
     if isinstance(exc, Unsupported):

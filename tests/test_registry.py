@@ -84,7 +84,7 @@ def test_without_the_declaration_a_missing_clip_qkv_fails_p0():
 @given(st.data())
 def test_a_declared_missing_clip_qkv_is_never_drawn(data):
     caps = Capabilities({"clip_qkv": "no"})
-    assert data.draw(cases("cpu", caps)).cfg.clip_qkv is None
+    assert data.draw(cases("cpu", capabilities=caps)).cfg.clip_qkv is None
 
 
 def test_a_target_without_clip_qkv_still_runs_p0_and_static_shape_without_it():

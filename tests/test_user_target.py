@@ -19,7 +19,9 @@ def run(pytester, *args):
 
 
 def test_worked_example_target_passes_the_properties(pytester):
-    result = run(pytester, "--target=examples.sdpa_mpt:build", "-k", "P1/ or P3/")  # not "P3": fp32 contains p3
+    # the drawn P1 and P3 on the three paths ("P3", not "P3/", would match fp32 too)
+    result = run(pytester, "--target=examples.sdpa_mpt:build", "-k", "(P1/ or P3/) and not graphs and not max-seq "
+                 "and not long-gen and not head-dim and not bucket-128")
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines(["*examples.sdpa_mpt:build*cpu*float32*concat*passed*"])
 
@@ -55,9 +57,13 @@ def build(cfg, state_dict, device, dtype):
 
 def test_user_target_with_a_cache_bug_fails(pytester):
     pytester.makepyfile(off_by_one=OFF_BY_ONE)
-    result = run(pytester, "--target=off_by_one:build", "-k", "P1 and static")
+    # the drawn P1 on the static path only (not its edge cases, graphs or bucket)
+    result = run(pytester, "--target=off_by_one:build", "-k",
+                 "P1/static and not bucket and not graphs and not max-seq and not long-gen and not head-dim")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*PropertyFailure: P1 decode logits vs full forward*target=off_by_one:build*"])
+    # a wrong value (PropertyFailure) or, where its last write runs past the cache, the crash with a
+    # note naming the property and the context: the first CI example generates one new token
+    result.stdout.fnmatch_lines(["*P1*target=off_by_one:build*"])
 
 
 # A --target that cannot be imported is a usage error before any test runs, not a skip: see
@@ -104,9 +110,9 @@ def test_an_adapter_that_raises_is_an_error_in_the_matrix_never_a_property_failu
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*TypeError*unexpected keyword argument 'cache_idx'*"])
     # columns P0 P1 P2 P3 memory static-shape; the bucket path: what the wrapper found, as the reason
-    result.stdout.re_match_lines([r"wrong_keyword:build +cpu +float32 +concat +- +error +- +- +- +-$",
-                                  r"wrong_keyword:build +cpu +float32 +static +- +error +- +- +- +-$",
-                                  r"wrong_keyword:build +cpu +float32 +static\+bucket4 +- +unsupported +- +- +- +-$"])
+    result.stdout.re_match_lines([r"wrong_keyword:build +cpu +float32 +concat +- +error +- +- +- +- +-$",
+                                  r"wrong_keyword:build +cpu +float32 +static +- +error +- +- +- +- +-$",
+                                  r"wrong_keyword:build +cpu +float32 +static\+bucket4 +- +unsupported +- +- +- +- +-$"])
     result.stdout.fnmatch_lines(["*wrong_keyword:build declares unsupported: bucket (TinyMptForCausalLM.forward has no "
                                  "cache_idx parameter*"])
     assert " failed " not in result.stdout.str().split("mpt-kv conformance")[1]

@@ -87,16 +87,6 @@ def paths(kind: str, bucket: int) -> tuple:
             "static": (("static", None), ("static", bucket))}[kind]
 
 
-def check_outputs_not_reused(runner, reference, c):
-    return P.check_outputs_not_reused(runner, c)
-
-
-def p4_unavailable() -> str | None:
-    if hasattr(P, "check_outputs_not_reused"):
-        return None
-    return "the output-reuse check (issue 12.2: properties.check_outputs_not_reused), not in this build"
-
-
 def check_memory(runner, reference, c):
     from mpt_kv.checks import ceilings
 
@@ -116,7 +106,7 @@ CHECKS = {c.name: c for c in (
     Check("P1", "all", lambda r, ref, c: P.check_cached_equals_uncached(r, c)),
     Check("P2", "static", lambda r, ref, c: P.check_static_equals_concat(r, c)),
     Check("P3", "all", lambda r, ref, c: P.check_no_aliasing(r, c)),
-    Check("P4", "all", check_outputs_not_reused, p4_unavailable),
+    Check("P4", "all", lambda r, ref, c: P.check_outputs_not_reused(r, c)),
     Check("static-shape", "static", lambda r, ref, c: static_shape.check_static_shape(r, c)),
     Check("memory", "all", check_memory),
 )}

@@ -29,9 +29,8 @@ from mpt_kv.model.cache import ConcatCache, StaticCache
 from mpt_kv.model.reference import Attention, ReferenceMPT
 from mpt_kv.targets.reference import ReferenceSession
 
-# The kill-matrix columns (killmatrix.CHECKS): P0-P4 from properties.py (P4: the output-reuse
-# check of issue 12, "n/a" where this build lacks it), static-shape from static_shape.py,
-# memory from ceilings.py.
+# The kill-matrix columns (killmatrix.CHECKS): P0-P4 from properties.py (P4: outputs not
+# reused), static-shape from static_shape.py, memory from ceilings.py.
 COLUMNS = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory")
 
 
@@ -452,7 +451,7 @@ mask_buffer_not_refilled = variant(
     "changes: the next generation of the same shape runs with the previous one's padding",
     "graph-friendly generation keeps masks in preallocated buffers updated in place (index_fill_ at "
     "token_idx); reallocation is the only refill",
-    ["P1", "P2"], waits_for="P1/P2 generations back to back with other batch layouts (issue 12.3)",
+    ["P1", "P2"],
     model=MaskBufferMPT)
 
 
@@ -498,7 +497,7 @@ bool_mask_inverted = variant(
     "key_padding_mask convention); integer masks are right",
     "bool masks have both conventions in torch (SDPA attn_mask: True = attend; key_padding_mask and "
     "transformers' internal MPT mask: True = masked); a suite that only feeds long masks never sees it",
-    ["P0"], waits_for="value checks fed bool attention masks (issue 12.4)", model=BoolMaskAsKeyPaddingMPT)
+    ["P0"], model=BoolMaskAsKeyPaddingMPT)
 
 
 PlainAttention = attention_with()

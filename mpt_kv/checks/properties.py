@@ -1,26 +1,44 @@
 """The properties every implementation must hold, as plain functions (pytest and the kill
 matrix both call them). Each raises `PropertyFailure` naming target, device, dtype, shapes,
-step and layer; each returns notes (e.g. near-ties in greedy decoding) for the report.
+generation, step, layer and the error size; each returns notes (e.g. near-ties in greedy
+decoding) for the report.
 
 P0 oracle               uncached logits equal the reference's
-P1 cached = uncached    every decode step equals a full forward over the same tokens
+P1 cached = uncached    every prefill and decode step equals a full forward over the same tokens
 P2 static = concat      cache contents and logits agree; never-written slots do not leak
 P3 no aliasing          no cached K/V shares storage with mixed_qkv or pins extra bytes
+P4 outputs not reused   a tensor returned by one call is not modified by later calls, unless the
+                        target declares graph outputs (Capabilities(graph_outputs=True))
+
+How the value checks (P0-P2) run:
+- every tensor they receive from the target is copied at once (results.py: the copy rule);
+- three generations back to back on the same runner, each with another batch layout
+  (`Case.generations`), each checked against fresh uncached forwards: state the model keeps
+  between generations (a mask or position buffer not refilled, a counter not reset) shows;
+- the attention mask has the case's dtype (bool, int64 or int32), carried through to the target;
+- fp32 compares each path with the target's own oracle (its uncached forward, its concat path);
+  a lower precision compares each path with the same target in fp32 built from the rounded
+  weights (its fp32 twin, `Context.fp32`) on the same tokens, teacher-forced, each path within
+  its own calibrated bound (compare.py): bf16 against bf16 would add two rounding errors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from mpt_kv.checks.compare import TOLERANCES, TOLERANCES_KV, PropertyFailure, assert_close, describe
+from mpt_kv.checks.compare import PropertyFailure, assert_close, describe, tolerance
+from mpt_kv.checks.results import copied, snapshot
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import Session
 from mpt_kv.checks.storages import covered_bytes, storage_key  # P3
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (FACTS.md)
+MASK_DTYPES = (torch.bool, torch.int64, torch.int32)  # what the targets' APIs accept (README "Targets")
+LATER_NEW_TOKENS = 8  # generations 2 and 3 decode at most this many (+2): they look for stale state, not length
 
 
 @contextlib.contextmanager
@@ -50,19 +68,25 @@ def fresh_memory_holds_nan():
 
 @dataclass(frozen=True)
 class Case:
-    """One drawn input: a model shape, a left-padded batch of prompts, tokens to generate."""
+    """One drawn input: a model shape, a left-padded batch of prompts, tokens to generate, and
+    the dtype of the attention mask."""
 
     cfg: ModelConfig
     prompt_lens: tuple[int, ...]
     new_tokens: int
     seed: int = 0
+    mask_dtype: torch.dtype = torch.int64
 
     def __post_init__(self):
         if not self.prompt_lens or min(self.prompt_lens) < 1:
             raise ValueError(f"prompt_lens={self.prompt_lens}: every row needs at least 1 token")
+        if self.new_tokens < 1:
+            raise ValueError(f"new_tokens={self.new_tokens}: must be >= 1")
         if self.total_len > self.cfg.max_seq_len:
             raise ValueError(f"prompt {self.prompt_len} + new {self.new_tokens} = {self.total_len} "
                              f"exceeds max_seq_len={self.cfg.max_seq_len}")
+        if self.mask_dtype not in MASK_DTYPES:
+            raise ValueError(f"mask_dtype={self.mask_dtype}: expected one of {MASK_DTYPES}")
 
     @property
     def batch(self) -> int:
@@ -77,22 +101,57 @@ class Case:
         return self.prompt_len + self.new_tokens
 
     def inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, S) ids and mask, rows shorter than S left-padded (mask 0)."""
+        """(B, S) ids and mask (of `mask_dtype`), rows shorter than S left-padded (mask 0)."""
         g = torch.Generator().manual_seed(self.seed)
         ids = torch.randint(0, self.cfg.vocab_size, (self.batch, self.prompt_len), generator=g)
-        mask = torch.zeros(self.batch, self.prompt_len, dtype=torch.long)
+        mask = torch.zeros(self.batch, self.prompt_len, dtype=self.mask_dtype)
         for b, n in enumerate(self.prompt_lens):
             mask[b, self.prompt_len - n:] = 1
         return ids.to(device), mask.to(device)
 
+    def generations(self) -> tuple["Case", "Case", "Case"]:
+        """This layout, then two more of the same batch size that the value checks run back to
+        back on the same model instance: a longer prompt (as far as max_seq_len allows) with the
+        rows' padding reversed, then a shorter prompt with a longer generation and the padding
+        rotated. Other tokens (seed + 1, + 2); a padding pattern always other than the first's
+        where the batch has two rows and a prompt of two tokens."""
+        P, n, M = self.prompt_len, self.new_tokens, self.cfg.max_seq_len
+        pads = [P - n_row for n_row in self.prompt_lens]
+        n2 = min(n, LATER_NEW_TOKENS)
+        P2 = P + min(max(1, P // 2), M - P - n2)          # == P when already at max_seq_len
+        P3 = max(1, P // 2)
+        n3 = min(n2 + 2, M - P3)
+        second = other_padding(pads[::-1], pads, P2)
+        third = other_padding(pads[1:] + pads[:1], pads, P3)
+        return (self,
+                dataclasses.replace(self, prompt_lens=tuple(P2 - p for p in second), new_tokens=n2, seed=self.seed + 1),
+                dataclasses.replace(self, prompt_lens=tuple(P3 - p for p in third), new_tokens=n3, seed=self.seed + 2))
+
     def describe(self) -> str:
         c = self.cfg
         return (f"B={self.batch} prompt_lens={list(self.prompt_lens)} new={self.new_tokens} H={c.n_heads} "
-                f"hd={c.head_dim} L={c.n_layers} clip_qkv={c.clip_qkv} max_seq_len={c.max_seq_len} seed={self.seed}")
+                f"hd={c.head_dim} L={c.n_layers} clip_qkv={c.clip_qkv} max_seq_len={c.max_seq_len} "
+                f"mask={str(self.mask_dtype).replace('torch.', '')} seed={self.seed}")
+
+
+def other_padding(pads: list[int], avoid: list[int], length: int) -> list[int]:
+    """Left-padding amounts for a prompt of `length`: `pads` clipped to leave every row a token,
+    shifted so the longest row is unpadded, and changed in its last row if it equals `avoid`."""
+    pads = [min(p, length - 1) for p in pads]
+    pads = [p - min(pads) for p in pads]
+    if pads == avoid and len(pads) > 1 and length > 1:
+        pads[-1] = (pads[-1] + 1) % length
+        pads = [p - min(pads) for p in pads]
+    return pads
 
 
 @dataclass
 class Context:
+    """Where a check runs, for its messages, and what it compares with.
+
+    fp32  the oracle of a lower-precision run: the same target built in float32 from the
+          rounded weights (`fp32_twin`); required when `dtype` is not float32."""
+
     target: str
     device: str
     dtype: torch.dtype
@@ -100,78 +159,180 @@ class Context:
     path: str | None = None
     bucket: int | None = None
     notes: list[str] = field(default_factory=list)
+    fp32: object | None = None
+    generation: int | None = None
 
-    def tol(self):
-        return TOLERANCES[self.dtype]
+    def tol(self, quantity: str = "logits:static"):
+        return tolerance(self.dtype, quantity)
 
     def tol_kv(self):
-        return TOLERANCES_KV[self.dtype]
+        return tolerance(self.dtype, "kv:static")
 
     def ctx(self, **more) -> dict:
         base = dict(target=self.target, device=self.device, dtype=str(self.dtype).replace("torch.", ""),
-                    path=self.path, bucket=self.bucket, case=self.case.describe())
+                    path=self.path, bucket=self.bucket,
+                    generation=None if self.generation is None else f"{self.generation}/3",
+                    case=self.case.describe())
         return {**base, **more}
+
+    def for_generation(self, g: int, case: Case) -> "Context":
+        return dataclasses.replace(self, case=case, generation=g)  # the notes list is shared
+
+
+def rounded_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
+    """The weights as a `dtype` model holds them, back in float32: what its fp32 twin loads."""
+    return {k: v.to(dtype).to(torch.float32) if v.is_floating_point() else v for k, v in state_dict.items()}
+
+
+def fp32_twin(factory, cfg: ModelConfig, state_dict: dict, device, dtype: torch.dtype):
+    """The oracle of a `dtype` run: the same target (factory) in float32, from the weights rounded
+    to `dtype`. None when `dtype` is float32 (the target's own paths are the oracle)."""
+    if dtype == torch.float32:
+        return None
+    return factory(cfg, rounded_state_dict(state_dict, dtype), torch.device(device), torch.float32)
+
+
+def twin_of(c: Context):
+    if c.dtype == torch.float32:
+        return None
+    if c.fp32 is None:
+        raise ValueError(f"{c.dtype} checks compare every path with the same target in float32 from the rounded "
+                         "weights: pass Context(..., fp32=properties.fp32_twin(factory, cfg, state_dict, device, dtype))")
+    return copied(c.fp32)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1, keepdim=True)  # (B, 1)
 
 
+@contextlib.contextmanager
+def context_on_crash(prop: str, c: Context):
+    """An exception other than a property failure (the target crashed, or rejected its input)
+    keeps its type and traceback, and gains a note saying where: target, device, dtype, path,
+    generation, case. (Exception notes need Python 3.11; before, the traceback alone.)"""
+    try:
+        yield
+    except PropertyFailure:
+        raise
+    except Exception as e:
+        if hasattr(e, "add_note"):
+            e.add_note(f"{prop}: raised while running the target [{describe(c.ctx())}]")
+        raise
+
+
 # --- P0 -----------------------------------------------------------------------------------------
 def check_oracle(runner, reference, c: Context) -> None:
-    ids, mask = c.case.inputs(c.device)
-    with torch.inference_mode():
-        got, want = runner.logits(ids, mask), reference.logits(ids, mask)
-    assert_close(got, want, c.tol(), "P0 uncached logits vs reference", c.ctx(shape=tuple(ids.shape)),
-                 where=mask.bool()[:, :, None])
+    """Uncached logits equal the reference's, for each of the case's three batch layouts in turn on
+    the same runner. In a lower precision `reference` must be the float32 reference built from
+    the rounded weights (the target's own rounding is then the whole error)."""
+    runner, reference = copied(runner), copied(reference)
+    for g, case in enumerate(c.case.generations(), 1):
+        cg = c.for_generation(g, case)
+        ids, mask = case.inputs(c.device)
+        with torch.inference_mode(), context_on_crash("P0", cg):
+            got, want = runner.logits(ids, mask), reference.logits(ids, mask)
+        if c.dtype != torch.float32 and want.dtype != torch.float32:
+            raise ValueError(f"P0 in {c.dtype}: the reference must run in float32 from the rounded weights "
+                             f"(properties.rounded_state_dict), got {want.dtype} logits")
+        assert_close(got, want, cg.tol("logits:uncached"), "P0 uncached logits vs reference",
+                     cg.ctx(shape=tuple(ids.shape)), where=mask.bool()[:, :, None])
 
 
 # --- P1 -----------------------------------------------------------------------------------------
 def check_cached_equals_uncached(runner, c: Context) -> list[str]:
-    ids, mask = c.case.inputs(c.device)
-    with torch.inference_mode(), fresh_memory_holds_nan():
-        session = runner.session(c.path, c.case.total_len, c.bucket)
-        cached, full = session.prefill(ids, mask), runner.logits(ids, mask)
-        assert_close(cached, full, c.tol(), "P1 prefill logits vs full forward",
-                     c.ctx(step="prefill"), where=mask.bool()[:, :, None])
-        last, full = cached[:, -1], full[:, -1]  # the next token's logits, cached and uncached
-        for step in range(c.case.new_tokens):
-            token = greedy(last)
-            check_token(token, greedy(full), full, c, step)
-            ids = torch.cat([ids, token], dim=1)
-            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            last, full = session.decode(token), runner.logits(ids, mask)[:, -1]
-            assert_close(last, full, c.tol(), "P1 decode logits vs full forward",
-                         c.ctx(step=step, tokens_so_far=ids.shape[1]))
+    """Each generation's prefill and decode logits equal an uncached forward over the same
+    tokens; three generations back to back on one runner (`Case.generations`)."""
+    runner, twin = copied(runner), twin_of(c)
+    for g, case in enumerate(c.case.generations(), 1):
+        with context_on_crash("P1", c.for_generation(g, case)):
+            p1_generation(runner, twin, c.for_generation(g, case))
     return c.notes
 
 
-def check_token(cached, uncached, full_logits, c: Context, step) -> None:
-    """Greedy tokens must match, unless the uncached top two are within tolerance (a tie)."""
-    for b in (cached != uncached).flatten().nonzero().flatten().tolist():
-        top2 = full_logits[b].float().topk(2).values
-        gap = (top2[0] - top2[1]).item()
-        if gap <= c.tol().bound(full_logits[b]):
-            c.notes.append(f"near-tie at step {step}, row {b}: top-2 logits {gap:.2e} apart [{describe(c.ctx())}]")
+def p1_generation(runner, twin, c: Context) -> None:
+    """The cached generation runs first (each step's logits copied); then ONE uncached forward over
+    the whole final sequence (prompt + fed tokens). The model is causal: its position S + t sees
+    exactly the tokens decode step t saw, so this is the same oracle as one forward per step, at
+    the cost of one."""
+    ids, mask = c.case.inputs(c.device)
+    S = ids.shape[1]
+    crash = None
+    with torch.inference_mode(), fresh_memory_holds_nan():
+        session = runner.session(c.path, c.case.total_len, c.bucket)
+        prefill = session.prefill(ids, mask)                                   # (B, S, V)
+        tokens, steps, logits = [], [], prefill[:, -1]
+        try:
+            for _ in range(c.case.new_tokens):
+                token = greedy(logits)
+                logits = session.decode(token)                                 # (B, V)
+                tokens.append(token)
+                steps.append(logits)
+        except Exception as e:  # noqa: BLE001  judge the steps it did produce first: a wrong value says more
+            crash = e
+        n = len(steps)
+        all_ids = torch.cat([ids, *tokens], dim=1)                             # (B, S + n)
+        all_mask = torch.cat([mask, torch.ones_like(mask[:, :1]).expand(-1, n)], dim=1)
+        full = runner.logits(all_ids, all_mask)                                # (B, S + n, V)
+        oracle = full if twin is None else twin.logits(all_ids, all_mask)
+    against = "full forward" if twin is None else "the fp32 twin's full forward"
+    tol = c.tol(f"logits:{c.path}")
+    assert_close(prefill, oracle[:, :S], tol, f"P1 prefill logits vs {against}", c.ctx(step="prefill"),
+                 where=mask.bool()[:, :, None])
+    for step in range(n):
+        check_token(tokens[step], oracle[:, S - 1 + step], tol, c, step)
+        assert_close(steps[step], oracle[:, S + step], tol, f"P1 decode logits vs {against}",
+                     c.ctx(step=step, position=S + step))
+    if twin is not None:
+        assert_close(full, oracle, c.tol("logits:uncached"), f"P1 uncached logits vs {against}",
+                     c.ctx(step="uncached", shape=tuple(all_ids.shape)), where=all_mask.bool()[:, :, None])
+    if crash is not None:
+        raise crash
+
+
+def check_token(cached: torch.Tensor, oracle: torch.Tensor, tol, c: Context, step) -> None:
+    """The greedy token the cached path chose (B, 1) against the oracle's logits (B, V) there.
+    Logits within a bound b of each other may swap two candidates whose oracle logits are up to
+    2b apart: within that a differing token is a near-tie (a note), beyond it a failure."""
+    bound = tol.bound(oracle)
+    for b in (cached != greedy(oracle)).flatten().nonzero().flatten().tolist():
+        row = oracle[b].float()
+        gap = (row.max() - row[int(cached[b])]).item()
+        if gap <= 2 * bound:
+            c.notes.append(f"near-tie at step {step}, row {b}: the oracle's top logit is {gap:.2e} above the "
+                           f"cached path's choice (2 x bound {2 * bound:.2e}) [{describe(c.ctx())}]")
         else:
             raise PropertyFailure(f"P1 greedy token differs at step {step}, row {b}: cached {int(cached[b])} vs "
-                                  f"uncached {int(uncached[b])}, top-2 gap {gap:.3e} [{describe(c.ctx())}]")
+                                  f"oracle {int(row.argmax())}, whose logit is {gap:.3e} higher "
+                                  f"(2 x bound {2 * bound:.3e}) [{describe(c.ctx(step=step))}]")
 
 
 # --- P2 -----------------------------------------------------------------------------------------
 def check_static_equals_concat(runner, c: Context) -> list[str]:
+    """The static path's logits and cached K/V equal the concat path's, step by step, for three
+    generations back to back; never-written static slots are poisoned. In a lower precision both
+    paths are compared with the fp32 twin's concat path, fed the same tokens."""
+    runner, twin = copied(runner), twin_of(c)
+    for g, case in enumerate(c.case.generations(), 1):
+        with context_on_crash("P2", c.for_generation(g, case)):
+            p2_generation(runner, twin, c.for_generation(g, case))
+    return c.notes
+
+
+def p2_generation(runner, twin, c: Context) -> None:
     ids, mask = c.case.inputs(c.device)
     n = c.case.total_len
     with torch.inference_mode(), fresh_memory_holds_nan():
         concat, static = runner.session("concat", n), runner.session("static", n, c.bucket)
+        oracle = None if twin is None else twin.session("concat", n)
         a, b = concat.prefill(ids, mask), static.prefill(ids, mask)
-        poison_unwritten(static)
-        compare_step(a, b, concat, static, c, "prefill", where=mask.bool()[:, :, None])
+        poison_unwritten(static.live)
+        o = None if oracle is None else oracle.prefill(ids, mask)
+        compare_step(c, "prefill", concat, a, static, b, oracle, o, where=mask.bool()[:, :, None])
         for step in range(c.case.new_tokens):
             token = greedy(a[:, -1] if a.dim() == 3 else a)
             a, b = concat.decode(token), static.decode(token)
-            compare_step(a, b, concat, static, c, step)
-    return c.notes
+            o = None if oracle is None else oracle.decode(token)
+            compare_step(c, step, concat, a, static, b, oracle, o, every_position=step == c.case.new_tokens - 1)
 
 
 def poison_unwritten(static: Session) -> None:
@@ -181,16 +342,31 @@ def poison_unwritten(static: Session) -> None:
         v[:, :, static.written:] = POISON
 
 
-def compare_step(concat_logits, static_logits, concat, static, c: Context, step, where=None) -> None:
-    assert_close(static_logits, concat_logits, c.tol(), "P2 static vs concat logits", c.ctx(step=step), where=where)
+def compare_step(c: Context, step, concat, concat_logits, static, static_logits, oracle=None, oracle_logits=None,
+                 where=None, every_position=False) -> None:
+    """fp32: static against concat. Lower precision: each path against the fp32 twin's concat path.
+    Cached K/V: after the prefill and after the last step every written position, in between the
+    position the step wrote (a write that lands elsewhere shows there or at the end)."""
     t = concat.written
+    first = 0 if step == "prefill" or every_position else t - 1
     # (B, 1, t, 1) real tokens only: padding K/V from layer 1 on are built from all-masked
     # query rows, whose output depends on how many slots each path masked
-    real = concat.mask[:, :t].bool()[:, None, :, None]
-    for layer, ((ck, cv), (sk, sv)) in enumerate(zip(concat.kv(), static.kv())):
-        for name, x, y in (("key", sk, ck), ("value", sv, cv)):
-            assert_close(x[:, :, :t], y, c.tol_kv(), f"P2 static vs concat cached {name}s at written positions [0, {t})",
-                         c.ctx(step=step, layer=layer), where=real)
+    real = concat.mask[:, first:t].bool()[None, :, None, :, None]
+    if oracle is None:
+        judged, against, reference_logits, reference_kv = [("static", static, static_logits)], "concat", concat_logits, concat.kv()
+    else:
+        judged = [("static", static, static_logits), ("concat", concat, concat_logits)]
+        against, reference_logits, reference_kv = "the fp32 twin's concat path", oracle_logits, oracle.kv()
+    for path, session, logits in judged:
+        assert_close(logits, reference_logits, c.tol(f"logits:{path}"), f"P2 {path} vs {against} logits",
+                     c.ctx(step=step), where=where)
+        kv = session.kv()
+        for i, name in enumerate(("key", "value")):
+            # every layer at once: (layer, B, H, positions, hd); the failing index names the layer
+            got, want = (torch.stack([pair[i][:, :, first:t] for pair in x]) for x in (kv, reference_kv))
+            assert_close(got, want, c.tol(f"kv:{path}"),
+                         f"P2 {path} vs {against} cached {name}s (layer, batch, head, position - {first}, dim) "
+                         f"at written positions [{first}, {t})", c.ctx(step=step), where=real)
 
 
 # --- P3 -----------------------------------------------------------------------------------------
@@ -303,3 +479,48 @@ def check_no_aliasing(runner, c: Context) -> None:
                                           + f" [{describe(c.ctx(step=step))}]")
     finally:
         capture.close()
+
+
+# --- P4 -----------------------------------------------------------------------------------------
+def check_outputs_not_reused(runner, c: Context) -> list[str]:
+    """P4: a tensor the target returned is not modified by its later calls. Calls: two uncached
+    forwards of one shape (other tokens), then a prefill and `new_tokens` decode steps of the
+    same shape each. A CUDA or HPU graph replay returns the graph's static output, which the next
+    replay of that shape overwrites: allowed when the target declares it
+    (`Capabilities(graph_outputs=True)`; a note says so), a failure otherwise."""
+    ids, mask = c.case.inputs(c.device)
+    other = (ids + 1) % c.case.cfg.vocab_size
+    declared = getattr(getattr(runner, "capabilities", None), "graph_outputs", False)
+    returned: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (call, the tensor as returned, its copy)
+
+    def call(what, fn, *args):
+        out = fn(*args)
+        if declared and c.notes and c.notes[-1].startswith("P4:"):
+            return out  # reuse seen and declared: nothing more to learn
+        for earlier, kept, copy in list(returned):
+            changed = ~((kept == copy) | (kept.isnan() & copy.isnan()))
+            if not changed.any():
+                continue
+            if declared:  # as declared: the suite copies every result (results.py)
+                c.notes.append(f"P4: the {earlier} output was overwritten by the {what}, as declared "
+                               f"(graph_outputs=True) [{describe(c.ctx())}]")
+                returned.clear()
+                break
+            size = (kept.float() - copy.float()).abs().nan_to_num(float("inf")).max().item()
+            raise PropertyFailure(
+                f"P4 output reuse: the logits {tuple(kept.shape)} returned by the {earlier} were modified by the "
+                f"later {what}: {int(changed.sum())} of {kept.numel()} elements changed, max change {size:.3e}. "
+                "The target reuses its output buffers (as a CUDA or HPU graph replay does) without declaring "
+                "it: declare Capabilities(graph_outputs=True), or return fresh tensors "
+                f"[{describe(c.ctx(step=what))}]")
+        returned.append((what, out, snapshot(out)))
+        return out
+
+    with torch.inference_mode(), fresh_memory_holds_nan(), context_on_crash("P4", c):
+        call("uncached forward", runner.logits, ids, mask)
+        call("uncached forward of other tokens (same shape)", runner.logits, other, mask)
+        session = runner.session(c.path, c.case.total_len, c.bucket)
+        logits = call("prefill", session.prefill, ids, mask)[:, -1]
+        for step in range(c.case.new_tokens):
+            logits = call(f"decode step {step}", session.decode, greedy(logits))
+    return c.notes

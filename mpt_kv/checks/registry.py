@@ -18,9 +18,13 @@ the report (near-ties in greedy decoding) and raises:
     anything else    the target or its adapter broke (a TypeError from a wrong signature, a
                      BaselineError from a corrupt ceilings file): an error, never a property failure
 
-Ids: "P0", "P1/<path>", "P2/<path>", "P3/<path>", "static-shape/<path>", "memory/<path>/<config>";
-<path> is concat, static or static+bucket<N>. The shipped tests (mpt_kv/conformance) and a
-project's own tests (`parametrize_with_checks`) run these same functions. The drawn checks (P0-P3)
+Ids: "P0", "P1/<path>", "P2/<path>", "P3/<path>", "P4/<path>", "static-shape/<path>",
+"memory/<path>/<config>"; <path> is concat, static or static+bucket<N>. Fixed edge cases (long
+sequences to max_seq_len 2048, head dim 128, prompts around the 128 bucket; strategies.EDGE_CASES)
+have their own ids, "P0/<edge>", "P1/<path>/<edge>", "P2/static/<edge>", and P1, P2 and P4 also run
+under graphs, "P1/static/graphs" (graphs.py: HPU graphs, CUDA graphs, or on CPU a stand-in that
+returns one buffer per output shape). The shipped tests (mpt_kv/conformance) and a
+project's own tests (`parametrize_with_checks`) run these same functions. The drawn checks (P0-P4)
 run hypothesis under mpt-kv's profile (a failure is shrunk to a minimal case locally, not under
 CI=true: see SHRINKING_PROFILES); `check.run_case(target, device, dtype, case)` runs one `Case`
 (a failure's "Failing test case" prints it) without hypothesis.
@@ -45,17 +49,23 @@ from mpt_kv.checks import ceilings as C
 from mpt_kv.checks import properties as P
 from mpt_kv.checks import static_shape
 from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.checks.graphs import graphed
 from mpt_kv.checks.properties import Case, Context
+from mpt_kv.checks.strategies import EDGE_CASES, edge_cases
 from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
 from mpt_kv.targets import Capabilities, Runner, Target, build, required_features, target_name
 
-PROPERTIES = ("P0", "P1", "P2", "P3", "static-shape", "memory")
+PROPERTIES = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory")
 BUCKET = 4          # P1-P3 and static-shape: with 5 + 6 tokens, bucketed decode crosses a boundary
 MEMORY_BUCKET = 8   # the memory configs' bucket (mpt_kv.checks.ceilings.CONFIGS)
 # 3 heads, clip_qkv, a left-padded row, 6 decode steps (bucket 4 crosses a boundary)
 STATIC_SHAPE_CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32, clip_qkv=4.0),
                          (5, 3), 6, seed=3)
+# under graphs on CPU and CUDA: 3 heads, two layers, a bool mask, 6 decode steps (HPU: the
+# bucket-128 edge case, the shapes its graphs are compiled for)
+GRAPH_CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 6, seed=3,
+                  mask_dtype=torch.bool)
 PROBE = ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=16, max_seq_len=8)
 
 
@@ -142,6 +152,21 @@ def runner_for(target: Target, cfg: ModelConfig, seed: int, device, dtype, featu
     return runner
 
 
+@contextlib.contextmanager
+def one_thread(device: torch.device):
+    """The checks' models are tiny: on CPU a second intra-op thread only contends (measured 3-30x
+    slower on a loaded 2-core machine, where pytest -n 2 already runs one worker per core)."""
+    if device.type != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def as_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -161,6 +186,8 @@ class Check:
     path: str | None = None
     bucket: int | None = None
     config: C.MemoryConfig | None = None  # memory checks: the (batch, max input, max new) row
+    edge: str | None = None               # a fixed case of strategies.EDGE_CASES instead of drawn ones
+    graphs: bool = False                  # the target runs under graphs (graphs.graphed)
     doc: str = ""
 
     def __str__(self) -> str:
@@ -172,6 +199,10 @@ class Check:
     def __call__(self, target: Target, device="cpu", dtype=torch.float32, *,
                  ceilings: StoredCeilings | None = None) -> list[str]:
         device, dtype = torch.device(device), as_dtype(dtype)
+        with one_thread(device):
+            return self._call(target, device, dtype, ceilings)
+
+    def _call(self, target: Target, device, dtype, ceilings) -> list[str]:
         name = target_name(target)
         caps = capabilities(target, device, dtype)
         if caps.unsupported:
@@ -180,23 +211,42 @@ class Check:
         if self.property == "memory":
             notes = self._memory(target, device, dtype, ceilings)
         elif self.property == "static-shape":
-            notes = self.run_case(target, device, dtype, self._static_shape_case(caps))
+            notes = self.run_case(target, device, dtype, without_clip(STATIC_SHAPE_CASE, caps))
+        elif self.edge:
+            notes = self.run_case(target, device, dtype, without_clip(edge_cases(device.type)[self.edge], caps))
+        elif self.graphs:
+            case = edge_cases("hpu")["bucket-128"] if device.type == "hpu" else GRAPH_CASE
+            notes = self.run_case(target, device, dtype, without_clip(case, caps))
+            if self.property == "P4" and device.type == "cpu" and not any("as declared" in n for n in notes):
+                raise RuntimeError(f"{self.id}: the CPU stand-in for graphs (graphs.StaticOutputs) reused no "
+                                   f"output buffer, so this check checked nothing: {notes}")
         else:
             notes = self._drawn(target, device, dtype, caps)
         for note in dict.fromkeys(notes):
             record("mpt_kv_note", note)
         return notes
 
-    # P0-P3 and static-shape: one case
+    # P0-P4 and static-shape: one case
     def run_case(self, target: Target, device, dtype, case: Case) -> list[str]:
-        """Run this check on one `Case` (no hypothesis): to reproduce a failure, or for fixed cases."""
+        """Run this check on one `Case` (no hypothesis): to reproduce a failure, or for fixed cases.
+
+        In bf16 the oracle is float32 from the bf16-rounded weights: P0's reference, and for P1
+        and P2 the same target in float32 (its fp32 twin; the reference's where the target
+        declares no fp32), so each bf16 path carries one rounding error, not two."""
         device, dtype = torch.device(device), as_dtype(dtype)
         features = [*self.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
         require(target_name(target), capabilities(target, device, dtype), features)
         runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
+        if self.graphs:
+            runner = graphed(runner, device.type)
         c = Context(target_name(target), device.type, dtype, case, self.path, self.bucket)
+        if self.property in ("P1", "P2") and dtype != torch.float32:
+            twin = target if runner.capabilities.reason("fp32") is None else "reference"
+            c.fp32 = build(twin, case.cfg, P.rounded_state_dict(random_state_dict(case.cfg, seed=case.seed), dtype),
+                           device, torch.float32)
         if self.property == "P0":
-            reference = runner_for("reference", case.cfg, case.seed, device, dtype, ())
+            sd = random_state_dict(case.cfg, seed=case.seed)
+            reference = build("reference", case.cfg, P.rounded_state_dict(sd, dtype), device, torch.float32)
             P.check_oracle(runner, reference, c)
         elif self.property == "P1":
             P.check_cached_equals_uncached(runner, c)
@@ -204,10 +254,12 @@ class Check:
             P.check_static_equals_concat(runner, c)
         elif self.property == "P3":
             P.check_no_aliasing(runner, c)
+        elif self.property == "P4":
+            P.check_outputs_not_reused(runner, c)
         elif self.property == "static-shape":
             static_shape.check_static_shape(runner, c)
         else:
-            raise ValueError(f"{self.id}: run_case is for P0-P3 and static-shape; memory checks run their configs")
+            raise ValueError(f"{self.id}: run_case is for P0-P4 and static-shape; memory checks run their configs")
         return list(c.notes)
 
     def _drawn(self, target, device, dtype, caps: Capabilities) -> list[str]:
@@ -220,7 +272,7 @@ class Check:
         def one_case(case):
             notes.extend(self.run_case(target, device, dtype, case))
 
-        test = given(case=cases(device.type, caps))(one_case)
+        test = given(case=cases(device.type, dtype=dtype, capabilities=caps))(one_case)
         profile, name = hypothesis_profile()
         ctx = _context.get()
         shrink = name in SHRINKING_PROFILES and not (ctx and ctx.expected_to_fail)
@@ -232,12 +284,6 @@ class Check:
             f"{self.id}|{target_name(target)}|{device}|{dtype}".encode()
         test()
         return notes
-
-    def _static_shape_case(self, caps: Capabilities) -> Case:
-        case = STATIC_SHAPE_CASE
-        if caps.reason("clip_qkv"):  # the property does not need clip_qkv: run it without
-            case = dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, clip_qkv=None))
-        return case
 
     # memory: one config
     def _memory(self, target, device, dtype, ceilings: StoredCeilings | None) -> list[str]:
@@ -252,6 +298,14 @@ class Check:
             ctx = _context.get()
             ceilings = ctx.ceilings if ctx is not None else None
         return compare_stored(m, ceilings, self.path)
+
+
+def without_clip(case: Case, caps: Capabilities) -> Case:
+    """A fixed case without clip_qkv where the target declares it unsupported: the property
+    does not need it, so it still runs."""
+    if caps.reason("clip_qkv") and case.cfg.clip_qkv is not None:
+        case = dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, clip_qkv=None))
+    return case
 
 
 def compare_stored(m: C.Measurement, store: StoredCeilings | None, path: str) -> list[str]:
@@ -313,6 +367,20 @@ def _build_registry() -> dict[str, Check]:
     for path, bucket in paths:
         out.append(Check(f"P3/{path_label(path, bucket)}", "P3", path, bucket,
                          doc="no cached K/V shares storage with mixed_qkv or pins bytes beyond itself"))
+    for path, bucket in paths:
+        out.append(Check(f"P4/{path_label(path, bucket)}", "P4", path, bucket,
+                         doc="a tensor a call returned is not modified by later calls (unless declared graph outputs)"))
+    for edge in EDGE_CASES:
+        out.append(Check(f"P0/{edge}", "P0", edge=edge, doc="P0 on a fixed edge case"))
+        for path, bucket in paths:
+            out.append(Check(f"P1/{path_label(path, bucket)}/{edge}", "P1", path, bucket, edge=edge,
+                             doc="P1 on a fixed edge case"))
+        # the static path only: buckets are exercised by the drawn cases
+        out.append(Check(f"P2/static/{edge}", "P2", "static", edge=edge, doc="P2 on a fixed edge case"))
+    for prop in ("P1", "P2", "P4"):
+        out.append(Check(f"{prop}/static/graphs", prop, "static", graphs=True,
+                         doc=f"{prop} with the target under HPU or CUDA graphs (on CPU a stand-in: one output "
+                             "buffer per shape)"))
     for path, bucket in paths[1:]:
         out.append(Check(f"static-shape/{path_label(path, bucket)}", "static-shape", path, bucket,
                          doc="static decode keeps attention's shapes and scalars, and the cache storages never move"))

@@ -57,9 +57,14 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.3) -> dict
     """Seeded random weights in `MptForCausalLM` key format (fp32, CPU).
 
     std 0.3 rather than the usual 0.02: with tiny weights every logit is near zero and a
-    broken cache can hide inside the tolerance (FACTS.md: 2e-7 vs 6e-6 errors)."""
+    broken cache can hide inside the tolerance (FACTS.md: 2e-7 vs 6e-6 errors). Above d_model
+    32 the projections' std shrinks as 1/sqrt(d_model) (fan-in), so every width keeps the gain of
+    d_model 32: with 0.3 at d_model 256 and 4 layers the activations saturate and the model turns
+    chaotic, its cached and uncached fp32 paths 3e-4 of the logit scale apart and bf16 63% from
+    fp32, where fan-in scaling measured 1e-6 and 2% (docs/calibration.md)."""
     g = torch.Generator().manual_seed(seed)
     D, V = cfg.d_model, cfg.vocab_size
+    std = std * min(1.0, (32 / D) ** 0.5)
 
     def w(*shape, scale=std):
         return torch.randn(*shape, generator=g) * scale

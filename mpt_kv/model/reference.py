@@ -105,6 +105,15 @@ class ReferenceMPT(nn.Module):
         self.register_buffer("alibi", alibi_bias(cfg), persistent=False)
         self.validate = True  # off only where a host sync per step is unwanted (graph capture)
 
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` and friends leave ALiBi in float32, as transformers' MPT builds it: its
+        values run to slope x max_seq_len, which bf16 rounds to steps of 0.5-8 past 64, and a bf16
+        bias made the reference 15x further from fp32 than transformers at max_seq_len 2048
+        (docs/calibration.md). The scores are float32 from the bias on, as in MPT."""
+        super()._apply(fn, recurse)
+        self.alibi = alibi_bias(self.cfg, self.alibi.device)
+        return self
+
     def forward(self, input_ids, attention_mask=None, cache=None, token_idx=None, cache_idx=None):
         if input_ids.dim() != 2:
             raise InputError(f"input_ids shape {tuple(input_ids.shape)}: expected (batch, length)")

@@ -34,7 +34,8 @@ class Session:
     max_seq_len: int   # the model's limit: ALiBi is built only that far
     vocab_size: int
     written: int       # positions [0, written) hold this generation's tokens
-    mask: torch.Tensor | None  # (B, written) 1 = token, as the target last saw it (P2 reads it)
+    mask: torch.Tensor | None  # (B, written) 1 = token, as the target last saw it (P2 reads it), in the
+                               # dtype of the prefill's mask: bool, int64 and int32 reach the target as given
 
     def __init__(self, path: str, max_len: int, max_seq_len: int, vocab_size: int):
         if path not in PATHS:
@@ -116,7 +117,7 @@ class TokenIdxSession(Session):
 
     def _prefill(self, input_ids, attention_mask):
         S = input_ids.shape[1]
-        mask = attention_mask.to(torch.long)
+        mask = attention_mask  # its own dtype (bool, int64, int32), as the caller gave it: a target must read each
         token_idx = torch.tensor([S], device=input_ids.device)
         if self.path == "concat":
             self.mask = mask

@@ -172,7 +172,7 @@ class TransformersSession(Session):
         return out.logits
 
     def _prefill(self, input_ids, attention_mask):
-        self.mask = attention_mask.to(torch.long)
+        self.mask = attention_mask  # bool, int64 or int32, as given: MptForCausalLM accepts each
         return self._forward(input_ids, self.mask)
 
     def _decode(self, tokens):

@@ -1,0 +1,219 @@
+"""Calibrate the tolerances (compare.py): run P0, P1 and P2 over thousands of drawn cases on a
+target and record every comparison's error as a fraction of its bound.
+
+    python -m mpt_kv.checks.calibrate run --target reference --cases 5000 [--shard 0/4] [--out calibration]
+    python -m mpt_kv.checks.calibrate report calibration/*.jsonl
+
+`run` appends one JSON line per case to OUT/<target>-<transformers version>-<k>of<n>.jsonl and
+skips the cases already there (resumable; shards split the case indices k, k + n, ...). Run it
+per target in the environment that has it (optimum-habana: the .venv-oh / tox ohabana env) and
+merge with `report`, which prints, per (dtype, compared quantity), the worst error as a fraction
+of the current bound and the number of cases over it, per target, and the rtol that would put the
+worst at half its bound.
+
+Cases: first the fixed edge cases (strategies.EDGE_CASES), then case i drawn by
+`strategies.RandomPicks(i)`: 64% from the default CPU space, 32% from the thorough space (head
+dim to 128, d_model to 1024, prompts to 300), 4% long sequences to max_seq_len 2048
+(`long_case_from`). Each case runs in fp32 and bf16: P0 on its three layouts, P1 on every cache
+path the target supports and P2 on the static path, on the case's first layout (the tests'
+second and third layouts are more layouts of the same space; running them here would triple the
+time); bf16 against the fp32 twin, as the tests do.
+
+What is stored per case and (dtype, quantity): the comparisons' (max |error|, max |expected|)
+pairs that no other pair dominates (a larger error at a smaller scale). Any bound of the form
+atol + rtol x scale is worst at one of them, so tolerances can be re-derived without rerunning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from mpt_kv.checks import properties as P
+from mpt_kv.checks.compare import TOLERANCES, PropertyFailure, measuring
+from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, EDGE_CASES, RandomPicks, case_from, long_case_from
+from mpt_kv.errors import Unsupported
+from mpt_kv.model.config import random_state_dict
+from mpt_kv.targets import build, known_failures, resolve
+
+PATHS = (("concat", None), ("static", None), ("static", 4))
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def case_at(i: int):
+    """(family, Case) of index i: the edge cases first, then drawn ones."""
+    edges = list(EDGE_CASES.items())
+    if i < len(edges):
+        return f"edge:{edges[i][0]}", edges[i][1]
+    pick, slot = RandomPicks(i), i % 50
+    if slot < 32:
+        return "default", case_from(pick)
+    if slot < 48:
+        return "thorough", case_from(pick, thorough=True)
+    return "long", long_case_from(pick)
+
+
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (err, scale) pairs not dominated by a pair with a larger error at a smaller scale."""
+    out = []
+    for err, scale in sorted(points, key=lambda p: (p[1], -p[0])):
+        if not out or err > max(e for e, _ in out):
+            out.append((err, scale))
+    return out
+
+
+def run_case(target: str, case, entries) -> dict:
+    """P0 (its three layouts), P1 on every path and P2 on the static path, the case's first
+    generation, fp32 and bf16: every comparison the tests make, on this layout."""
+    points, errors = defaultdict(list), []
+    sd = random_state_dict(case.cfg, seed=case.seed)
+    for dtype in DTYPES:
+        runner = build(target, case.cfg, sd, "cpu", dtype)
+        reference = build("reference", case.cfg, P.rounded_state_dict(sd, dtype), "cpu", torch.float32)
+        twin = P.fp32_twin(resolve(target), case.cfg, sd, "cpu", dtype)
+        live, oracle = P.copied(runner), P.copied(twin)
+        runs = [("P0", None, None, lambda c: P.check_oracle(runner, reference, c))]
+        runs += [("P1", path, bucket, lambda c: P.p1_generation(live, oracle, c)) for path, bucket in PATHS]
+        runs += [("P2", "static", None, lambda c: P.p2_generation(live, oracle, c))]
+        for prop, path, bucket, check in runs:
+            c = P.Context(target, "cpu", dtype, case, path, bucket, fp32=twin, generation=1)
+            try:
+                runner.require(path, "bucket" if bucket else None)
+            except Unsupported:
+                continue
+            with measuring() as measured:
+                try:
+                    check(c)
+                except (PropertyFailure, ValueError, RuntimeError) as e:
+                    known = known_failures.match(target, prop, path, entries, bucket)
+                    errors.append(dict(prop=prop, path=path, bucket=bucket, dtype=str(dtype)[6:], known=known,
+                                       message=f"{type(e).__name__}: {str(e)[:600]}"))
+            for m in measured:
+                points[" ".join(m["key"])].append((m["err"], m["scale"]))
+    return dict(points={k: frontier(v) for k, v in points.items()}, errors=errors)
+
+
+def d_model(described: str) -> int:
+    """d_model from a `Case.describe()` line ('... H=3 hd=8 ...')."""
+    heads, head_dim = (int(x) for x in re.search(r"H=(\d+) hd=(\d+)", described).groups())
+    return heads * head_dim
+
+
+def versions() -> dict:
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        from importlib.metadata import version
+
+        out["optimum-habana"] = version("optimum-habana")
+    except Exception:  # noqa: BLE001  not installed
+        pass
+    return out
+
+
+def run(args) -> int:
+    k, n = (int(x) for x in args.shard.split("/"))
+    torch.set_num_threads(1)
+    vers = versions()
+    out = Path(args.out) / f"{args.target}-tf{vers['transformers']}-{k}of{n}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if out.exists():
+        done = {json.loads(line)["index"] for line in out.read_text().splitlines() if line.strip()}
+    entries = known_failures.load()
+    todo = [i for i in range(k, args.cases, n) if i not in done]
+    print(f"{out}: {len(done)} cases done, {len(todo)} to go", flush=True)
+    with out.open("a") as f:
+        for i in todo:
+            family, case = case_at(i)
+            t0 = time.process_time()
+            result = run_case(args.target, case, entries)
+            line = dict(index=i, family=family, case=case.describe(), target=args.target, versions=vers,
+                        cpu_seconds=round(time.process_time() - t0, 3), **result)
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            if args.verbose:
+                print(i, family, f"{line['cpu_seconds']:.2f}s", case.describe(), flush=True)
+    return 0
+
+
+def report(args) -> int:
+    """Merge result files; print the worst fraction of the bound per (dtype, quantity) and target."""
+    rows = {}
+    for path in args.files:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                rows[(r["target"], r["versions"]["transformers"], r["index"])] = r
+    targets = sorted({(t, v) for t, v, _ in rows})
+    cases = {t: [r for (tt, v, _), r in rows.items() if (tt, v) == t] for t in targets}
+    print("| target | transformers | cases | CPU time | unexpected errors | known failures |")
+    print("|---|---|---|---|---|---|")
+    for t in targets:
+        rs = cases[t]
+        unexpected = sum(1 for r in rs for e in r["errors"] if not e["known"])
+        known = sum(1 for r in rs for e in r["errors"] if e["known"])
+        print(f"| {t[0]} | {t[1]} | {len(rs)} | {sum(r['cpu_seconds'] for r in rs) / 3600:.2f} h | {unexpected} | {known} |")
+    print()
+    print("| dtype | quantity | atol | rtol | worst err / bound | cases over the bound | worst err / scale "
+          "| rtol for worst = 0.5 bound | worst case |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    keys = sorted({k for r in rows.values() for k in r["points"]})
+    narrow = 0
+    for key in keys:
+        dtype, quantity = key.split(" ")
+        tol = TOLERANCES[(dtype, quantity)]
+        worst, over, worst_rel, need, where = 0.0, 0, 0.0, 0.0, ""
+        for (target, _, _), r in rows.items():
+            if dtype == "bfloat16" and d_model(r["case"]) < BF16_MIN_D_MODEL:
+                narrow += 1
+                continue  # outside the bf16 test space (strategies.BF16_MIN_D_MODEL): shown below
+            pts = r["points"].get(key, [])
+            if not pts:
+                continue
+            fracs = [e / (tol.atol + tol.rtol * s) for e, s in pts]
+            over += max(fracs) > 1
+            if max(fracs) > worst:
+                worst, where = max(fracs), f"{target} #{r['index']} {r['case']}"
+            worst_rel = max(worst_rel, *(e / max(s, 1e-30) for e, s in pts))
+            need = max(need, *((2 * e - tol.atol) / max(s, 1e-30) for e, s in pts))
+        print(f"| {dtype} | {quantity} | {tol.atol:g} | {tol.rtol:g} | {worst:.3f} | {over} | {worst_rel:.2e} "
+              f"| {max(need, 0):.3g} | {where} |")
+    if narrow:
+        rel = max((e / max(s, 1e-30) for r in rows.values() if d_model(r["case"]) < BF16_MIN_D_MODEL
+                   for k, pts in r["points"].items() if k.startswith("bfloat16 logits") for e, s in pts), default=0)
+        print(f"\nbf16 rows leave out the cases with d_model < {BF16_MIN_D_MODEL}, which the bf16 tests do not draw: "
+              f"{narrow // max(1, sum(k.startswith('bfloat16') for k in keys))} case runs, worst bf16 logits error "
+              f"{rel:.3f} x scale")
+    unexpected = [(t, r["index"], e) for (t, _, _), r in rows.items() for e in r["errors"] if not e["known"]]
+    for t, i, e in unexpected[:args.show]:
+        print(f"\nunexpected: {t} #{i} {e['prop']} {e['dtype']} path={e['path']} bucket={e['bucket']}: {e['message']}")
+    return 1 if unexpected else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mpt_kv.checks.calibrate", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the cases of one shard on one target, appending to OUT")
+    r.add_argument("--target", required=True, help="a built-in target or package.module:factory")
+    r.add_argument("--cases", type=int, default=5000)
+    r.add_argument("--shard", default="0/1", help="k/n: this process runs case indices k, k + n, ...")
+    r.add_argument("--out", default="calibration")
+    r.add_argument("-v", "--verbose", action="store_true")
+    s = sub.add_parser("report", help="merge result files and print the tables")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--show", type=int, default=10, help="how many unexpected errors to print")
+    a = p.parse_args(argv)
+    return run(a) if a.command == "run" else report(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
