@@ -188,3 +188,13 @@ def test_the_downstream_adapter_is_at_most_15_lines_of_documented_api():
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module.startswith("mpt_kv"):
             assert node.module == "mpt_kv" and all(a.name in mpt_kv.__all__ for a in node.names), ast.dump(node)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(targets=[]), "an empty target list"),
+    (dict(targets=["reference"], checks=[]), "no checks selected"),
+    (dict(targets=["reference"], checks=["P9"]), "unknown properties or check ids"),
+])
+def test_parametrize_with_checks_that_would_check_nothing_is_an_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mpt_kv.parametrize_with_checks(**kwargs)
