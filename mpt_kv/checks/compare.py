@@ -55,11 +55,11 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = dict([
     _tol("float32", "logits:static", 1e-5, 5e-5),
     _tol("float32", "kv:static", 1e-5, 5e-5),
     _tol("float32", "logits:same", 1e-5, 5e-5),
-    _tol("bfloat16", "logits:uncached", 1e-2, 0.05),
-    _tol("bfloat16", "logits:concat", 1e-2, 0.05),
-    _tol("bfloat16", "logits:static", 1e-2, 0.05),
-    _tol("bfloat16", "kv:static", 0.05, 0.1),
-    _tol("bfloat16", "kv:concat", 0.05, 0.1),
+    _tol("bfloat16", "logits:uncached", 1e-2, 0.15),
+    _tol("bfloat16", "logits:concat", 1e-2, 0.15),
+    _tol("bfloat16", "logits:static", 1e-2, 0.15),
+    _tol("bfloat16", "kv:static", 0.05, 0.15),
+    _tol("bfloat16", "kv:concat", 0.05, 0.15),
     _tol("bfloat16", "logits:same", 1e-2, 0.05),
 ])
 
