@@ -123,7 +123,7 @@ def test_stored_ceiling_catches_a_regression_inside_the_analytic_bound():
     entries = {C.key_of(bad): ref.metrics()}
     failures, _ = C.compare(bad, entries, Path("baseline.json"))
     extra = bad.decode_transient - ref.decode_transient
-    assert extra > 0 and any(f"decode_transient" in f and f"{extra} bytes above its ceiling {ref.decode_transient}"
+    assert extra > 0 and any("decode_transient" in f and f"{extra} bytes above its ceiling {ref.decode_transient}"
                              in f for f in failures), failures
 
 
