@@ -238,15 +238,21 @@ def check_oracle(runner, reference, c: Context) -> None:
                      cg.ctx(shape=tuple(ids.shape)), where=mask.bool()[:, :, None])
 
 
+def back_to_back(prop: str, generation, runner, c: Context) -> list[str]:
+    """`generation(runner, twin, context)` for each of the case's three generations, on one runner
+    (results copied at once: the copy rule), a crash annotated with its generation."""
+    runner, twin = copied(runner), twin_of(c)
+    for g, case in enumerate(c.case.generations(), 1):
+        with context_on_crash(prop, c.for_generation(g, case)):
+            generation(runner, twin, c.for_generation(g, case))
+    return c.notes
+
+
 # --- P1 -----------------------------------------------------------------------------------------
 def check_cached_equals_uncached(runner, c: Context) -> list[str]:
     """Each generation's prefill and decode logits equal an uncached forward over the same
     tokens; three generations back to back on one runner (`Case.generations`)."""
-    runner, twin = copied(runner), twin_of(c)
-    for g, case in enumerate(c.case.generations(), 1):
-        with context_on_crash("P1", c.for_generation(g, case)):
-            p1_generation(runner, twin, c.for_generation(g, case))
-    return c.notes
+    return back_to_back("P1", p1_generation, runner, c)
 
 
 def p1_generation(runner, twin, c: Context) -> None:
@@ -311,11 +317,7 @@ def check_static_equals_concat(runner, c: Context) -> list[str]:
     """The static path's logits and cached K/V equal the concat path's, step by step, for three
     generations back to back; never-written static slots are poisoned. In a lower precision both
     paths are compared with the fp32 twin's concat path, fed the same tokens."""
-    runner, twin = copied(runner), twin_of(c)
-    for g, case in enumerate(c.case.generations(), 1):
-        with context_on_crash("P2", c.for_generation(g, case)):
-            p2_generation(runner, twin, c.for_generation(g, case))
-    return c.notes
+    return back_to_back("P2", p2_generation, runner, c)
 
 
 def p2_generation(runner, twin, c: Context) -> None:

@@ -65,6 +65,26 @@ def model_limits(model: nn.Module, cfg) -> tuple[int, int]:
                              f"model a .config with max_seq_len and vocab_size ({e})") from e
 
 
+class ModelRunner(Runner):
+    """What the ready-made wrappers share: a model that takes `attention_mask=` and `use_cache=`
+    and returns `.logits`, its limits, and the wait for its queued work. Arguments as
+    `GaudiStyleRunner`; `detected`: what the wrapper found the model lacks."""
+
+    def __init__(self, model, device=None, *, name: str | None = None, capabilities: Capabilities | None = None,
+                 cfg=None, sync: Callable[[], None] | None = None, detected: dict[str, str] | None = None):
+        self.model = model
+        self.sync = sync or device_sync(device)
+        self.name = name or self.name
+        self.max_seq_len, self.vocab_size = model_limits(model, cfg)
+        self.capabilities = with_declared(detected or {}, capabilities)
+
+    def logits(self, input_ids, attention_mask):
+        check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)  # before the model crashes inside
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+        self.sync()
+        return out
+
+
 # --- optimum-habana's forward signature -------------------------------------------------------------
 
 class GaudiStyleSession(TokenIdxSession):
@@ -95,7 +115,7 @@ class GaudiStyleSession(TokenIdxSession):
         return [(layer[0], layer[1]) for layer in self.past]
 
 
-class GaudiStyleRunner(Runner):
+class GaudiStyleRunner(ModelRunner):
     """A model with optimum-habana's forward signature, e.g. `GaudiMptForCausalLM` or a port of it.
 
     model         the nn.Module, already on its device and dtype, in eval mode
@@ -112,26 +132,16 @@ class GaudiStyleRunner(Runner):
 
     def __init__(self, model, device=None, *, name: str | None = None, capabilities: Capabilities | None = None,
                  cfg=None, sync: Callable[[], None] | None = None):
-        self.model = model
-        self.sync = sync or device_sync(device)
-        self.name = name or self.name
-        self.max_seq_len, self.vocab_size = model_limits(model, cfg)
         detected = {}
         if not forward_accepts(model, "token_idx"):
             detected["static"] = f"{type(model).__name__}.forward has no token_idx parameter (optimum-habana's static path)"
         if not forward_accepts(model, "cache_idx"):
             detected["bucket"] = f"{type(model).__name__}.forward has no cache_idx parameter (optimum-habana's bucketed cache)"
-        self.capabilities = with_declared(detected, capabilities)
+        super().__init__(model, device, name=name, capabilities=capabilities, cfg=cfg, sync=sync, detected=detected)
 
     def blocks(self):
         """The layers whose `attn.kv_cache_len` the cache_idx path sets (optimum-habana's layout)."""
         return self.model.transformer.blocks
-
-    def logits(self, input_ids, attention_mask):
-        check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)
-        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
-        self.sync()
-        return out
 
     def session(self, path, max_len, bucket=None):
         self.require(path, "bucket" if bucket else None)
@@ -188,7 +198,7 @@ class TransformersSession(Session):
         return list(zip(c.key_cache, c.value_cache))
 
 
-class TransformersRunner(Runner):
+class TransformersRunner(ModelRunner):
     """A transformers-style causal LM (`forward(input_ids, attention_mask=, use_cache=, cache= |
     past_key_values=)` returning `.logits` and the cache) whose `.config` transformers' cache
     classes accept. Cache objects have no cache_idx buckets: that feature is declared unsupported.
@@ -198,19 +208,9 @@ class TransformersRunner(Runner):
 
     def __init__(self, model, device=None, *, name: str | None = None, capabilities: Capabilities | None = None,
                  cfg=None, sync: Callable[[], None] | None = None):
-        self.model = model
-        self.sync = sync or device_sync(device)
-        self.name = name or self.name
-        self.max_seq_len, self.vocab_size = model_limits(model, cfg)
+        super().__init__(model, device, name=name, capabilities=capabilities, cfg=cfg, sync=sync,
+                         detected={"bucket": "transformers' Cache objects have no cache_idx buckets"})
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        detected = {"bucket": "transformers' Cache objects have no cache_idx buckets"}
-        self.capabilities = with_declared(detected, capabilities)
-
-    def logits(self, input_ids, attention_mask):
-        check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)  # before the model crashes inside
-        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
-        self.sync()
-        return out
 
     def session(self, path, max_len, bucket=None):
         self.require(path, "bucket" if bucket else None)
