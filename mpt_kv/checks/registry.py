@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,7 +53,7 @@ from mpt_kv.checks.properties import Case, Context
 from mpt_kv.checks.strategies import EDGE_CASES, edge_cases
 from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
-from mpt_kv.targets import Capabilities, Runner, Target, build, required_features, target_name
+from mpt_kv.targets import Capabilities, ResolvedTarget, Runner, Target, required_features, resolve_target, target_name
 
 PROPERTIES = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory")
 BUCKET = 4          # P1-P3 and static-shape: with 5 + 6 tokens, bucketed decode crosses a boundary
@@ -66,7 +65,6 @@ STATIC_SHAPE_CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_si
 # bucket-128 edge case, the shapes its graphs are compiled for)
 GRAPH_CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 6, seed=3,
                   mask_dtype=torch.bool)
-PROBE = ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=16, max_seq_len=8)
 
 
 def path_label(path: str | None, bucket: int | None) -> str:
@@ -126,16 +124,12 @@ def record(name: str, value) -> None:
 
 
 # --- targets ------------------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=64)
-def _probe(target, device: str, dtype: torch.dtype) -> Capabilities:
-    runner = build(target, PROBE, random_state_dict(PROBE), torch.device(device), dtype)
-    return runner.capabilities
-
+# A check resolves its target once, at its entry (`Check.__call__`, `Check.run_case`), into a
+# `ResolvedTarget`; everything below takes that object (a spec is resolved where it is given).
 
 def capabilities(target: Target, device, dtype: torch.dtype) -> Capabilities:
     """The target's declared capabilities, read from a tiny runner built once per device and dtype."""
-    return _probe(target, str(torch.device(device)), dtype)
+    return resolve_target(target).capabilities(device, dtype)
 
 
 def require(name: str, caps: Capabilities, features: Iterable[str | None]) -> None:
@@ -147,7 +141,7 @@ def require(name: str, caps: Capabilities, features: Iterable[str | None]) -> No
 
 
 def runner_for(target: Target, cfg: ModelConfig, seed: int, device, dtype, features: Iterable[str | None]) -> Runner:
-    runner = build(target, cfg, random_state_dict(cfg, seed=seed), device, dtype)
+    runner = resolve_target(target).build(cfg, random_state_dict(cfg, seed=seed), device, dtype)
     runner.require(*features)
     return runner
 
@@ -198,13 +192,14 @@ class Check:
 
     def __call__(self, target: Target, device="cpu", dtype=torch.float32, *,
                  ceilings: StoredCeilings | None = None) -> list[str]:
+        target = resolve_target(target)  # a spec string, a factory or already resolved
         device, dtype = torch.device(device), as_dtype(dtype)
         with one_thread(device):
             return self._call(target, device, dtype, ceilings)
 
-    def _call(self, target: Target, device, dtype, ceilings) -> list[str]:
-        name = target_name(target)
-        caps = capabilities(target, device, dtype)
+    def _call(self, target: ResolvedTarget, device, dtype, ceilings) -> list[str]:
+        name = target.name
+        caps = target.capabilities(device, dtype)
         if caps.unsupported:
             record("mpt_kv_capabilities", {"target": name, "unsupported": dict(caps.unsupported)})
         require(name, caps, self.features(device, dtype))
@@ -233,20 +228,22 @@ class Check:
         In bf16 the oracle is float32 from the bf16-rounded weights: P0's reference, and for P1
         and P2 the same target in float32 (its fp32 twin; the reference's where the target
         declares no fp32), so each bf16 path carries one rounding error, not two."""
+        target = resolve_target(target)  # public: a spec string, a factory or already resolved
         device, dtype = torch.device(device), as_dtype(dtype)
         features = [*self.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
-        require(target_name(target), capabilities(target, device, dtype), features)
+        require(target.name, target.capabilities(device, dtype), features)
         runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
         if self.graphs:
             runner = graphed(runner, device.type)
-        c = Context(target_name(target), device.type, dtype, case, self.path, self.bucket)
+        c = Context(target.name, device.type, dtype, case, self.path, self.bucket)
         if self.property in ("P1", "P2") and dtype != torch.float32:
-            twin = target if runner.capabilities.reason("fp32") is None else "reference"
-            c.fp32 = build(twin, case.cfg, P.rounded_state_dict(random_state_dict(case.cfg, seed=case.seed), dtype),
-                           device, torch.float32)
+            twin = target if runner.capabilities.reason("fp32") is None else resolve_target("reference")
+            c.fp32 = twin.build(case.cfg, P.rounded_state_dict(random_state_dict(case.cfg, seed=case.seed), dtype),
+                                device, torch.float32)
         if self.property == "P0":
             sd = random_state_dict(case.cfg, seed=case.seed)
-            reference = build("reference", case.cfg, P.rounded_state_dict(sd, dtype), device, torch.float32)
+            reference = resolve_target("reference").build(case.cfg, P.rounded_state_dict(sd, dtype), device,
+                                                          torch.float32)
             P.check_oracle(runner, reference, c)
         elif self.property == "P1":
             P.check_cached_equals_uncached(runner, c)
@@ -262,7 +259,7 @@ class Check:
             raise ValueError(f"{self.id}: run_case is for P0-P4 and static-shape; memory checks run their configs")
         return list(c.notes)
 
-    def _drawn(self, target, device, dtype, caps: Capabilities) -> list[str]:
+    def _drawn(self, target: ResolvedTarget, device, dtype, caps: Capabilities) -> list[str]:
         from hypothesis import Phase, given, settings
 
         from mpt_kv.checks.strategies import cases
@@ -281,13 +278,13 @@ class Check:
         test = settings(profile, report_multiple_bugs=False, print_blob=False, phases=phases)(test)
         # one example database entry per check, target, device and dtype (the function is shared)
         test.hypothesis.inner_test._hypothesis_internal_add_digest = \
-            f"{self.id}|{target_name(target)}|{device}|{dtype}".encode()
+            f"{self.id}|{target.name}|{device}|{dtype}".encode()
         test()
         return notes
 
     # memory: one config
-    def _memory(self, target, device, dtype, ceilings: StoredCeilings | None) -> list[str]:
-        name, config = target_name(target), self.config
+    def _memory(self, target: ResolvedTarget, device, dtype, ceilings: StoredCeilings | None) -> list[str]:
+        name, config = target.name, self.config
         runner = runner_for(target, config.cfg, 0, device, dtype, ())
         m = C.measure(runner, config.case(), self.path, device, dtype, self.bucket, target=name)
         # recorded before any check: the report and --update-ceilings see failing cases too

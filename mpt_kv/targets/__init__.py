@@ -6,11 +6,17 @@ A target is a factory `build(cfg, state_dict, device, dtype) -> Runner`. Built-i
 the factory itself to the Python API (`mpt_kv.parametrize_with_checks`). A target that cannot
 be imported raises `TargetUnavailable` with the reason. docs/targets.md documents the API;
 `mpt_kv.targets.wrappers` has ready-made runners for the common model shapes.
+
+A spec is resolved once, where it enters (a check's call, the pytest plugin's `target` fixture),
+into a `ResolvedTarget` (`resolve_target`): its name, its factory and what it declares. That
+object is what travels; `target_name`, `resolve` and `build` accept it as they accept a spec.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -19,7 +25,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from mpt_kv.model.config import ModelConfig
+from mpt_kv.model.config import ModelConfig, random_state_dict
 from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.model.session import Session
 
@@ -114,7 +120,9 @@ class Runner:
 
 
 Factory = Callable[[ModelConfig, dict, torch.device, torch.dtype], Runner]
-Target = "str | Factory"  # a spec ('reference', 'package.module:factory') or the factory itself
+Target = "str | Factory | ResolvedTarget"  # a spec ('reference', 'package.module:factory'), the factory, or resolved
+# the tiny model a target's capabilities are read from (the plugin's `target` fixture builds it too)
+PROBE = ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=16, max_seq_len=8)
 
 # the Capabilities feature of each dtype (mpt_kv.model.config.DTYPES names)
 DTYPE_FEATURES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -129,6 +137,8 @@ BUILTIN = {
 def target_name(target: Target) -> str:
     """How a target is named in test ids, messages, known failures and reports: the spec as
     given, or `module:qualname` for a factory passed as a callable (the spec that would load it)."""
+    if isinstance(target, ResolvedTarget):
+        return target.name
     if isinstance(target, str):
         return target
     if not callable(target):
@@ -155,11 +165,54 @@ def required_features(path: str | None = None, bucket: int | None = None, dtype:
     return [f for f in out if f in FEATURES]
 
 
-def resolve(spec: Target) -> Factory:
-    """A built-in name, `package.module:factory` or a factory -> the factory (TargetUnavailable if not)."""
-    if not isinstance(spec, str):
-        target_name(spec)  # TypeError for anything that is not callable
-        return spec
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A target resolved once (`resolve_target`): what checks and the plugin pass on.
+
+    name     how it is named in test ids, messages, known failures and reports (`target_name`)
+    factory  build(cfg, state_dict, device, dtype) -> Runner
+    spec     as it was given: a spec string or the factory itself
+    """
+
+    name: str
+    factory: Factory
+    spec: object = field(compare=False, repr=False)
+
+    def build(self, cfg: ModelConfig, state_dict: dict, device, dtype) -> Runner:
+        """One runner of this target; a factory that returns something else is a TypeError naming it."""
+        runner = self.factory(cfg, state_dict, torch.device(device), dtype)
+        if not isinstance(runner, Runner):
+            raise TypeError(f"target {self.name}: the factory returned {type(runner).__name__}, expected a "
+                            "mpt_kv.targets.Runner (see docs/targets.md; mpt_kv.targets.wrappers has ready-made ones)")
+        runner.name = getattr(runner, "name", None) or self.name
+        return runner
+
+    def capabilities(self, device, dtype: torch.dtype) -> Capabilities:
+        """What it declares, read from a tiny runner (`PROBE`) built once per device and dtype."""
+        device = str(torch.device(device))
+        try:
+            return _declared(self, device, dtype)
+        except TypeError as e:  # an unhashable factory (a callable object): read it without the cache
+            if "unhashable" not in str(e):
+                raise
+            return self.build(PROBE, random_state_dict(PROBE), device, dtype).capabilities
+
+
+@functools.lru_cache(maxsize=64)
+def _declared(target: ResolvedTarget, device: str, dtype: torch.dtype) -> Capabilities:
+    return target.build(PROBE, random_state_dict(PROBE), device, dtype).capabilities
+
+
+def resolve_target(target: Target) -> ResolvedTarget:
+    """A built-in name, `package.module:factory`, a factory (or a ResolvedTarget, returned as it is)
+    -> the ResolvedTarget; TargetUnavailable if a spec does not load, TypeError if it is no callable."""
+    if isinstance(target, ResolvedTarget):
+        return target
+    name = target_name(target)  # TypeError for anything that is neither a string nor callable
+    return ResolvedTarget(name, target if not isinstance(target, str) else _load(target), target)
+
+
+def _load(spec: str) -> Factory:
     path = BUILTIN.get(spec, spec)
     if ":" not in path:
         raise TargetUnavailable(
@@ -168,17 +221,32 @@ def resolve(spec: Target) -> Factory:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise TargetUnavailable(f"target {spec!r}: cannot import {module_name} ({e})") from e
+        raise TargetUnavailable(f"target {spec!r}: cannot import {module_name} ({e}){_sys_path_hint(module_name, e)}") \
+            from e
     try:
         return getattr(module, attr)
     except AttributeError as e:
         raise TargetUnavailable(f"target {spec!r}: {module_name} has no {attr!r}") from e
 
 
+def _sys_path_hint(module_name: str, error: ImportError) -> str:
+    """How to put a target's own module on sys.path, where that module itself (not one it
+    imports) was not found: the `pytest` command does not add the current folder."""
+    top = module_name.split(".")[0]
+    if not isinstance(error, ModuleNotFoundError) or error.name not in (top, module_name):
+        return ""
+    here = [p for p in (f"{top}.py", top) if os.path.exists(p)]
+    where = f"{here[0]} is in the current folder, but the `pytest` command does not put that folder on sys.path" \
+        if here else f"{top} is not on sys.path"
+    return (f". {where}: run `python -m pytest ...` from the folder that holds it (python -m puts the current "
+            "folder on sys.path), or set PYTHONPATH (e.g. PYTHONPATH=src), or pytest's `pythonpath` ini option")
+
+
+def resolve(spec: Target) -> Factory:
+    """A built-in name, `package.module:factory` or a factory -> the factory (TargetUnavailable if not)."""
+    return resolve_target(spec).factory
+
+
 def build(spec: Target, cfg: ModelConfig, state_dict: dict, device, dtype) -> Runner:
-    runner = resolve(spec)(cfg, state_dict, torch.device(device), dtype)
-    if not isinstance(runner, Runner):
-        raise TypeError(f"target {target_name(spec)}: the factory returned {type(runner).__name__}, expected a "
-                        "mpt_kv.targets.Runner (see docs/targets.md; mpt_kv.targets.wrappers has ready-made ones)")
-    runner.name = getattr(runner, "name", None) or target_name(spec)
-    return runner
+    """A runner of `spec` (a spec, a factory or a ResolvedTarget: resolve once and pass that on)."""
+    return resolve_target(spec).build(cfg, state_dict, device, dtype)
