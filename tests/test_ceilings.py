@@ -330,7 +330,8 @@ def test_update_ceilings_under_xdist_merges_once_prints_diff_and_refuses_to_loos
 def test_allow_looser_ceilings_writes_the_looser_value(tmp_path, monkeypatch):
     """The plugin's end-of-run update with --allow-looser-ceilings (in process: the subprocess
     run above covers the refusal)."""
-    from mpt_kv import plugin
+    from mpt_kv.plugin import ceilings as plugin
+    from mpt_kv.plugin import outcomes
 
     m = record(reference_measurement("static", C.CONFIGS[0]))
     path = tmp_path / "ceilings-cpu.json"
@@ -342,7 +343,7 @@ def test_allow_looser_ceilings_writes_the_looser_value(tmp_path, monkeypatch):
         def getoption(self, name):
             return self.options[name]
 
-    monkeypatch.setattr(plugin, "_memory", [m])
+    monkeypatch.setattr(outcomes, "memory", [m])
     config = Config()
     assert plugin.update_ceilings(config) is False
     assert f"  ! {C.key_of(m)}  allocated {m['allocated'] - 8} -> {m['allocated']} (+8, looser)" in \

@@ -20,7 +20,10 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from mpt_kv import devices, plugin
+import mpt_kv.plugin
+from mpt_kv import devices
+from mpt_kv.plugin import gate, known_failures, options, outcomes, parametrize
+from mpt_kv.plugin import ceilings as plugin_ceilings
 from mpt_kv.checks import strategies
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.strategies import (HPU_HEAD_COUNTS, HPU_HEAD_DIM, HPU_LAYERS, HPU_MAX_SEQ_LEN, HPU_NEW_TOKENS,
@@ -95,13 +98,13 @@ class FakeConfig:
     ([], "", []), (["hpu"], "", ["hpu"]), ([], "hpu", ["hpu"]), (["cpu"], "hpu, cuda", ["cpu", "cuda", "hpu"])])
 def test_required_devices_from_option_and_env(monkeypatch, option, env, required):
     monkeypatch.setenv("MPT_KV_REQUIRE_DEVICE", env)
-    assert plugin.required_devices(FakeConfig(require_device=option)) == required
+    assert gate.required_devices(FakeConfig(require_device=option)) == required
 
 
 def test_required_devices_env_typo_is_an_error(monkeypatch):
     monkeypatch.setenv("MPT_KV_REQUIRE_DEVICE", "gpu")
     with pytest.raises(pytest.UsageError, match=r"MPT_KV_REQUIRE_DEVICE='gpu': unknown kind \['gpu'\]"):
-        plugin.required_devices(FakeConfig())
+        gate.required_devices(FakeConfig())
 
 
 @pytest.mark.parametrize("expr,required", [
@@ -110,7 +113,7 @@ def test_required_devices_env_typo_is_an_error(monkeypatch):
     ("not hpu", []), ("hpu or cpu", []), ("slow", []), ("", []), ("hpu and", []),  # the last: pytest reports it
 ])
 def test_a_marker_expression_requires_the_kinds_it_cannot_select_without(expr, required):
-    assert plugin.kinds_required_by_markexpr(expr) == required
+    assert gate.kinds_required_by_markexpr(expr) == required
 
 
 @pytest.mark.parametrize("expr,selectable", [
@@ -118,16 +121,16 @@ def test_a_marker_expression_requires_the_kinds_it_cannot_select_without(expr, r
     ("", ["cpu", "cuda", "hpu"]), ("hpu and cuda", [])])  # a case has one device marker
 def test_kinds_a_marker_expression_can_select(expr, selectable):
     """Only these need cards under xdist: `-m 'not hpu' -n 16` on an 8-card Gaudi machine is fine."""
-    assert plugin.kinds_selectable_by_markexpr(expr) == selectable
+    assert gate.kinds_selectable_by_markexpr(expr) == selectable
 
 
 def test_selection_implies_requirement_unless_allowed_missing(monkeypatch):
     monkeypatch.delenv("MPT_KV_REQUIRE_DEVICE", raising=False)
     config = FakeConfig(markexpr="hpu and not slow", device=["cuda"], require_device=["cpu"])
-    assert plugin.device_requirements(config) == {
+    assert gate.device_requirements(config) == {
         "cpu": "--require-device cpu", "cuda": "--device cuda", "hpu": "-m 'hpu and not slow' selects hpu cases"}
     config.options["allow_missing_device"] = True  # the opt-out drops what selection implied, never --require-device
-    assert plugin.device_requirements(config) == {"cpu": "--require-device cpu"}
+    assert gate.device_requirements(config) == {"cpu": "--require-device cpu"}
 
 
 @pytest.mark.skipif(devices.unavailable_reason("hpu") is None, reason="this machine has an HPU: the gate would pass")
@@ -173,17 +176,17 @@ class Reports:
 
 
 def test_the_end_of_run_gate_counts_only_passed_device_cases(monkeypatch):
-    monkeypatch.setattr(plugin, "_results", [])
-    monkeypatch.setattr(plugin, "_memory", [])
+    monkeypatch.setattr(outcomes, "results", [])
+    monkeypatch.setattr(outcomes, "memory", [])
     config = FakeConfig()
     config._mpt_kv_required = {"hpu": "-m 'hpu' selects hpu cases"}
-    assert plugin.gate_failures(config) == ["-m 'hpu' selects hpu cases: no hpu case passed (0 hpu cases reported). "
+    assert gate.gate_failures(config) == ["-m 'hpu' selects hpu cases: no hpu case passed (0 hpu cases reported). "
                                             "A gate that ran nothing must not look green."]  # selects nothing
     for report in (Reports(outcome="skipped", kinds=["hpu"]), Reports("setup", "failed", ["hpu"]), Reports()):
-        plugin.pytest_runtest_logreport(report)
-    assert "(2 hpu cases reported)" in plugin.gate_failures(config)[0]  # a setup error counts, a keyword-less pass not
-    plugin.pytest_runtest_logreport(Reports(kinds=["hpu"]))
-    assert plugin.gate_failures(config) == []
+        outcomes.collect(report)
+    assert "(2 hpu cases reported)" in gate.gate_failures(config)[0]  # a setup error counts, a keyword-less pass not
+    outcomes.collect(Reports(kinds=["hpu"]))
+    assert gate.gate_failures(config) == []
 
 
 def test_gate_under_xdist_decides_from_the_workers_reports(run):
@@ -205,7 +208,7 @@ class FakeItem:
     (FakeItem({"device": "hpu"}, ["hpu"]), ["hpu"]), (FakeItem(None, ["cuda", "slow"]), ["cuda"]),
     (FakeItem({"device": "cpu", "target": "hpu"}), ["cpu"]), (FakeItem(None, ["slow"]), [])])
 def test_a_device_case_is_known_by_its_parameter_or_marker(item, kinds):
-    assert plugin.item_kinds(item) == kinds
+    assert outcomes.item_kinds(item) == kinds
 
 
 # --- the simulated HPU: present, broken, a card missing ------------------------------------------------------------
@@ -328,13 +331,13 @@ def test_named_targets_that_cannot_load_stop_the_run(tmp_path, monkeypatch):
              "broken_dep:build": "No module named 'a_dependency_that_is_not_installed'"}
     for spec, reason in cases.items():
         with pytest.raises(pytest.UsageError, match=re.escape(f"--target {spec}: ") + f".*{re.escape(reason)}"):
-            plugin.check_named_targets(FakeConfig(target=[spec]))
+            parametrize.check_named_targets(FakeConfig(target=[spec]))
 
 
-@pytest.mark.skipif(plugin.missing_package("optimum-habana") is None, reason="optimum-habana is installed here")
+@pytest.mark.skipif(parametrize.missing_package("optimum-habana") is None, reason="optimum-habana is installed here")
 def test_a_named_builtin_whose_package_is_absent_stops_the_run():
     with pytest.raises(pytest.UsageError, match="--target optimum-habana: optimum-habana is not installed"):
-        plugin.check_named_targets(FakeConfig(target=["optimum-habana"]))
+        parametrize.check_named_targets(FakeConfig(target=["optimum-habana"]))
 
 
 BAD_FACTORY = "def build(cfg, state_dict, device, dtype):\n    raise TypeError(\"build() got an unexpected keyword 'cache_idx'\")\n"
@@ -354,7 +357,7 @@ def test_run_cli_with_a_target_that_fails_to_build_reports_it_and_fails(pytester
     assert "target bad_target:build cannot be built here (named with --target: an error, not a skip): TypeError" in text
 
 
-@pytest.mark.skipif(plugin.missing_package("optimum-habana") is None, reason="the real optimum-habana is installed here")
+@pytest.mark.skipif(parametrize.missing_package("optimum-habana") is None, reason="the real optimum-habana is installed here")
 def test_an_installed_builtin_that_fails_to_load_is_an_error_not_a_skip(pytester, monkeypatch):
     """optimum-habana "installed" (tests/fakes/optimum_habana_broken) but its MPT module fails
     on an import of its own: not named, yet its cases fail; only an absent package skips."""
@@ -370,7 +373,7 @@ def test_an_installed_builtin_that_fails_to_load_is_an_error_not_a_skip(pytester
            "optimum.habana.transformers.models.mpt.modeling_mpt fails to import on CPU" in text, text
 
 
-@pytest.mark.skipif(plugin.missing_package("optimum-habana") is None, reason="the real optimum-habana is installed here")
+@pytest.mark.skipif(parametrize.missing_package("optimum-habana") is None, reason="the real optimum-habana is installed here")
 def test_gaudi_loader_reports_an_import_error_as_it_is(pytester, monkeypatch):
     """An installed optimum-habana whose MPT module fails on an import of its own: on CPU, and
     where habana_frameworks imports (then it is imported normally, and the genuine ImportError
@@ -445,20 +448,20 @@ def test_a_known_failure_xfails_only_the_failure_its_pattern_names(run, known_fi
 
 
 def test_strict_known_failures_makes_an_entry_that_matched_nothing_an_error(known_file, monkeypatch):
-    monkeypatch.setattr(plugin, "_results", [])
-    monkeypatch.setattr(plugin, "_memory", [])
+    monkeypatch.setattr(outcomes, "results", [])
+    monkeypatch.setattr(outcomes, "memory", [])
     config = FakeConfig(strict_known_failures=False)
     config._mpt_kv_required, config._mpt_kv_profile = {}, "dev"
     config._mpt_kv_known, config._mpt_kv_known_cases = KF.load(known_file), True
     config._mpt_kv_known_covered = {0}  # entry 1 (the typo) covered no collected case
     session = type("Session", (), {"config": config, "exitstatus": pytest.ExitCode.OK})()
-    plugin.pytest_sessionfinish(session, 0)
+    mpt_kv.plugin.pytest_sessionfinish(session, 0)
     assert session.exitstatus == pytest.ExitCode.OK  # listed only
     config.options["strict_known_failures"] = True
-    plugin.pytest_sessionfinish(session, 0)
+    mpt_kv.plugin.pytest_sessionfinish(session, 0)
     assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
     config._mpt_kv_known_cases = False  # no conformance case collected at all: nothing to judge
-    assert plugin.unmatched_known_failures(config) == []
+    assert known_failures.unmatched(config) == []
 
 
 def test_a_malformed_known_failures_file_is_a_usage_error_not_an_internal_error(run, tmp_path):
@@ -498,7 +501,7 @@ def test_the_configured_gate_turns_a_malformed_file_into_a_usage_error(tmp_path,
     path.write_text("[{")
     monkeypatch.setenv("MPT_KV_KNOWN_FAILURES", str(path))
     with pytest.raises(pytest.UsageError, match="not valid JSON"):
-        plugin.configure_gate(FakeConfig())
+        known_failures.configure(FakeConfig())
 
 
 def test_entry_explains_only_its_property_failure():
@@ -529,26 +532,48 @@ def test_update_ceilings_is_refused_under_ci(monkeypatch, ci):
     monkeypatch.setenv("CI", ci)
     with pytest.raises(pytest.UsageError, match="--update-ceilings is refused under CI: recording a baseline is a "
                                                 "local step whose diff a reviewer reads"):
-        plugin.configure_gate(FakeConfig(update_ceilings=True))
+        gate.configure(FakeConfig(update_ceilings=True))
     monkeypatch.setenv("CI", "false")
-    plugin.configure_gate(FakeConfig(update_ceilings=True))
+    gate.configure(FakeConfig(update_ceilings=True))
 
 
-def test_a_version_without_stored_ceilings_says_in_one_line_how_to_record_it(monkeypatch):
+def missing_measurement(**more) -> dict:
+    """A memory measurement of a transformers version that has no stored ceilings."""
     from mpt_kv.checks import ceilings as C
 
     baseline = C.baseline_path("cpu", ROOT / "mpt_kv_ceilings")
     stored = next(iter(C.load_baseline(baseline, "cpu")))
     target, path, dtype, config, shape = stored.split("|")
-    m = {"target": "transformers", "target_version": "transformers 5.99", "device": "cpu", "dtype": dtype,
-         "path": "concat", "bucket": None, "batch": 16, "max_input": 8, "max_new": 8, "outcome": "failed",
-         "cfg": dict(zip(("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len"),
-                         (int(x[1:]) for x in shape.split("-"))))}
-    monkeypatch.setattr(plugin, "_memory", [m, {**m, "max_new": 24}, {**m, "outcome": "passed"}])
-    lines = plugin.missing_ceilings(FakeConfig())
-    assert lines == [f"memory ceilings: none stored for transformers (transformers 5.99) on cpu (2 cases failed): "
-                     f"record them locally, not under CI, with `pytest --pyargs mpt_kv.conformance -k memory "
-                     f"--update-ceilings`, review the diff and commit {baseline}"]
+    return {"target": "transformers", "target_version": "transformers 5.99", "device": "cpu", "dtype": dtype,
+            "path": "concat", "bucket": None, "batch": 16, "max_input": 8, "max_new": 8, "problems": 0,
+            "cfg": dict(zip(("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len"),
+                            (int(x[1:]) for x in shape.split("-")))), **more}
+
+
+def test_a_version_without_stored_ceilings_says_in_one_line_how_to_record_it(monkeypatch):
+    """A required target's missing entry is a BaselineError ("error"): the line gives the command."""
+    from mpt_kv.checks import ceilings as C
+
+    m = missing_measurement(outcome="error")
+    monkeypatch.setattr(outcomes, "memory", [m, {**m, "max_new": 24}, {**m, "outcome": "passed"}])
+    lines = plugin_ceilings.failure_lines(FakeConfig())
+    assert lines == [f"memory ceilings: none stored for transformers (transformers 5.99) on cpu (2 cases failed for "
+                     f"that alone): record them locally, not under CI, with `python -m pytest --pyargs "
+                     f"mpt_kv.conformance -k memory --update-ceilings`, review the diff and commit "
+                     f"{C.baseline_path('cpu', ROOT / 'mpt_kv_ceilings')}"]
+
+
+def test_an_analytic_memory_failure_is_never_offered_for_recording(monkeypatch):
+    """A PropertyFailure of the analytic check (problems recorded) is a bug: the summary says so
+    first, and recording it as the baseline is not offered, not even next to a missing entry."""
+    bug = missing_measurement(outcome="failed", problems=2)
+    monkeypatch.setattr(outcomes, "memory", [bug, {**bug, "max_new": 24}, missing_measurement(outcome="error",
+                                                                                               max_new=40)])
+    lines = plugin_ceilings.failure_lines(FakeConfig())
+    assert lines[0] == ("memory: transformers (transformers 5.99) on cpu: 2 cases failed the analytic memory check "
+                        "(the bytes it retains or allocates are not what its KV cache needs: see each failure above); "
+                        "that is a bug to fix in the target, not a baseline to record")
+    assert len(lines) == 2 and "(1 cases failed for that alone)" in lines[1]
 
 
 # --- 6. pinned environments ----------------------------------------------------------------------------------------
@@ -665,7 +690,7 @@ def test_the_plugin_checks_its_report_path_before_collecting(tmp_path):
     file.write_text("")
     with pytest.raises(pytest.UsageError, match=re.escape(f"--mpt-kv-report {file}/r.json: {file} exists and is not "
                                                           "a folder")):
-        plugin.configure_gate(FakeConfig(mpt_kv_report=f"{file}/r.json"))
+        gate.configure(FakeConfig(mpt_kv_report=f"{file}/r.json"))
 
 
 @pytest.mark.skipif(devices.unavailable_reason("cuda") is None, reason="this machine has CUDA")
@@ -757,4 +782,4 @@ def test_cpu_strategy_draws_other_shapes():
 def test_dtype_choices_are_the_models_dtypes():
     from mpt_kv.model.config import DTYPES
 
-    assert plugin.DTYPE_NAMES == tuple(sorted(DTYPES))
+    assert options.DTYPE_NAMES == tuple(sorted(DTYPES))

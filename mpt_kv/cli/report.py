@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("reports", nargs="+", type=Path, help="JSON reports (pytest --mpt-kv-report FILE)")
     p.add_argument("--json", type=Path, help="also write the merged report here")
     args = p.parse_args(argv)
-    from mpt_kv.plugin import matrix_lines, project_lines
+    from mpt_kv.plugin.report import matrix_lines, project_lines
 
     merged = merge([load(path) for path in args.reports])
     print("=" * 30 + " mpt-kv conformance " + "=" * 30)

@@ -1,0 +1,189 @@
+"""The plugin's options: every command-line option, ini option and environment variable it
+reads, declared and read here. Each value is checked once, where it enters (pytest_configure,
+before any test): a bad one is a usage error naming the option, the value and where it came from.
+
+A project configures mpt-kv in its own ini file (`mpt_kv_targets`, `mpt_kv_only_targets`,
+`mpt_kv_dtypes`, `mpt_kv_known_failures`, `mpt_kv_ceilings_dir`, `mpt_kv_require_ceilings`), so
+its CI line is just `pytest -m hpu` (docs/targets.md).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mpt_kv import devices
+
+ENV_REQUIRE = "MPT_KV_REQUIRE_DEVICE"
+ENV_KNOWN_FAILURES = "MPT_KV_KNOWN_FAILURES"
+ENV_CEILINGS_DIR = "MPT_KV_CEILINGS_DIR"  # also read by mpt_kv.checks.ceilings.baseline_path
+ENV_PROFILE = "MPT_KV_HYPOTHESIS_PROFILE"
+DTYPE_NAMES = ("bf16", "fp32")  # the keys of mpt_kv.model.config.DTYPES (not imported here: it imports torch)
+# built-in targets (mpt_kv.targets.BUILTIN, which imports torch) and the distributions they wrap:
+# absent, their cases skip; present but not loading, they fail
+BUILTIN_PACKAGES = {"reference": (), "transformers": ("transformers",), "optimum-habana": ("optimum-habana",)}
+CEILINGS_FOLDER = "mpt_kv_ceilings"  # default: <rootdir>/mpt_kv_ceilings
+
+
+def add_options(parser) -> None:
+    g = parser.getgroup("mpt-kv", "mpt-kv KV cache conformance")
+    g.addoption("--device", action="append", choices=devices.KINDS, default=None,
+                help="run cases on this device kind only (repeatable); a kind named here is required: absent, "
+                     "the run is an error (default: every kind, absent ones skip)")
+    g.addoption("--require-device", action="append", choices=devices.KINDS, default=[],
+                help=f"fail unless this device is present and at least one of its cases passed (repeatable; "
+                     f"also ${ENV_REQUIRE}=hpu,cuda). -m and --device imply it for the kinds they select")
+    g.addoption("--allow-missing-device", action="store_true",
+                help="local exploration only, never in CI: a device selected by -m or --device may be absent "
+                     "(its cases skip, and a run that ran none of them can pass); --require-device still holds")
+    g.addoption("--target", action="append", default=[], metavar="SPEC",
+                help="add a target: a built-in name or package.module:factory (repeatable); one that cannot be "
+                     "imported or built is an error")
+    g.addoption("--only-targets", action="store_true",
+                help="run only the --target ones, not the built-in reference/transformers/optimum-habana")
+    g.addoption("--dtype", action="append", choices=DTYPE_NAMES, default=None,
+                help="dtypes to run (repeatable; default fp32 and bf16)")
+    g.addoption("--mpt-kv-report", metavar="FILE", default=None, help="write the conformance matrix as JSON")
+    g.addoption("--strict-known-failures", action="store_true",
+                help="a known-failures entry that matches no case of this run is an error (CI's tox envs use it)")
+    g.addoption("--no-mpt-kv-matrix", action="store_true",
+                help="do not print the conformance matrix and memory table (--mpt-kv-report still writes them)")
+    g.addoption("--update-ceilings", action="store_true",
+                help="rewrite the memory ceilings baseline with what ran (entries that did not run are kept) "
+                     "and print the diff; a higher (looser) value also needs --allow-looser-ceilings")
+    g.addoption("--allow-looser-ceilings", action="store_true",
+                help="with --update-ceilings: accept measurements above their stored ceilings")
+    g.addoption("--ceilings-dir", metavar="DIR", default=None,
+                help=f"folder of the baseline files ceilings-<device>.json (default: ${ENV_CEILINGS_DIR}, "
+                     f"else the ini option mpt_kv_ceilings_dir, else <rootdir>/{CEILINGS_FOLDER}); one named "
+                     "explicitly must exist")
+    parser.addini("mpt_kv_targets", type="linelist", default=[],
+                  help="mpt-kv: targets to run (package.module:factory or built-in names), as --target")
+    parser.addini("mpt_kv_only_targets", type="bool", default=False,
+                  help="mpt-kv: run only mpt_kv_targets / --target, not the built-in targets (as --only-targets)")
+    parser.addini("mpt_kv_dtypes", type="linelist", default=[], help="mpt-kv: dtypes to run (fp32, bf16), as --dtype")
+    parser.addini("mpt_kv_known_failures", default="",
+                  help="mpt-kv: the project's known-failures JSON file (relative to the ini file), "
+                       "in addition to mpt-kv's own entries for its built-in targets")
+    parser.addini("mpt_kv_ceilings_dir", default="",
+                  help=f"mpt-kv: folder of the stored memory ceilings (relative to the ini file; default "
+                       f"<rootdir>/{CEILINGS_FOLDER})")
+    parser.addini("mpt_kv_require_ceilings", type="linelist", default=[],
+                  help="mpt-kv: targets whose memory cases fail without a stored ceiling ('*': all); a target "
+                       "that has any entry must have all of them anyway")
+
+
+def check(config) -> None:
+    """Every value read later, checked now: a usage error before any test."""
+    check_hypothesis_profile()
+    only_targets(config)
+    dtype_names(config)
+    check_ceilings_dir(config)
+    required_ceilings(config)
+
+
+# --- targets and dtypes --------------------------------------------------------------------------------------------
+
+def only_targets(config) -> bool:
+    """--only-targets or the ini option mpt_kv_only_targets (a bool: true/false, yes/no, 1/0)."""
+    if config.getoption("only_targets"):
+        return True
+    try:
+        return bool(config.getini("mpt_kv_only_targets"))
+    except ValueError as e:  # pytest's own parse: "invalid truth value 'maybe'"
+        raise pytest.UsageError(f"ini option mpt_kv_only_targets: {e}; expected true or false") from None
+
+
+def named_targets(config) -> list[str]:
+    """Targets the run names explicitly (--target, ini mpt_kv_targets): one that cannot be
+    imported or built is an error."""
+    return list(dict.fromkeys([*config.getini("mpt_kv_targets"), *config.getoption("target")]))
+
+
+def target_specs(config) -> list[str]:
+    """This run's targets: the built-in ones (unless only the named ones), then the named ones."""
+    extra = named_targets(config)
+    return extra if only_targets(config) else [*BUILTIN_PACKAGES, *[t for t in extra if t not in BUILTIN_PACKAGES]]
+
+
+def dtype_names(config) -> list[str]:
+    names = config.getoption("dtype") or config.getini("mpt_kv_dtypes") or ["fp32", "bf16"]
+    unknown = [n for n in names if n not in DTYPE_NAMES]
+    if unknown:
+        raise pytest.UsageError(f"mpt_kv_dtypes: unknown {unknown}, expected some of {sorted(DTYPE_NAMES)}")
+    return names
+
+
+def check_hypothesis_profile() -> None:
+    """$MPT_KV_HYPOTHESIS_PROFILE must name a registered hypothesis profile (mpt-kv registers
+    dev, ci and thorough; a conftest may register more)."""
+    name = os.environ.get(ENV_PROFILE)
+    if not name:
+        return
+    from hypothesis import settings
+    from hypothesis.errors import InvalidArgument
+
+    import mpt_kv.checks.strategies  # noqa: F401  (registers mpt-kv's profiles)
+
+    try:
+        settings.get_profile(name)
+    except InvalidArgument:
+        raise pytest.UsageError(f"${ENV_PROFILE}={name!r}: no such hypothesis profile; mpt-kv's profiles are dev "
+                                "(the default), ci (CI=true: derandomized) and thorough") from None
+
+
+# --- files and folders of the project ---------------------------------------------------------------------------
+
+def ini_relative(config, value: str) -> Path:
+    base = config.inipath.parent if config.inipath else config.rootpath
+    return base / Path(value).expanduser()
+
+
+def ceilings_dir_and_source(config) -> tuple[Path, str | None]:
+    """(the stored ceilings folder, where it was named; None for the default <rootdir>/mpt_kv_ceilings).
+    --ceilings-dir, else $MPT_KV_CEILINGS_DIR, else ini mpt_kv_ceilings_dir (relative to the ini file)."""
+    option = config.getoption("ceilings_dir")
+    if option:
+        return Path(option), f"--ceilings-dir {option}"
+    env = os.environ.get(ENV_CEILINGS_DIR)
+    if env:
+        return Path(env), f"${ENV_CEILINGS_DIR}={env}"
+    ini = config.getini("mpt_kv_ceilings_dir")
+    if ini:
+        return ini_relative(config, ini), f"ini option mpt_kv_ceilings_dir = {ini}"
+    return config.rootpath / CEILINGS_FOLDER, None
+
+
+def ceilings_dir(config) -> Path:
+    return ceilings_dir_and_source(config)[0]
+
+
+def check_ceilings_dir(config) -> None:
+    """A folder named explicitly must be a folder: one that does not exist would leave every memory
+    case on the analytic checks alone, silently. The default folder may be absent (a project that
+    never recorded), and so may a named one that --update-ceilings is about to create."""
+    path, source = ceilings_dir_and_source(config)
+    if source is None or path.is_dir():
+        return
+    if path.exists():
+        raise pytest.UsageError(f"{source}: {path} is not a folder; name the folder that holds ceilings-<device>.json")
+    if not config.getoption("update_ceilings"):
+        raise pytest.UsageError(f"{source}: the folder {path} does not exist, so no stored memory ceiling would be "
+                                "compared; name the folder that holds ceilings-<device>.json (record into a new one "
+                                "with --update-ceilings)")
+
+
+def required_ceilings(config) -> tuple[str, ...]:
+    """ini mpt_kv_require_ceilings: '*', or target names. A name that is neither built in, nor a
+    target of this run, nor a factory spec (package.module:factory, as a project's own
+    parametrize_with_checks names its factories) is a typo that would require nothing."""
+    names = tuple(config.getini("mpt_kv_require_ceilings"))
+    known = list(dict.fromkeys([*BUILTIN_PACKAGES, *target_specs(config)]))
+    unknown = [n for n in names if n != "*" and n not in known and ":" not in n]
+    if unknown:
+        raise pytest.UsageError(f"ini option mpt_kv_require_ceilings: {', '.join(map(repr, unknown))} is not a target: "
+                                f"expected '*', a target of this run or a built-in one ({', '.join(known)}), or "
+                                "package.module:factory")
+    return names

@@ -1,0 +1,166 @@
+"""What each case's reports say, collected in this process: the matrix's word for a finished
+phase (passed, failed, error, unsupported, xfail, XPASS), each conformance case's fields
+(target, device, dtype, property, path, check), and what checks recorded on the case (memory
+measurements, notes, declared capabilities, ceilings not stored, reach).
+
+Under xdist every record travels from the workers to the controller as report
+user_properties; the controller's lists are the run's (the gate, the report and the ceilings
+read them). One list of each per process, emptied at pytest_configure.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mpt_kv import devices
+
+results: list[dict] = []   # one per case: its call, or its setup where that did not pass
+memory: list[dict] = []    # measurements of the memory checks (user property "mpt_kv_memory")
+# per target: declared unsupported features; per (target, device, file): cases without stored
+# ceilings; what the checks reached (user property "mpt_kv_reach", a dict per case)
+extras: dict = {"capabilities": {}, "unrecorded": {}, "reach": []}
+
+
+def clear() -> None:
+    results.clear()
+    memory.clear()
+    extras["capabilities"].clear()
+    extras["unrecorded"].clear()
+    extras["reach"].clear()
+
+
+# --- at collection ------------------------------------------------------------------------------------------------
+
+def item_kinds(item) -> list[str]:
+    """The device kinds of a case: its `device` parameter or a device marker; never a keyword
+    (a test in a folder or class named `hpu` is not an HPU case)."""
+    cs = getattr(item, "callspec", None)
+    kinds = {cs.params["device"]} if cs is not None and cs.params.get("device") in devices.KINDS else set()
+    kinds |= {m.name for m in item.iter_markers() if m.name in devices.KINDS}
+    return sorted(kinds)
+
+
+def label(item) -> dict | None:
+    """Put a case's device kinds and, for a conformance case (a property marker and a target),
+    its fields on its user_properties (they travel to the xdist controller with its reports).
+    Returns those fields, or None for any other test."""
+    kinds = item_kinds(item)
+    if kinds:
+        item.user_properties.append(("mpt_kv_kinds", kinds))
+    p = params_of(item)
+    if "property" in p and "target" in p:
+        item.user_properties.append(("mpt_kv", p))
+        return p
+    return None
+
+
+def params_of(item) -> dict:
+    cs = getattr(item, "callspec", None)
+    p = check_params(dict(cs.params) if cs else {})
+    prop = item.get_closest_marker("property")
+    out = {k: p[k] for k in ("target", "device", "path", "bucket", "check") if k in p}
+    if "dtype" in p:
+        out["dtype"] = str(p["dtype"]).replace("torch.", "")
+    if prop:
+        out["property"] = prop.args[0]
+    return out
+
+
+def check_params(params: dict) -> dict:
+    """A registry check's property, path and bucket, and a target factory's name, as report fields."""
+    check = params.get("check")
+    if check is not None and hasattr(check, "property") and hasattr(check, "id"):
+        params = {**params, "check": check.id, "path": check.path, "bucket": check.bucket}
+        if check.path is None:
+            del params["path"]
+    if "target" in params and not isinstance(params["target"], str):
+        from mpt_kv.targets import target_name
+
+        params["target"] = target_name(params["target"])
+    return params
+
+
+# --- while a case runs ----------------------------------------------------------------------------------------------
+
+def run_context(item, stored_ceilings, expected_to_fail: bool):
+    """For a test parametrized with registry checks: the RunContext its checks record into (their
+    measurements, notes and capabilities go on the case's user_properties). None for any other
+    test: a check called by hand elsewhere stays a plain function (analytic memory only)."""
+    registry = sys.modules.get("mpt_kv.checks.registry")  # not imported: no check in this session
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if registry is None or not isinstance(params.get("check"), registry.Check):
+        return None
+    return registry.RunContext(lambda name, value: item.user_properties.append((name, value)),
+                               stored_ceilings(item.config), expected_to_fail)
+
+
+def outcome_of(excinfo) -> str:
+    """'failed' only for PropertyFailure (also a group of them); 'unsupported' for Unsupported;
+    any other exception is the target's or the adapter's 'error' (a TypeError from a forward
+    without a keyword, an AttributeError, a corrupt ceilings file)."""
+    from mpt_kv.checks.compare import PropertyFailure
+    from mpt_kv.errors import Unsupported
+
+    if sys.version_info >= (3, 11):
+        from builtins import BaseExceptionGroup
+    else:  # hypothesis's own dependency on 3.10
+        from exceptiongroup import BaseExceptionGroup
+
+    exc = excinfo.value
+    if isinstance(exc, Unsupported):
+        return "unsupported"
+    if isinstance(exc, pytest.skip.Exception):
+        return "skipped"
+    leaves = [exc]
+    while any(isinstance(e, BaseExceptionGroup) for e in leaves):
+        leaves = [x for e in leaves for x in (e.exceptions if isinstance(e, BaseExceptionGroup) else [e])]
+    return "failed" if all(isinstance(e, PropertyFailure) for e in leaves) else "error"
+
+
+def record_outcome(report, call) -> None:
+    """The matrix's word for a finished phase (after any xfail handling), on the report."""
+    if report.when == "setup" and report.failed:
+        report.user_properties.append(("mpt_kv_outcome", "error"))
+    elif call.excinfo is not None and report.when == "call" and not hasattr(report, "wasxfail"):
+        report.user_properties.append(("mpt_kv_outcome", outcome_of(call.excinfo)))
+    elif report.when == "call" and isinstance(report.longrepr, str) and report.longrepr.startswith("[XPASS(strict)]"):
+        report.user_properties.append(("mpt_kv_outcome", "XPASS"))
+
+
+# --- the reports, as they arrive (on the xdist controller: from every worker) ---------------------------------------
+
+def _word(report) -> str:
+    outcome = "xfail" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+    if hasattr(report, "wasxfail") and report.passed:
+        outcome = "XPASS"
+    return dict(report.user_properties).get("mpt_kv_outcome", outcome)
+
+
+def collect(report) -> None:
+    """A case's call report, or its setup report where that did not pass (a device case whose
+    setup errored counts as a case of that device)."""
+    if not (report.when == "call" or (report.when == "setup" and report.outcome != "passed")):
+        return
+    props = dict(report.user_properties)
+    kinds = props.get("mpt_kv_kinds", [])
+    if "mpt_kv" in props:
+        notes = [v for k, v in report.user_properties if k == "mpt_kv_note"]
+        results.append({**props["mpt_kv"], "outcome": _word(report), "nodeid": report.nodeid, "notes": notes,
+                        "kinds": kinds})
+    else:  # any other case: its call, or its setup where that failed
+        results.append({"outcome": report.outcome, "nodeid": report.nodeid, "kinds": kinds})
+    for name, value in report.user_properties:
+        if name == "mpt_kv_memory":
+            memory.append({**value, "outcome": _word(report), "nodeid": report.nodeid})
+    if report.when != "call":
+        return
+    for name, value in report.user_properties:
+        if name == "mpt_kv_capabilities":
+            extras["capabilities"][value["target"]] = value["unsupported"]
+        elif name == "mpt_kv_unrecorded":
+            key = f"{value['target']}|{value['device']}|{value['file']}"
+            extras["unrecorded"].setdefault(key, {**value, "cases": 0})["cases"] += 1
+        elif name == "mpt_kv_reach":
+            extras["reach"].append(value)

@@ -1,0 +1,195 @@
+"""The conformance matrix and the JSON report: one row per target (with its versions), device,
+dtype and cache path, one column per property; the lines under it (declared capabilities,
+ceilings not stored, cells whose checks disagree, notes); `--mpt-kv-report FILE` writes the run as
+JSON, last, so a file that cannot be written still leaves the matrix and the verdict on screen.
+`python -m mpt_kv report A.json B.json` (mpt_kv/cli/report.py) prints and merges such files
+with the same functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+
+from mpt_kv import devices
+
+PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat", "P3": "no aliasing",
+                  "P4": "outputs not reused", "memory": "memory ceilings", "static-shape": "static shapes"}
+# a cell whose checks disagree shows its worst word: the first of these
+SEVERITY = ("error", "failed", "XPASS", "xfail", "unsupported", "skipped", "passed")
+MAX_LINES = 20  # of each kind of line under the matrix
+
+
+def path_cell(r: dict) -> str:
+    return r.get("path", "-") + ("" if r.get("bucket") is None else f"+bucket{r['bucket']}")
+
+
+def target_label(r: dict) -> str:
+    """'transformers 5.24', 'optimum-habana 1.21 (transformers 4.55)', 'reference', 'pkg.mod:build'."""
+    target, versions = r.get("target", "?"), r.get("target_version", "")
+    if not versions:
+        return target
+    first, _, rest = versions.partition(", ")
+    if first.split(" ")[0] == target:
+        return first + (f" ({rest})" if rest else "")
+    return f"{target} ({versions})"
+
+
+def _rank(outcome: str) -> int:
+    return SEVERITY.index(outcome) if outcome in SEVERITY else -1  # an unknown word: worst
+
+
+def cell(outcomes: list[str]) -> str:
+    """One word if a cell's checks agree; else its worst word and how many of its checks had it:
+    `failed(2/5)` (the line under the matrix names which)."""
+    if len(set(outcomes)) == 1:
+        return outcomes[0]
+    worst = min(outcomes, key=_rank)
+    return f"{worst}({outcomes.count(worst)}/{len(outcomes)})"
+
+
+def _which(r: dict) -> str:
+    return r.get("check") or r.get("nodeid", "?").rsplit("::", 1)[-1]
+
+
+def mixed_cell_lines(key: tuple, prop: str, results: list[dict]) -> str:
+    """`transformers 5.24 cpu float32 static P1 failed(2/5): failed P1/static/graphs, P1/static/head-dim-128; 3 passed`."""
+    by_word = defaultdict(list)
+    for r in results:
+        by_word[r["outcome"]].append(_which(r))
+    parts = [f"{n} passed" if word == "passed" else f"{word} {', '.join(ids)}"
+             for word, ids, n in sorted(((w, i, len(i)) for w, i in by_word.items()), key=lambda x: _rank(x[0]))]
+    return f"  {' '.join(key)} {prop} {cell([r['outcome'] for r in results])}: {'; '.join(parts)}"
+
+
+def matrix_lines(results: list[dict], absent: dict[str, str], profile: str | None) -> list[str]:
+    """The conformance matrix: one row per target (with its version), device, dtype and cache path;
+    one column per property. A device absent here gets one line, not a row per target."""
+    cells, notes = defaultdict(lambda: defaultdict(list)), []
+    for r in results:
+        if r.get("device") in absent:
+            continue
+        key = (target_label(r), r.get("device", "?"), r.get("dtype", "-"), path_cell(r))
+        cells[key][r["property"]].append(r)
+        notes += r.get("notes", [])
+    lines = []
+    for kind, reason in absent.items():
+        n = sum(1 for r in results if r.get("device") == kind)
+        lines.append(f"{kind}: {n} cases skipped, not available here: {reason}")
+    if not cells:
+        return lines
+    heads = ["target", "device", "dtype", "path", *PROPERTY_NAMES]
+    order = sorted(cells, key=lambda k: (k[0] != "reference", k))  # the oracle first
+    table = [[*key, *(cell([r["outcome"] for r in cells[key][p]]) if p in cells[key] else "-" for p in PROPERTY_NAMES)]
+             for key in order]
+    widths = [max(len(str(row[i])) for row in [heads, *table]) for i in range(len(heads))]
+    for row in [heads, *table]:
+        lines.append(" ".join(f"{c:<{w}}" for c, w in zip(row, widths)).rstrip())
+    lines.append("  " + "; ".join(f"{k} {v}" for k, v in PROPERTY_NAMES.items())
+                 + (f"; hypothesis profile {profile}" if profile else "")
+                 + ". failed: a property does not hold; error: the target or its adapter raised something else; "
+                   "unsupported: the target declares it does not implement what the case needs; failed(2/5): 2 of "
+                   "the cell's 5 checks failed, the worst word of a cell whose checks disagree. Reasons: pytest -rs")
+    mixed = [mixed_cell_lines(key, p, cells[key][p]) for key in order for p in PROPERTY_NAMES
+             if p in cells[key] and len({r["outcome"] for r in cells[key][p]}) > 1]
+    lines += mixed[:MAX_LINES] + ([f"  ... and {len(mixed) - MAX_LINES} more cells whose checks disagree"]
+                                  if len(mixed) > MAX_LINES else [])
+    for n in list(dict.fromkeys(notes))[:MAX_LINES]:
+        lines.append(f"  note: {n}")
+    return lines
+
+
+def project_lines(extras: dict, config=None) -> list[str]:
+    """What targets declared unsupported, and which memory cases had no stored ceiling (one line each)."""
+    from mpt_kv.plugin.ceilings import record_command
+
+    lines = []
+    for target, unsupported in sorted(extras.get("capabilities", {}).items()):
+        what = "; ".join(f"{f} ({why})" + (": not drawn, its other cases run" if f == "clip_qkv" else "")
+                         for f, why in sorted(unsupported.items()))
+        lines.append(f"  {target} declares unsupported: {what}")
+    for u in extras.get("unrecorded", {}).values():
+        command = f"`{record_command(config)}`" if config is not None else "python -m pytest ... --update-ceilings"
+        lines.append(f"  memory: {u['target']} on {u['device']} has no stored ceilings in {u['file']} ({u['cases']} "
+                     f"cases checked against the analytic model only); record them: {command}, then commit the file")
+    return lines
+
+
+def absent_devices(config, results: list[dict]) -> dict[str, str]:
+    """Device kinds with cases in `results` that are not available here, with the reason (as the
+    gate's survey sees them: under xdist, the controller's)."""
+    from mpt_kv.plugin.gate import kind_reason
+
+    kinds = {r.get("device") for r in results}
+    return {k: kind_reason(config, k) for k in devices.KINDS if k in kinds and kind_reason(config, k)}
+
+
+def environment() -> dict:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "optimum-habana", "mpt-kv"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def with_versions(results: list[dict]) -> list[dict]:
+    """Each result with its target's implementing package versions (built-in targets)."""
+    from mpt_kv.checks.ceilings import target_version
+
+    versions = {t: target_version(t) for t in {r.get("target", "") for r in results}}
+    return [{**r, "target_version": versions[r.get("target", "")]} if versions[r.get("target", "")] else r
+            for r in results]
+
+
+def clear_stale_report(config) -> None:
+    """A report left by an earlier run must not stand in for this one if it stops early."""
+    path = config.getoption("mpt_kv_report")
+    if path and getattr(config, "workerinput", None) is None and os.path.exists(path):
+        os.remove(path)
+
+
+def write_report(config, path, results: list[dict], memory: list[dict], extras: dict) -> str | None:
+    """The run as JSON: results, memory measurements, absent devices, capabilities, reach,
+    environment. Returns why it could not be written (None: written)."""
+    results = with_versions([r for r in results if "property" in r])
+    data = {"results": results, "memory": memory, "absent_devices": absent_devices(config, results),
+            "hypothesis_profile": config._mpt_kv_profile, "environment": environment(),
+            "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "allow_missing_device": bool(config.getoption("allow_missing_device")),
+            "capabilities": extras["capabilities"], "unrecorded": list(extras["unrecorded"].values()),
+            "reach": extras["reach"]}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+    except OSError as e:
+        return f"--mpt-kv-report {path}: the report could not be written: {e}"
+    return None
+
+
+def summary(tw, config, results: list[dict], extras: dict) -> None:
+    """The matrix and the lines under it (unless --no-mpt-kv-matrix)."""
+    if config.getoption("no_mpt_kv_matrix"):
+        return
+    results = with_versions([r for r in results if "property" in r])
+    lines = matrix_lines(results, absent_devices(config, results), config._mpt_kv_profile)
+    if lines:
+        tw.write_sep("=", "mpt-kv conformance")
+    for line in lines + project_lines(extras, config):
+        tw.write_line(line)
+
+
+def short_traceback_hint(terminalreporter, config) -> str | None:
+    """For a run with failures: how to see one line per failure instead of every traceback."""
+    n = sum(len(terminalreporter.stats.get(k, [])) for k in ("failed", "error"))
+    if not n or config.getoption("tbstyle", "auto") in ("line", "no"):
+        return None
+    return (f"{n} cases failed or errored: rerun with --tb=line for one line per failure "
+            "(or -q --tb=no -rf for only their list)")
