@@ -67,7 +67,58 @@ def test_reports_without_results_are_not_a_pass(tmp_path, capsys):
     assert "nothing ran" in capsys.readouterr().err
 
 
-def test_a_file_that_is_not_a_report_is_an_error_naming_it(tmp_path):
-    (tmp_path / "x.json").write_text("[]")
-    with pytest.raises(SystemExit, match=r"x.json is not an mpt-kv report"):
-        report.main([str(tmp_path / "x.json")])
+def exit_code_and_error(capsys, *argv) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        report.main([str(a) for a in argv])
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,what", [
+    ("[]", "is not an mpt-kv report (no 'results' list)"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff", "cannot read {path}: UnicodeDecodeError"),
+    ("{not json", "cannot read {path}: JSONDecodeError"),
+    (json.dumps({"results": [result("reference", "P1", "passed"), {"target": "reference", "outcome": "passed"}]}),
+     "{path}: result 1 has no 'property'"),
+    (json.dumps({"results": ["P1"]}), "{path}: result 0 has no 'target' or 'property' or 'outcome'"),
+    (None, "cannot read {path}: FileNotFoundError"),
+])
+def test_a_file_that_is_not_a_report_is_an_error_naming_it(tmp_path, capsys, content, what):
+    """Exit 2 (as the help says) with one line naming the file: never a KeyError or a
+    UnicodeDecodeError traceback."""
+    path = tmp_path / "x.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    code, err = exit_code_and_error(capsys, path)
+    assert code == 2 and what.format(path=path) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("json_arg", ["{dir}", ""])
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_work(two_envs, tmp_path, capsys, monkeypatch,
+                                                                      json_arg):
+    monkeypatch.setattr(report, "load", lambda path: pytest.fail("the work started"))
+    code, err = exit_code_and_error(capsys, *two_envs, "--json", json_arg.format(dir=tmp_path))
+    assert code == 2 and f"--json {json_arg.format(dir=tmp_path)!r}: " in err and "is a folder" in err, err
+
+
+def test_a_report_whose_conformance_cases_all_skipped_fails_unless_every_run_allowed_it(tmp_path, capsys):
+    """A target that declares every device unsupported: 'N skipped', and the report must not pass."""
+    cases = [result("mine:build", "P1", "unsupported"), result("mine:build", "P0", "skipped")]
+    assert report.main([str(write(tmp_path, "none.json", cases))]) == 1
+    assert ("2 conformance cases were reported and none ran (1 skipped, 1 unsupported): a run that checked nothing "
+            "must not look green") in capsys.readouterr().err
+    allowed = write(tmp_path, "allowed.json", cases, allow_missing_device=True)
+    assert report.main([str(allowed)]) == 0
+    assert report.main([str(allowed), str(write(tmp_path, "none.json", cases))]) == 1  # one run did not allow it
+
+
+def test_reach_is_concatenated_across_reports(two_envs, tmp_path):
+    cpu, oh = two_envs
+    for path, reach in ((cpu, [{"check": "P1/static", "layers": 2}]), (oh, [{"check": "P2/static", "layers": 1}])):
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "reach": reach}))
+    merged = tmp_path / "merged.json"
+    assert report.main([str(cpu), str(oh), "--json", str(merged)]) == 0
+    assert json.loads(merged.read_text())["reach"] == [{"check": "P1/static", "layers": 2},
+                                                       {"check": "P2/static", "layers": 1}]

@@ -7,8 +7,11 @@ transformers) and the optimum-habana env. This prints their results as one matri
 target's versions, and the memory table of both.
 
 Merging: a target that could not run in one environment (skipped there: not installed) and ran
-in another shows the run it had. Exit status 1 if any case failed, errored or passed while
-expected to fail (XPASS), or if the reports hold no result at all; 2 for an unreadable report.
+in another shows the run it had; what the checks reached ("reach") is concatenated. Exit status
+1 if any case failed, errored or passed while expected to fail (XPASS), if the reports hold no
+result at all, or if their conformance cases all skipped (unless every run was made with
+--allow-missing-device); 2 for a report that is missing, unreadable or not an mpt-kv report, or
+a --json path that cannot be written (checked before any work).
 """
 
 from __future__ import annotations
@@ -21,14 +24,27 @@ from pathlib import Path
 BAD = ("failed", "error", "XPASS")
 
 
+RESULT_FIELDS = ("target", "property", "outcome")  # what the matrix reads of every result
+
+
+def usage_error(message: str):
+    """Exit 2, as the help says, with one line naming the file and what is wrong."""
+    print(f"mpt-kv report: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def load(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"mpt-kv report: cannot read {path}: {e}")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # missing, a folder, not UTF-8 (a binary file), not JSON
+        usage_error(f"cannot read {path}: {type(e).__name__}: {e}")
     if not isinstance(data, dict) or not isinstance(data.get("results"), list):
-        raise SystemExit(f"mpt-kv report: {path} is not an mpt-kv report (no 'results' list); "
-                         "write one with pytest --mpt-kv-report FILE")
+        usage_error(f"{path} is not an mpt-kv report (no 'results' list); write one with pytest --mpt-kv-report FILE")
+    for i, r in enumerate(data["results"]):
+        missing = [k for k in RESULT_FIELDS if not isinstance(r, dict) or not isinstance(r.get(k), str)]
+        if missing:
+            usage_error(f"{path}: result {i} has no {' or '.join(map(repr, missing))} (every result of an mpt-kv "
+                        f"report has {', '.join(RESULT_FIELDS)}): not a report pytest --mpt-kv-report wrote")
     return data
 
 
@@ -53,6 +69,8 @@ def merge(reports: list[dict]) -> dict:
     profiles = sorted({rep.get("hypothesis_profile") for rep in reports if rep.get("hypothesis_profile")})
     return {"results": results, "memory": memory, "absent_devices": absent, "capabilities": capabilities,
             "unrecorded": unrecorded, "hypothesis_profile": "/".join(profiles) or None,
+            "reach": [r for rep in reports for r in rep.get("reach", [])],
+            "allow_missing_device": all(rep.get("allow_missing_device", False) for rep in reports),
             "environments": [{"written": rep.get("written", "?"), **rep.get("environment", {})} for rep in reports]}
 
 
@@ -60,8 +78,15 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m mpt_kv report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("reports", nargs="+", type=Path, help="JSON reports (pytest --mpt-kv-report FILE)")
-    p.add_argument("--json", type=Path, help="also write the merged report here")
+    p.add_argument("--json", help="also write the merged report here (checked before any work)")
     args = p.parse_args(argv)
+    if args.json is not None:
+        from mpt_kv.cli.outputs import file_problem
+
+        problem = file_problem(args.json)
+        if problem:
+            usage_error(f"--json {args.json!r}: {problem}")
+    from mpt_kv.plugin.gate import nothing_ran
     from mpt_kv.plugin.report import matrix_lines, project_lines
 
     merged = merge([load(path) for path in args.reports])
@@ -78,14 +103,19 @@ def main(argv: list[str]) -> int:
         print("=" * 34 + " mpt-kv memory " + "=" * 33)
         print("\n".join(table(merged["memory"])))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**merged, "unrecorded": list(merged["unrecorded"].values())}, indent=1,
-                                        default=str))
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**merged, "unrecorded": list(merged["unrecorded"].values())}, indent=1,
+                                  default=str))
     bad = [r for r in merged["results"] if r.get("outcome") in BAD]
     if not merged["results"]:
         print("no results in the reports: nothing ran, which is not a pass", file=sys.stderr)
         return 1
     if bad:
         print(f"{len(bad)} cases failed, errored or passed unexpectedly (XPASS): see the runs above", file=sys.stderr)
+        return 1
+    reason = nothing_ran(merged["results"], merged["allow_missing_device"])
+    if reason:
+        print(reason, file=sys.stderr)
         return 1
     return 0

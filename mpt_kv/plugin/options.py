@@ -92,7 +92,7 @@ def only_targets(config) -> bool:
         return True
     try:
         return bool(config.getini("mpt_kv_only_targets"))
-    except ValueError as e:  # pytest's own parse: "invalid truth value 'maybe'"
+    except (ValueError, pytest.UsageError) as e:  # pytest's own parse: "invalid truth value 'maybe'"
         raise pytest.UsageError(f"ini option mpt_kv_only_targets: {e}; expected true or false") from None
 
 
