@@ -198,3 +198,50 @@ def test_the_downstream_adapter_is_at_most_15_lines_of_documented_api():
 def test_parametrize_with_checks_that_would_check_nothing_is_an_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mpt_kv.parametrize_with_checks(**kwargs)
+
+
+# --- a target is resolved once ---------------------------------------------------------------------------------
+
+def test_a_target_spec_is_resolved_once_per_check_call(monkeypatch):
+    """The spec is resolved where the check is called; the probe, every drawn case's runner and
+    its messages use that one object (it used to be resolved and built from its string four times)."""
+    import mpt_kv.targets as T
+
+    loads, real = [], T._load
+    monkeypatch.setattr(T, "_load", lambda spec: loads.append(spec) or real(spec))
+    assert CHECKS["static-shape/static"]("reference", CPU, FP32) == []
+    assert loads == ["reference"]
+    resolved = T.resolve_target("reference")
+    loads.clear()
+    CHECKS["static-shape/static"](resolved, CPU, FP32)
+    CHECKS["P1/static"].run_case(resolved, CPU, FP32, CLIP_CASE)
+    assert loads == [], "a ResolvedTarget is passed on, never resolved again"
+
+
+def test_a_resolved_target_has_its_name_factory_and_declared_capabilities_read_once():
+    from mpt_kv.targets import ResolvedTarget, build, resolve, resolve_target
+
+    built = []
+
+    def counting(cfg, state_dict, device, dtype):
+        built.append(dtype)
+        return DeclaresNoClip(cfg, state_dict, device, dtype)
+
+    target = resolve_target(counting)
+    assert isinstance(target, ResolvedTarget) and resolve_target(target) is target
+    assert target.name == target_name(counting) == target_name(target) and target.factory is counting
+    assert resolve(target) is counting and isinstance(build(target, CLIP_CASE.cfg, _state(CLIP_CASE), CPU, FP32),
+                                                      IgnoresClip)
+    built.clear()
+    first = target.capabilities("cpu", FP32)
+    assert target.capabilities(CPU, FP32) is first and resolve_target(counting).capabilities("cpu", FP32) is first
+    assert built == [FP32], "the probe is built once per device and dtype"
+    assert "clip_qkv" in first.unsupported
+    with pytest.raises(TypeError, match="not int"):
+        resolve_target(3)
+
+
+def _state(case):
+    from mpt_kv.model.config import random_state_dict
+
+    return random_state_dict(case.cfg, seed=case.seed)
