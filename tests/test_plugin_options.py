@@ -167,8 +167,8 @@ def test_a_run_with_failures_says_how_to_shorten_the_output():
 
     config = Config()
     config.tbstyle = "auto"
-    assert report.short_traceback_hint(Reporter(), config) == ("3 cases failed or errored: rerun with --tb=line for one "
-                                                               "line per failure (or -q --tb=no -rf for only their list)")
+    assert report.short_traceback_hint(Reporter(), config) == ("3 failures and errors above: --tb=line prints one line "
+                                                               "each (-q --tb=no -rf: only their list)")
     config.tbstyle = "line"
     assert report.short_traceback_hint(Reporter(), config) is None
     Reporter.stats, config.tbstyle = {"passed": [1]}, "auto"

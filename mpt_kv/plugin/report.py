@@ -191,5 +191,4 @@ def short_traceback_hint(terminalreporter, config) -> str | None:
     n = sum(len(terminalreporter.stats.get(k, [])) for k in ("failed", "error"))
     if not n or config.getoption("tbstyle", "auto") in ("line", "no"):
         return None
-    return (f"{n} cases failed or errored: rerun with --tb=line for one line per failure "
-            "(or -q --tb=no -rf for only their list)")
+    return f"{n} failures and errors above: --tb=line prints one line each (-q --tb=no -rf: only their list)"
