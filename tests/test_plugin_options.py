@@ -107,19 +107,27 @@ def test_builtin_target_names_are_the_targets_builtins():
 # --- the front door: a target module in the user's own folder ----------------------------------------------------
 
 def test_a_target_module_in_the_current_folder_says_how_to_put_it_on_sys_path(tmp_path, monkeypatch):
-    """`pytest --target mytarget:build` does not put the current folder on sys.path; the error says what does."""
-    (tmp_path / "mytarget.py").write_text("def build(cfg, state_dict, device, dtype):\n    raise NotImplementedError\n")
+    """`pytest --target my_own_target:build` does not put the current folder on sys.path; the error says what does."""
+    (tmp_path / "my_own_target.py").write_text("def build(cfg, state_dict, device, dtype):\n    raise NotImplementedError\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
-    with pytest.raises(TargetUnavailable, match=r"cannot import mytarget \(No module named 'mytarget'\)\. mytarget.py "
+    with pytest.raises(TargetUnavailable, match=r"cannot import my_own_target \(No module named 'my_own_target'\)\. my_own_target.py "
                                                 r"is in the current folder, but the `pytest` command does not put that "
                                                 r"folder on sys.path: run `python -m pytest \.\.\.`"):
-        resolve_target("mytarget:build")
+        resolve_target("my_own_target:build")
     with pytest.raises(TargetUnavailable, match="PYTHONPATH") as e:
         resolve_target("notthere.sub:build")
     assert "notthere is not on sys.path" in str(e.value)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert resolve_target("mytarget:build").name == "mytarget:build"
+    assert resolve_target("my_own_target:build").name == "my_own_target:build"
+
+
+def test_a_named_target_in_the_current_folder_is_a_usage_error_saying_how_to_fix_it(config, pytester, monkeypatch):
+    pytester.makepyfile(mytarget="def build(cfg, state_dict, device, dtype):\n    raise NotImplementedError\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(pytester.path))])
+    with pytest.raises(pytest.UsageError, match=r"^--target mytarget:build: target 'mytarget:build': cannot import "
+                                                r"mytarget .* run `python -m pytest \.\.\.` from the folder that holds it"):
+        parametrize.check_named_targets(config("", "--target", "mytarget:build"))
 
 
 def test_a_missing_dependency_inside_a_target_module_gets_no_sys_path_hint(tmp_path, monkeypatch):
