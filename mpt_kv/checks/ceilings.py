@@ -463,8 +463,11 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         tolerance = "exact" if meter.exact else f"allowed {slack}: allocator rounding"
         pool = f" - {pooled} bytes of it kept from an earlier generation (a cache pool)" if pooled else ""
         if paged is not None:
-            expected = (f"the handed-out blocks of the paged cache, {paged.accepted} bytes ({L} positions per row "
-                        f"and at most one block of block_size {acc.layout.block_size} beyond them; KV({L}) is {kv})")
+            expected = (f"the paged cache's handed-out blocks, {paged.handed} bytes, counted up to {paged.accepted} "
+                        f"({L} positions per row and at most one block of block_size {acc.layout.block_size} beyond "
+                        f"them; KV({L}) is {kv})")
+            pool = (f", less the {pooled} bytes of them in a pool kept from an earlier generation (a cache pool)"
+                    if pooled else "")
         else:
             expected = (f"the KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x L {L} x hd "
                         f"{cfg.head_dim} x {s} bytes)")

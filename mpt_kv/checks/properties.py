@@ -424,8 +424,8 @@ class CacheStorage:
         parts = [f"layer {layer} {name} {tuple(t.shape)}" for layer, name, t in self.tensors]
         return " and ".join(parts) if len(parts) <= 4 else ", ".join(parts[:3]) + f" and {len(parts) - 3} more"
 
-    def sizes(self) -> str:
-        declared = f", {self.declared} of them declared block slack" if self.declared else ""
+    def sizes(self, with_declared: bool = True) -> str:
+        declared = f" (the layout declares up to {self.declared} of block slack)" if self.declared and with_declared else ""
         return (f"its storage holds {self.storage.nbytes()} bytes, the cached tensors in it {self.covered}: "
                 f"{self.pinned} bytes pinned beyond the cache{declared}")
 
@@ -472,7 +472,7 @@ def aliasing_problems(kv, captured, previous: dict[int, CacheStorage] | None = N
         if key in qkv:
             layer, t = qkv[key]
             verb = "are views" if len(st.tensors) > 1 else "is a view"
-            problems.append(f"{st.names()} {verb} of layer {layer}'s mixed_qkv {tuple(t.shape)}: {st.sizes()}")
+            problems.append(f"{st.names()} {verb} of layer {layer}'s mixed_qkv {tuple(t.shape)}: {st.sizes(False)}")
         elif st.pinned > st.declared and not st.persisted and last:
             problems.append(f"{st.names()} {'live' if len(st.tensors) > 1 else 'lives'} in a buffer made at the last "
                             f"step ({step}) that the cache does not fill: {st.sizes()} (no later step shows it to be "
