@@ -513,8 +513,16 @@ def no_change(cfg, state_dict, device, dtype):
 
 # --- cache layouts: slack beyond what the layout declares, blocks in two places (issue 16) --------------
 
-from mpt_kv.catalogue.designs import (BlockGrowthConcatCache, BlockGrowthSession, PagedCache,  # noqa: E402
+from mpt_kv.catalogue.designs import (POOL, BlockGrowthConcatCache, BlockGrowthSession, PagedCache,  # noqa: E402
                                       PagedMPT, PagedSession)
+
+
+def paged_variant(name, bug, origin, killed_by, model):
+    """A variant of the paged_cache design: its pool is the model's, declared as the design's is
+    (Capabilities(cache_pool=True)), so that its one change is what kills it."""
+    build = runner_factory(name, model, PagedSession, capabilities=POOL)
+    VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build)
+    return build
 
 
 class TwoBlocksAheadPagedCache(PagedCache):
@@ -525,13 +533,13 @@ class TwoBlocksAheadPagedMPT(PagedMPT):
     cache_class = TwoBlocksAheadPagedCache
 
 
-paged_two_blocks_of_slack = variant(
+paged_two_blocks_of_slack = paged_variant(
     "paged_two_blocks_of_slack",
     "the paged cache hands every row two blocks beyond the ones its positions need: up to three blocks of slack "
     "per row where one is declared (PagedLayout)",
     "a look-ahead reservation (vLLM's num_lookahead_slots for speculative decoding) counted in blocks instead of "
     "slots, or added on top of the block the next token needs",
-    ["memory"], model=TwoBlocksAheadPagedMPT, session=PagedSession)
+    ["memory"], TwoBlocksAheadPagedMPT)
 
 
 class SharedBlockPagedCache(PagedCache):
@@ -546,13 +554,13 @@ class SharedBlockPagedMPT(PagedMPT):
     cache_class = SharedBlockPagedCache
 
 
-paged_block_shared_between_rows = variant(
+paged_block_shared_between_rows = paged_variant(
     "paged_block_shared_between_rows",
     "when decoding crosses a block boundary the last row's block table entry gets row 0's new block: both rows' "
     "new tokens go to one block, each overwriting the other's",
     "a block allocator that hands one free block to two sequences (a free list read before it is popped, "
     "a block id reused across a batch), or a slot mapping indexed by the wrong row",
-    ["P1", "P2", "P3"], model=SharedBlockPagedMPT, session=PagedSession)
+    ["P1", "P2", "P3"], SharedBlockPagedMPT)
 
 
 class ViewsFirstBlockCache(BlockGrowthConcatCache):
