@@ -370,7 +370,8 @@ class PagedMPT(model_with(attention=PagedAttention)):
         if pool is None or (idle and pool.num_blocks < 2 * need):
             w = self.transformer.wte.weight  # room for two generations side by side (P2 runs concat and static)
             pool = self.block_pool = BlockPool(self.cfg, 2 * need, self.block_size, w.dtype, w.device)
-        return self.cache_class(pool, self.cfg.n_layers, batch, max_len, path == "static", self.transformer.wte.weight.device)
+        device = self.transformer.wte.weight.device
+        return self.cache_class(pool, self.cfg.n_layers, batch, max_len, path == "static", device)
 
     def _positions(self, T, cache, token_idx, cache_idx):
         if not isinstance(cache, PagedCache):

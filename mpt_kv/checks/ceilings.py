@@ -355,8 +355,10 @@ def explain_excess(acc: Accounting, excess: int, expected_kv: int, cfg: ModelCon
             if nbytes > own:
                 names = " and ".join(f"layer {layer} {name} {tuple(t.shape)}" for layer, name, t in tensors)
                 made = qkv.of(tensors[0][2].untyped_storage()) if qkv is not None else None
-                if made is not None and made[0] == tensors[0][0] and len(made[1]) == 3 and made[1][2] == 3 * cfg.d_model:
-                    what = f"the size of mixed_qkv {made[1]}: it is that layer's Wqkv output, views of it pin its q third"
+                own_qkv = made is not None and made[0] == tensors[0][0] and made[1][-1:] == (3 * cfg.d_model,)
+                if own_qkv:
+                    what = (f"the size of mixed_qkv {made[1]}: it is that layer's Wqkv output, views of it pin "
+                            "its q third")
                 elif made is not None:
                     what = f"it is layer {made[0]}'s Wqkv output {made[1]}"
                 else:

@@ -352,7 +352,8 @@ def poison_unwritten(static: Session, *others: Session) -> None:
     for k, v in kv:
         k[:, :, static.written:] = POISON
         v[:, :, static.written:] = POISON
-    if kv and kv[0][0].shape[2] > static.written and not bool((static.kv()[0][0][:, :, static.written:] == POISON).all()):
+    unwritten = kv[0][0].shape[2] > static.written if kv else False
+    if unwritten and not bool((static.kv()[0][0][:, :, static.written:] == POISON).all()):
         raise RuntimeError("P2: the never-written slots poisoned through kv() are not poisoned in the next kv(): "
                            "kv() returns copies, not the stored cache. A paged cache declares it "
                            "(Session.cache_layout() -> mpt_kv.PagedLayout, docs/targets.md 'Cache layouts')")
@@ -425,7 +426,8 @@ class CacheStorage:
         return " and ".join(parts) if len(parts) <= 4 else ", ".join(parts[:3]) + f" and {len(parts) - 3} more"
 
     def sizes(self, with_declared: bool = True) -> str:
-        declared = f" (the layout declares up to {self.declared} of block slack)" if self.declared and with_declared else ""
+        declared = (f" (the layout declares up to {self.declared} of block slack)"
+                    if self.declared and with_declared else "")
         return (f"its storage holds {self.storage.nbytes()} bytes, the cached tensors in it {self.covered}: "
                 f"{self.pinned} bytes pinned beyond the cache{declared}")
 

@@ -149,8 +149,9 @@ def storage_tensors(session) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def handed_out(layout: PagedLayout, *others: PagedLayout) -> set[int]:
     """Pool blocks in the block table of `layout` or of `others` (sessions sharing its pool)."""
     out = {b for row in layout.rows() for b in row}
+    pool = layout.pools[0][0].untyped_storage()._cdata
     for other in others:
-        if isinstance(other, PagedLayout) and other.pools[0][0].untyped_storage()._cdata == layout.pools[0][0].untyped_storage()._cdata:
+        if isinstance(other, PagedLayout) and other.pools[0][0].untyped_storage()._cdata == pool:
             out |= {b for row in other.rows() for b in row}
     return out
 
