@@ -90,8 +90,9 @@ class PagedBlocks:
         scores = (scores + bias[:, :, -K:]).masked_fill(mask, torch.finfo(q.dtype).min)
         weights = F.softmax(scores.float(), dim=-1)
         del scores
-        out = sum(weights[..., j * BLOCK:(j + 1) * BLOCK] @ values[b][:, :, :min(BLOCK, K - j * BLOCK)].float()
-                  for j, b in enumerate(blocks))
+        # each block's share in the model dtype (as one matmul would compute it), summed in fp32
+        out = sum((weights[..., j * BLOCK:(j + 1) * BLOCK].to(v.dtype) @ values[b][:, :, :min(BLOCK, K - j * BLOCK)])
+                  .float() for j, b in enumerate(blocks))
         return out.to(q.dtype)
 
 

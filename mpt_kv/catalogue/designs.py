@@ -326,12 +326,12 @@ def paged_attention(q, kp, vp, table, K, bs, bias, mask):
     scores = torch.cat([q @ kp[blk].transpose(-1, -2) for blk in blocks], dim=-1)[..., :K] / math.sqrt(hd)
     scores = scores + bias[:, :, -K:]
     scores = scores.masked_fill(mask[:, :, :, :K], torch.finfo(q.dtype).min)
-    weights = F.softmax(scores.float(), dim=-1)  # fp32, as MPT; the sum over blocks stays in fp32
+    weights = F.softmax(scores.float(), dim=-1)  # fp32, as MPT
     del scores
     out = None
-    for j, blk in enumerate(blocks):
+    for j, blk in enumerate(blocks):  # each block's share in the model dtype, summed in fp32
         n = min(bs, K - j * bs)
-        part = weights[..., j * bs:j * bs + n] @ vp[blk][:, :, :n].float()
+        part = (weights[..., j * bs:j * bs + n].to(vp.dtype) @ vp[blk][:, :, :n]).float()
         out = part if out is None else out + part
     return out.to(q.dtype)
 
