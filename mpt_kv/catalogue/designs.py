@@ -222,3 +222,249 @@ graph_outputs_declared = design(
     "CUDA graphs and HPU graphs (optimum-habana's --use_hpu_graphs, wrap_in_hpu_graph): a replay "
     "returns the graph's static output tensor",
     StaticOutputMPT, Capabilities(graph_outputs=True))
+
+
+# --- cache layouts beyond contiguous tensors (issue 16): a block pool, and blocks grown on demand -----
+
+import math  # noqa: E402  (this section's own imports: the catalogue grows by appending)
+
+import torch.nn.functional as F  # noqa: E402
+
+from mpt_kv.targets.reference import ReferenceSession  # noqa: E402
+
+
+def layout_design(name, what, origin, model, session, capabilities=Capabilities()):
+    """Register a design whose session is its own (it declares a cache layout)."""
+    build = runner_factory(name, model, session, capabilities=capabilities)
+    DESIGNS[name] = Design(name, what, origin, build)
+    return build
+
+
+class BlockPool:
+    """vLLM's KV cache: per layer a key pool and a value pool (num_blocks, H, block_size, hd),
+    allocated once on the model and shared by the generations that run on it; blocks go out
+    from a free list and come back when a generation's cache is freed."""
+
+    def __init__(self, cfg, num_blocks, block_size, dtype, device):
+        shape = (num_blocks, cfg.n_heads, block_size, cfg.head_dim)
+        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in range(cfg.n_layers)]
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.free = list(range(num_blocks))[::-1]  # popped from the end: block 0 first
+
+    def take(self) -> int:
+        if not self.free:
+            raise RuntimeError(f"block pool exhausted: all {self.num_blocks} blocks are handed out")
+        return self.free.pop()
+
+    def give_back(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
+
+
+class PagedCache:
+    """One generation's share of the pool: a block table (B, max_blocks) and each row's length.
+    The session hands out blocks before each forward (host side, as vLLM's scheduler does);
+    attention writes the new k, v into their slots and reads the blocks in place, one block at
+    a time (as a paged attention kernel does), never gathering a layer's cache."""
+
+    lookahead = 0  # blocks handed out beyond the ones the positions written need
+
+    def __init__(self, pool: BlockPool, n_layers, batch, max_len, static, device):
+        import weakref
+
+        self.pool, self.static, self.max_len, self.block_size = pool, static, max_len, pool.block_size
+        width = -(-max_len // pool.block_size) + self.lookahead
+        self.table = torch.full((batch, width), -1, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.blocks: list[int] = []  # every block this generation holds, given back when it is freed
+        self.n_blocks = 0            # table entries filled per row
+        self.filled = 0              # positions written per row (the static prefill: its padded length)
+        self.prefilled = False
+        self.kv = [None] * n_layers  # the reference's input check reads kv: a paged cache has no contiguous K/V
+        weakref.finalize(self, pool.give_back, self.blocks)
+
+    def reserve(self, upto: int) -> None:
+        """Every row gets the blocks for positions [0, upto), rows interleaved in the pool."""
+        need = min(-(-upto // self.block_size) + self.lookahead, self.table.shape[1])
+        for j in range(self.n_blocks, need):
+            for b in range(self.table.shape[0]):
+                block = self.pool.take()
+                self.blocks.append(block)
+                self.table[b, j] = self.hand_out(b, j, block)
+        self.n_blocks = max(self.n_blocks, need)
+
+    def hand_out(self, row, j, block) -> int:
+        return block
+
+    def write(self, layer, k, v, token_idx):
+        """Prefill: the T new positions from slot 0; decode: the one at `filled` (concat) or at
+        token_idx - 1 (static), into each row's block."""
+        kp, vp = self.pool.kv[layer]
+        bs, T = self.block_size, k.shape[2]
+        if not self.prefilled:
+            for j in range(-(-T // bs)):
+                n = min(bs, T - j * bs)
+                kp[self.table[:, j], :, :n] = k[:, :, j * bs:j * bs + n]
+                vp[self.table[:, j], :, :n] = v[:, :, j * bs:j * bs + n]
+            return
+        if self.static:  # a tensor position: no host sync, the same ops every step
+            pos = (token_idx.reshape(1) - 1).to(self.table.device)
+            block = self.table.gather(1, (pos // bs).expand(self.table.shape[0], 1)).squeeze(1)
+            slot = pos % bs
+        else:
+            block, slot = self.table[:, self.filled // bs], self.filled % bs
+        kp[block, :, slot] = k[:, :, 0]
+        vp[block, :, slot] = v[:, :, 0]
+
+
+def paged_attention(q, kp, vp, table, K, bs, bias, mask):
+    """softmax(q k^T / sqrt(hd) + ALiBi, masked) v over the first K positions of each row's blocks,
+    reading one block of the pool at a time (a block's copy, never a layer's cache)."""
+    hd = q.shape[-1]
+    nb = -(-K // bs)
+    blocks = [table[:, j].clamp(min=0) for j in range(nb)]  # -1: no block yet; its slots are masked
+    scores = torch.cat([q @ kp[blk].transpose(-1, -2) for blk in blocks], dim=-1)[..., :K] / math.sqrt(hd)
+    scores = scores + bias[:, :, -K:]
+    scores = scores.masked_fill(mask[:, :, :, :K], torch.finfo(q.dtype).min)
+    weights = F.softmax(scores.float(), dim=-1)  # fp32, as MPT
+    del scores
+    out = None
+    for j, blk in enumerate(blocks):  # each block's share in the model dtype, summed in fp32
+        n = min(bs, K - j * bs)
+        part = (weights[..., j * bs:j * bs + n].to(vp.dtype) @ vp[blk][:, :, :n]).float()
+        out = part if out is None else out + part
+    return out.to(q.dtype)
+
+
+class PagedAttention(Attention):
+    def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
+        if not isinstance(cache, PagedCache):
+            return super().forward(x, mask, bias, cache, layer, token_idx, cache_idx)
+        B, T, D = x.shape
+        H, hd = self.cfg.n_heads, self.cfg.head_dim
+        mixed_qkv = self.Wqkv(x)
+        if self.cfg.clip_qkv:
+            mixed_qkv = mixed_qkv.clamp(min=-self.cfg.clip_qkv, max=self.cfg.clip_qkv)
+        q, k, v = (t.reshape(B, T, H, hd).transpose(1, 2) for t in mixed_qkv.chunk(3, dim=2))
+        prefill = not cache.prefilled
+        cache.write(layer, k, v, token_idx)
+        if prefill:  # the prompt attends over its own k, v (as the reference's static prefill)
+            return super().forward(x, mask, bias, None, layer, token_idx, cache_idx)
+        K = (int(cache_idx) if cache_idx is not None else cache.max_len) if cache.static else cache.filled + 1
+        kp, vp = cache.pool.kv[layer]
+        out = paged_attention(q, kp, vp, cache.table, K, cache.block_size, bias, mask)
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+class PagedMPT(model_with(attention=PagedAttention)):
+    """Both paths paged, from one pool on the model (static: the token_idx protocol over it)."""
+
+    block_size = 4  # the kill matrix's cases (5-24 positions) cross several blocks
+    cache_class = PagedCache
+
+    def new_cache(self, path, batch, max_len=None, fill=None):
+        max_len = max_len or self.cfg.max_seq_len
+        need = batch * (-(-max_len // self.block_size) + self.cache_class.lookahead)
+        pool = getattr(self, "block_pool", None)
+        idle = pool is not None and len(pool.free) == pool.num_blocks
+        if pool is None or (idle and pool.num_blocks < 2 * need):
+            w = self.transformer.wte.weight  # room for two generations side by side (P2 runs concat and static)
+            pool = self.block_pool = BlockPool(self.cfg, 2 * need, self.block_size, w.dtype, w.device)
+        device = self.transformer.wte.weight.device
+        return self.cache_class(pool, self.cfg.n_layers, batch, max_len, path == "static", device)
+
+    def _positions(self, T, cache, token_idx, cache_idx):
+        if not isinstance(cache, PagedCache):
+            return super()._positions(T, cache, token_idx, cache_idx)
+        if cache.static and cache.prefilled:
+            start = token_idx.reshape(-1)[0] - 1 if torch.is_tensor(token_idx) else int(token_idx) - 1
+            return start, int(cache_idx) if cache_idx is not None else cache.max_len
+        return cache.filled, cache.filled + T
+
+
+def gathered(pool: torch.Tensor, table: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, H, T, hd): a copy of each row's first T positions, gathered through the block table."""
+    blocks = pool[table.clamp(min=0)]  # (B, max_blocks, H, bs, hd)
+    B, nb, H, bs, hd = blocks.shape
+    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, hd)[:, :, :T]
+
+
+class PagedSession(ReferenceSession):
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        first = self.cache is None
+        if first:
+            self.cache = self.model.new_cache(self.path, input_ids.shape[0], self.max_len)
+            cache_idx = None  # the prefill attends over its own tokens
+        # positions this call writes (the static prefill: the prompt padded to max_len) and holds
+        writes = input_ids.shape[1] if first else self.written + 1
+        holds = (int(token_idx.reshape(-1)[0]) if token_idx is not None else writes) if first else writes
+        self.cache.reserve(writes)
+        logits = self.model(input_ids, mask, self.cache, token_idx, cache_idx)
+        self.cache.filled, self.cache.prefilled = max(self.cache.filled, writes), True
+        self.cache.lengths.fill_(holds)
+        return logits
+
+    def kv(self):
+        c = self.cache
+        T = c.max_len if c.static else c.filled
+        return [(gathered(k, c.table, T), gathered(v, c.table, T)) for k, v in c.pool.kv]
+
+    def cache_layout(self):
+        from mpt_kv.targets.layouts import PagedLayout
+
+        c = self.cache
+        return None if c is None else PagedLayout(pools=c.pool.kv, block_table=c.table, block_size=c.block_size,
+                                                  lengths=c.lengths)
+
+
+paged_cache = layout_design(
+    "paged_cache",
+    "both paths keep K/V in a block pool on the model, (num_blocks, H, block_size 4, hd) per layer, shared by "
+    "its generations; each generation holds a block table (B, max_blocks) and reads its blocks in place, one "
+    "block at a time; kv() gathers copies and cache_layout() returns the PagedLayout (declared: cache_pool)",
+    "vLLM's PagedAttention (and the Gaudi vLLM plugin serving MPT): a block pool allocated once per engine, a "
+    "block table per sequence, blocks handed out as a sequence grows and freed when it finishes",
+    PagedMPT, PagedSession, POOL)
+
+
+class BlockGrowthConcatCache(ConcatCache):
+    """Concat path: K and V of each layer in (B, H, capacity, hd) buffers that grow by `block_size`
+    positions (one allocation per block, the old buffer copied then freed); kv() holds views."""
+
+    block_size = 4
+    blocks_ahead = 1  # capacity rounds up to this many blocks beyond the positions held, less one
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        self.buffers = getattr(self, "buffers", [None] * len(self.kv))
+        T, n = self.length(layer), k.shape[2]
+        buf, old = self.buffers[layer], self.kv[layer]
+        if buf is None or buf[0].shape[2] < T + n:
+            capacity = (-(-(T + n) // self.block_size) + self.blocks_ahead - 1) * self.block_size
+            new = tuple(torch.empty(t.shape[0], t.shape[1], capacity, t.shape[3], dtype=t.dtype, device=t.device)
+                        for t in (k, v))
+            if old is not None:
+                new[0][:, :, :T], new[1][:, :, :T] = old
+            self.kv[layer] = old = None  # the old buffer's views go with it
+            buf = self.buffers[layer] = new
+            del new
+        buf[0][:, :, T:T + n], buf[1][:, :, T:T + n] = k, v
+        self.kv[layer] = (buf[0][:, :, :T + n], buf[1][:, :, :T + n])
+        return self.kv[layer]
+
+
+class BlockGrowthSession(ReferenceSession):
+    def cache_layout(self):
+        from mpt_kv.targets.layouts import BlockGrowth
+
+        return BlockGrowth(self.cache.block_size) if self.path == "concat" and self.cache is not None else None
+
+
+cache_growing_in_blocks = layout_design(
+    "cache_growing_in_blocks",
+    "the concat path grows each layer's K and V buffers by blocks of 4 positions (one allocation per block, "
+    "not per token, the old buffer copied then freed); kv() returns views of the buffers, declared by "
+    "cache_layout() as BlockGrowth(4)",
+    "amortized growth, as a growable array grows: one allocation per block of 16 or 64 slots instead of one "
+    "torch.cat per token (transformers' DynamicCache); a block of 4 here, so the tiny cases grow often and on "
+    "their last step",
+    model_with(concat=BlockGrowthConcatCache), BlockGrowthSession)

@@ -509,3 +509,84 @@ def no_change(cfg, state_dict, device, dtype):
     the kill matrix says 'survived' for a model that is right, and that the assembly alone
     changes nothing, so each variant's kill is its one change."""
     return runner_factory("no_change", model_with(attention=PlainAttention))(cfg, state_dict, device, dtype)
+
+
+# --- cache layouts: slack beyond what the layout declares, blocks in two places (issue 16) --------------
+
+from mpt_kv.catalogue.designs import (POOL, BlockGrowthConcatCache, BlockGrowthSession, PagedCache,  # noqa: E402
+                                      PagedMPT, PagedSession)
+
+
+def paged_variant(name, bug, origin, killed_by, model):
+    """A variant of the paged_cache design: its pool is the model's, declared as the design's is
+    (Capabilities(cache_pool=True)), so that its one change is what kills it."""
+    build = runner_factory(name, model, PagedSession, capabilities=POOL)
+    VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build)
+    return build
+
+
+class TwoBlocksAheadPagedCache(PagedCache):
+    lookahead = 2  # meant as a scheduler's look-ahead slots, counted in blocks
+
+
+class TwoBlocksAheadPagedMPT(PagedMPT):
+    cache_class = TwoBlocksAheadPagedCache
+
+
+paged_two_blocks_of_slack = paged_variant(
+    "paged_two_blocks_of_slack",
+    "the paged cache hands every row two blocks beyond the ones its positions need: up to three blocks of slack "
+    "per row where one is declared (PagedLayout)",
+    "a look-ahead reservation (vLLM's num_lookahead_slots for speculative decoding) counted in blocks instead of "
+    "slots, or added on top of the block the next token needs",
+    ["memory"], TwoBlocksAheadPagedMPT)
+
+
+class SharedBlockPagedCache(PagedCache):
+    def hand_out(self, row, j, block):
+        last = self.table.shape[0] - 1
+        if self.prefilled and row == last and row > 0:
+            return int(self.table[0, j])  # the block row 0 was just handed: two rows write one block
+        return block
+
+
+class SharedBlockPagedMPT(PagedMPT):
+    cache_class = SharedBlockPagedCache
+
+
+paged_block_shared_between_rows = paged_variant(
+    "paged_block_shared_between_rows",
+    "when decoding crosses a block boundary the last row's block table entry gets row 0's new block: both rows' "
+    "new tokens go to one block, each overwriting the other's",
+    "a block allocator that hands one free block to two sequences (a free list read before it is popped, "
+    "a block id reused across a batch), or a slot mapping indexed by the wrong row",
+    ["P1", "P2", "P3"], SharedBlockPagedMPT)
+
+
+class ViewsFirstBlockCache(BlockGrowthConcatCache):
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.kv[layer] is None:
+            self.kv[layer] = (k, v)  # the prompt's k, v kept as views of mixed_qkv until the first block is made
+            return self.kv[layer]
+        return super().update(layer, k, v, token_idx, cache_idx)
+
+
+block_cache_prefill_views_of_mixed_qkv = variant(
+    "block_cache_prefill_views_of_mixed_qkv",
+    "a cache declared as growing in blocks (BlockGrowth) keeps the prompt's k, v as views of mixed_qkv until its "
+    "first decode step copies them into a block: the whole fused buffer is pinned after prefill",
+    "the seed PR's bug inside a block cache: the first block allocated lazily, at the first decode step, and the "
+    "prompt's K/V left as the projection's output until then",
+    ["P3", "memory"], concat=ViewsFirstBlockCache, session=BlockGrowthSession)
+
+
+class ThreeBlocksCapacityCache(BlockGrowthConcatCache):
+    blocks_ahead = 3  # capacity: the blocks the positions need and two more, where one block of slack is declared
+
+
+block_growth_beyond_one_block = variant(
+    "block_growth_beyond_one_block",
+    "a cache growing by blocks of 4 (declared BlockGrowth(4)) rounds its capacity up to two blocks more than its "
+    "positions need: up to three blocks of slack per layer where one is declared",
+    "growth by a factor or a margin on top of the block (capacity = needed + 2 blocks), as growable arrays do",
+    ["memory"], concat=ThreeBlocksCapacityCache, session=BlockGrowthSession)

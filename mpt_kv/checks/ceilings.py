@@ -66,6 +66,8 @@ from mpt_kv.checks.compare import PropertyFailure, describe
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.memory.meter import Meter, meter_for
 from mpt_kv.checks.properties import Case, Context
+from mpt_kv.checks.storages import covered_bytes
+from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, layout_of, storage_tensors
 
 # --- the config table --------------------------------------------------------------------------------
 
@@ -222,8 +224,9 @@ class Accounting:
     """What holds the bytes allocated at one point of a generation."""
 
     kv_storages: dict[int, tuple[int, list[tuple[int, str, torch.Tensor]]]]  # key -> (bytes, [(layer, name, t)])
-    bookkeeping: dict[int, tuple[str, int]]  # key -> (where, bytes): the mask, counters
+    bookkeeping: dict[int, tuple[str, int]]  # key -> (where, bytes): the mask, counters, a paged block table
     others: dict[int, tuple[str, torch.Tensor]]  # tensors the session keeps that are neither
+    layout: object = None  # the session's cache_layout(): None, BlockGrowth or PagedLayout
 
     @property
     def kv_total(self) -> int:
@@ -236,38 +239,134 @@ class Accounting:
 
 def account(session, preexisting: set[int]) -> Accounting:
     """Sort the storages a session holds into K/V, bookkeeping and others. Storages that
-    existed before the generation (inputs, weights) are not part of its allocation."""
+    existed before the generation (inputs, weights) are not part of its allocation. A paged
+    cache's K/V storages are its pools, its block table and lengths are bookkeeping."""
+    layout = layout_of(session)
     kv: dict = {}
-    for layer, (k, v) in enumerate(session.kv()):
+    for layer, (k, v) in enumerate(storage_tensors(session)):
         for name, t in (("key", k), ("value", v)):
             key = storage_key(t)
             if key not in preexisting:
                 kv.setdefault(key, (t.untyped_storage().nbytes(), []))[1].append((layer, name, t))
-    mask_key = storage_key(session.mask) if isinstance(session.mask, torch.Tensor) else None
+    books = {storage_key(session.mask)} if isinstance(session.mask, torch.Tensor) else set()
+    if isinstance(layout, PagedLayout):
+        books |= {storage_key(t) for t in (layout.block_table, layout.lengths) if torch.is_tensor(t)}
     bookkeeping, others = {}, {}
     for where, t in session_tensors(session):
         key = storage_key(t)
         if key in kv or key in preexisting or key in bookkeeping or key in others:
             continue
-        if key == mask_key or t.numel() <= 1:
+        if key in books or t.numel() <= 1:
             bookkeeping[key] = (where, t.untyped_storage().nbytes())
         else:
             others[key] = (where, t)
-    return Accounting(kv, bookkeeping, others)
+    return Accounting(kv, bookkeeping, others, layout)
 
 
-def explain_excess(acc: Accounting, excess: int, expected_kv: int, cfg: ModelConfig, batch: int) -> str:
+class WeakQkvCapture:
+    """Remembers each layer's `Wqkv` outputs (mixed_qkv) by a weak reference to their storage, so
+    that a retained storage can be named as a mixed_qkv without holding one alive (which would
+    change what is measured). A runner without '*Wqkv' modules remembers nothing."""
+
+    def __init__(self, runner):
+        import weakref
+
+        self.seen: dict[int, tuple] = {}  # storage key -> (weakref to the storage, layer, shape)
+        try:
+            modules = runner.wqkv_modules()
+        except Exception:  # noqa: BLE001  only explanations depend on it
+            modules = []
+
+        def hook_for(layer):
+            def hook(module, args, output):
+                if isinstance(output, torch.Tensor):
+                    self.seen[storage_key(output)] = (weakref.ref(output.untyped_storage()), layer, tuple(output.shape))
+            return hook
+
+        self.handles = [m.register_forward_hook(hook_for(i)) for i, m in enumerate(modules)]
+
+    def of(self, storage: torch.UntypedStorage) -> tuple[int, tuple] | None:
+        """(layer, shape) if `storage` is a mixed_qkv the model made, else None."""
+        entry = self.seen.get(storage._cdata)
+        return (entry[1], entry[2]) if entry is not None and entry[0]() is storage else None
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        self.seen.clear()
+
+
+def block_slack(acc: Accounting, qkv: WeakQkvCapture | None) -> int:
+    """BlockGrowth: the bytes of K/V storages beyond the cached tensors that the layout declares
+    (up to one block per cached tensor); none for a storage that is a mixed_qkv."""
+    if not isinstance(acc.layout, BlockGrowth):
+        return 0
+    out = 0
+    for nbytes, tensors in acc.kv_storages.values():
+        if qkv is not None and qkv.of(tensors[0][2].untyped_storage()) is not None:
+            continue
+        extra = nbytes - covered_bytes(nbytes, [t for _, _, t in tensors])
+        out += min(extra, sum(acc.layout.slack_bytes(t) for _, _, t in tensors))
+    return out
+
+
+@dataclass
+class PagedCount:
+    """A paged cache's blocks at one point: what memory counts as the cache."""
+
+    handed: int    # bytes of the handed-out blocks, every layer's key and value pool
+    accepted: int  # of them, within one block of slack per row beyond the `length` positions
+    pooled: int    # bytes of the handed-out blocks in pools allocated before this generation
+    rows: list[tuple[int, int, int]]  # (row, blocks handed out, blocks allowed)
+    length: int
+    new_pools: list[tuple[int, str, torch.Tensor]]  # (layer, name, pool): pools this generation allocated
+
+
+def paged_count(layout: PagedLayout, length: int, kept: dict) -> PagedCount:
+    """Handed-out blocks per row, at most `length // block_size + 1` of them accepted (the last
+    block partly filled, or one empty block ahead: one block of slack per row)."""
+    bs, per_block = layout.block_size, layout.block_bytes()
+    allowed = length // bs + 1
+    rows = [(b, len(blocks), allowed) for b, blocks in enumerate(layout.rows())]
+    handed = sum(n for _, n, _ in rows)
+    pooled, new_pools = 0, []
+    for layer, pair in enumerate(layout.pools):
+        for name, pool in zip(("key", "value"), pair):
+            st = pool.untyped_storage()
+            if st._cdata in kept and kept[st._cdata]() is st:
+                pooled += handed * pool[0].numel() * pool.element_size()
+            else:
+                new_pools.append((layer, name, pool))
+    return PagedCount(handed * per_block, sum(min(n, a) for _, n, a in rows) * per_block, pooled, rows, length,
+                      new_pools)
+
+
+def explain_excess(acc: Accounting, excess: int, expected_kv: int, cfg: ModelConfig, batch: int,
+                   qkv: WeakQkvCapture | None = None, paged: PagedCount | None = None) -> str:
     """Where the bytes beyond KV + bookkeeping are: per layer, per session attribute, or elsewhere."""
     parts = []
     kv_extra = acc.kv_total - expected_kv
-    if kv_extra:
+    if paged is not None:
+        kv_extra = explain_paged(acc, paged, parts)
+    elif kv_extra:
+        declared = acc.layout.block_size if isinstance(acc.layout, BlockGrowth) else None
         for nbytes, tensors in acc.kv_storages.values():
-            own = sum(span_bytes(t) for _, _, t in tensors)
+            own = covered_bytes(nbytes, [t for _, _, t in tensors])
             if nbytes > own:
                 names = " and ".join(f"layer {layer} {name} {tuple(t.shape)}" for layer, name, t in tensors)
-                row = batch * 3 * cfg.d_model * tensors[0][2].element_size()  # mixed_qkv bytes per token
-                what = (f"the size of mixed_qkv ({batch}, {nbytes // row}, {3 * cfg.d_model}): views of it pin "
-                        "its q third" if nbytes % row == 0 else "a view of a larger buffer")
+                made = qkv.of(tensors[0][2].untyped_storage()) if qkv is not None else None
+                own_qkv = made is not None and made[0] == tensors[0][0] and made[1][-1:] == (3 * cfg.d_model,)
+                if own_qkv:
+                    what = (f"the size of mixed_qkv {made[1]}: it is that layer's Wqkv output, views of it pin "
+                            "its q third")
+                elif made is not None:
+                    what = f"it is layer {made[0]}'s Wqkv output {made[1]}"
+                else:
+                    what = f"a buffer {nbytes - own} bytes larger than the cached tensors"
+                    if declared:
+                        allowed = sum(acc.layout.slack_bytes(t) for _, _, t in tensors)
+                        what += (f"; BlockGrowth(block_size={declared}) declares up to {allowed}, "
+                                 f"{max(0, nbytes - own - allowed)} beyond it")
                 verb = "live" if len(tensors) > 1 else "lives"
                 parts.append(f"{names} {verb} in a storage of {nbytes} bytes, {nbytes - own} more than "
                              f"{'they hold' if len(tensors) > 1 else 'it holds'} ({what})")
@@ -281,6 +380,28 @@ def explain_excess(acc: Accounting, excess: int, expected_kv: int, cfg: ModelCon
     if rest:
         parts.append(f"{rest:+d} bytes held by nothing the session references (the model, a hook, a global?)")
     return "; ".join(parts)
+
+
+def explain_paged(acc: Accounting, paged: PagedCount, parts: list[str]) -> int:
+    """A paged cache's excess, named per row and per layer's pool: blocks beyond one block of slack
+    per row, and blocks of a pool this generation allocated that no row holds. Returns its bytes."""
+    layout, bs = acc.layout, acc.layout.block_size
+    extra = 0
+    for b, n, allowed in paged.rows:
+        if n > allowed:
+            per_layer = ", ".join(f"layer {i} {2 * (n - allowed) * k[0].numel() * k.element_size()} bytes"
+                                  for i, (k, _) in enumerate(layout.pools))
+            parts.append(f"row {b} holds {n} blocks of block_size {bs} for {paged.length} positions: {n - allowed} "
+                         f"beyond the one block of slack a row may have ({per_layer} in its key and value pools)")
+            extra += (n - allowed) * layout.block_bytes()
+    handed = sum(n for _, n, _ in paged.rows)
+    for layer, name, pool in paged.new_pools:
+        free, block = pool.shape[0] - handed, pool[0].numel() * pool.element_size()
+        if free > 0:
+            parts.append(f"layer {layer} {name} pool {tuple(pool.shape)}: {free} of its {pool.shape[0]} blocks are "
+                         f"handed out to no row ({free * block} bytes), in a pool this generation allocated")
+            extra += free * block
+    return extra
 
 
 _checked_meters: set[str] = set()
@@ -334,20 +455,36 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         L = expected_len(session.written)
         kv = analytic.kv_cache_bytes(shape_of(cfg), B, L, s)
         acc = account(session, preexisting)
-        pooled = pool_bytes(session, kept)  # the part of the cache allocated before this generation
-        excess = allocated - (kv - pooled) - acc.bookkeeping_total
+        paged = paged_count(acc.layout, L, kept) if isinstance(acc.layout, PagedLayout) else None
+        if paged is not None:  # the cache is its handed-out blocks, at most one block of slack per row
+            cache, pooled = paged.accepted, paged.pooled
+        else:
+            cache, pooled = kv + block_slack(acc, qkv), pool_bytes(session, kept)  # pooled: allocated before
+        excess = allocated - (cache - pooled) - acc.bookkeeping_total
         slack = slack_per_storage * (len(acc.kv_storages) + len(acc.bookkeeping) + 2)
         tolerance = "exact" if meter.exact else f"allowed {slack}: allocator rounding"
         pool = f" - {pooled} bytes of it kept from an earlier generation (a cache pool)" if pooled else ""
+        if paged is not None:
+            expected = (f"the paged cache's handed-out blocks, {paged.handed} bytes, counted up to {paged.accepted} "
+                        f"({L} positions per row and at most one block of block_size {acc.layout.block_size} beyond "
+                        f"them; KV({L}) is {kv})")
+            pool = (f", less the {pooled} bytes of them in a pool kept from an earlier generation (a cache pool)"
+                    if pooled else "")
+        else:
+            expected = (f"the KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x L {L} x hd "
+                        f"{cfg.head_dim} x {s} bytes)")
+            if isinstance(acc.layout, BlockGrowth):
+                expected += f" + {cache - kv} bytes of declared block slack"
         if abs(excess) > slack and "retained" not in problems:
             problems["retained"] = (
                 f"memory: after {phase}, {allocated} bytes allocated, {excess} bytes "
-                f"{'too many' if excess > 0 else 'too few'} ({tolerance}): expected the KV "
-                f"cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x L {L} x hd "
-                f"{cfg.head_dim} x {s} bytes){pool} + {acc.bookkeeping_total} bytes of bookkeeping (the session's "
-                f"mask and counters). {explain_excess(acc, excess, kv, cfg, B)} [{describe(ctx)}]")
-        return acc.kv_total
+                f"{'too many' if excess > 0 else 'too few'} ({tolerance}): expected {expected}{pool} + "
+                f"{acc.bookkeeping_total} bytes of bookkeeping (the session's mask and counters"
+                f"{', the block table' if paged is not None else ''}). "
+                f"{explain_excess(acc, excess, kv, cfg, B, qkv, paged)} [{describe(ctx)}]")
+        return paged.handed if paged is not None else acc.kv_total
 
+    qkv = WeakQkvCapture(runner)  # names a retained storage that is a mixed_qkv, holding none
     gc.freeze()  # pre-existing objects out of the meter's gc.collect(): 400 ms -> microseconds
     try:
         with torch.inference_mode(), meter:
@@ -384,6 +521,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
             growth = meter.allocated() - base
     finally:
         gc.unfreeze()
+        qkv.close()
     slack = slack_per_storage * 4 * LEAK_GENERATIONS
     if max(abs(returned), abs(growth)) > slack:
         problems["leak"] = (
@@ -421,7 +559,7 @@ def generate(runner, path, case, bucket, ids, mask, tokens, steps: int | None = 
     session.prefill(ids, mask)
     for step in range(case.new_tokens if steps is None else steps):
         session.decode(tokens[step])
-    storages = {storage_key(t): weakref.ref(t.untyped_storage()) for pair in session.kv() for t in pair}
+    storages = {storage_key(t): weakref.ref(t.untyped_storage()) for pair in storage_tensors(session) for t in pair}
     del session
     return storages
 
@@ -436,7 +574,7 @@ def warm_up(runner, path, case, bucket, ids, mask, tokens) -> dict:
 def pool_bytes(session, kept: dict) -> int:
     """Bytes of the session's cache storages that were allocated before its generation (kept from
     an earlier one: a cache pool)."""
-    storages = {storage_key(t): t.untyped_storage() for pair in session.kv() for t in pair}
+    storages = {storage_key(t): t.untyped_storage() for pair in storage_tensors(session) for t in pair}
     return sum(st.nbytes() for key, st in storages.items() if key in kept and kept[key]() is st)
 
 

@@ -35,6 +35,7 @@ from mpt_kv.checks.results import copied, snapshot
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import Session
 from mpt_kv.checks.storages import covered_bytes, storage_key  # P3
+from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, layout_of, poison_paged
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (FACTS.md)
 MASK_DTYPES = (torch.bool, torch.int64, torch.int32)  # what the targets' APIs accept (README "Targets")
@@ -327,7 +328,7 @@ def p2_generation(runner, twin, c: Context) -> None:
         concat, static = runner.session("concat", n), runner.session("static", n, c.bucket)
         oracle = None if twin is None else twin.session("concat", n)
         a, b = concat.prefill(ids, mask), static.prefill(ids, mask)
-        poison_unwritten(static.live)
+        poison_unwritten(static.live, concat.live)
         o = None if oracle is None else oracle.prefill(ids, mask)
         compare_step(c, "prefill", concat, a, static, b, oracle, o, where=mask.bool()[:, :, None])
         for step in range(c.case.new_tokens):
@@ -337,11 +338,25 @@ def p2_generation(runner, twin, c: Context) -> None:
             compare_step(c, step, concat, a, static, b, oracle, o, every_position=step == c.case.new_tokens - 1)
 
 
-def poison_unwritten(static: Session) -> None:
-    """Fill slots no token has reached yet: a step that lets them through is caught."""
-    for k, v in static.kv():
+def poison_unwritten(static: Session, *others: Session) -> None:
+    """Fill slots no token has reached yet: a step that lets them through is caught. A paged cache
+    (`cache_layout()`, layouts.py) is poisoned in its pool, through its block table: the slots past
+    the written length in each row's blocks and the blocks no table hands out (`others`: sessions
+    that may share the pool, whose blocks are left alone). A contiguous cache in its `kv()`
+    tensors, which must then be the stored cache, not copies: poison that does not land is an error."""
+    layout = layout_of(static)
+    if isinstance(layout, PagedLayout):
+        poison_paged(layout, static.written, POISON, *(layout_of(o) for o in others))
+        return
+    kv = static.kv()
+    for k, v in kv:
         k[:, :, static.written:] = POISON
         v[:, :, static.written:] = POISON
+    unwritten = kv[0][0].shape[2] > static.written if kv else False
+    if unwritten and not bool((static.kv()[0][0][:, :, static.written:] == POISON).all()):
+        raise RuntimeError("P2: the never-written slots poisoned through kv() are not poisoned in the next kv(): "
+                           "kv() returns copies, not the stored cache. A paged cache declares it "
+                           "(Session.cache_layout() -> mpt_kv.PagedLayout, docs/targets.md 'Cache layouts')")
 
 
 def compare_step(c: Context, step, concat, concat_logits, static, static_logits, oracle=None, oracle_logits=None,
@@ -400,6 +415,7 @@ class CacheStorage:
     made_at: object       # the step after which it first held cached tensors
     persisted: bool       # it already held cached tensors at the previous step
     covered: int = 0      # bytes of it the cached tensors reach
+    declared: int = 0     # bytes beyond them its layout declares (BlockGrowth: one block per tensor)
 
     @property
     def pinned(self) -> int:
@@ -409,13 +425,16 @@ class CacheStorage:
         parts = [f"layer {layer} {name} {tuple(t.shape)}" for layer, name, t in self.tensors]
         return " and ".join(parts) if len(parts) <= 4 else ", ".join(parts[:3]) + f" and {len(parts) - 3} more"
 
-    def sizes(self) -> str:
+    def sizes(self, with_declared: bool = True) -> str:
+        declared = (f" (the layout declares up to {self.declared} of block slack)"
+                    if self.declared and with_declared else "")
         return (f"its storage holds {self.storage.nbytes()} bytes, the cached tensors in it {self.covered}: "
-                f"{self.pinned} bytes pinned beyond the cache")
+                f"{self.pinned} bytes pinned beyond the cache{declared}")
 
 
-def cache_storages(kv, step, previous: dict[int, CacheStorage]) -> dict[int, CacheStorage]:
-    """The storages of every layer's cached key and value, by identity, with the bytes they cover."""
+def cache_storages(kv, step, previous: dict[int, CacheStorage], layout=None) -> dict[int, CacheStorage]:
+    """The storages of every layer's cached key and value (a paged layout: its pools), by identity,
+    with the bytes they cover and, for BlockGrowth, the block of slack each tensor may have."""
     now: dict[int, CacheStorage] = {}
     for layer, pair in enumerate(kv):
         for name, t in zip(("key", "value"), pair):
@@ -426,11 +445,13 @@ def cache_storages(kv, step, previous: dict[int, CacheStorage]) -> dict[int, Cac
             now[key].tensors.append((layer, name, t))
     for st in now.values():
         st.covered = covered_bytes(st.storage.nbytes(), [t for _, _, t in st.tensors])
+        if isinstance(layout, BlockGrowth):
+            st.declared = sum(layout.slack_bytes(t) for _, _, t in st.tensors)
     return now
 
 
 def aliasing_problems(kv, captured, previous: dict[int, CacheStorage] | None = None, step="prefill",
-                      last: bool = True) -> tuple[list[str], dict[int, CacheStorage]]:
+                      last: bool = True, layout=None) -> tuple[list[str], dict[int, CacheStorage]]:
     """What the cached keys and values keep alive besides the cache, after `step`.
 
     - a storage that is a layer's mixed_qkv (the `Wqkv` output captured at this step): bad, always;
@@ -438,24 +459,32 @@ def aliasing_problems(kv, captured, previous: dict[int, CacheStorage] | None = N
       tensor each, K and V stacked in one buffer, all layers in one buffer);
     - a storage with bytes no cached tensor reaches is fine if it persists from step to step (a
       preallocated cache with room to spare, a pool), bad if it was made at one step and is gone at
-      the next (a view of a per-step temporary) or made at the last step (nothing shows it persists).
+      the next (a view of a per-step temporary) or made at the last step (nothing shows it persists),
+      unless the layout declares that slack (`BlockGrowth`: up to one block per cached tensor; the
+      cache grew on that step);
+    - `layout` a `PagedLayout`: `kv` is its pools, and a pool must stay where it is (a graph, and
+      every row's block table, point into it).
 
     Returns (problems, this step's storages): pass the latter back as `previous` for the next step."""
     previous = previous or {}
-    now = cache_storages(kv, step, previous)
+    now = cache_storages(kv, step, previous, layout)
     qkv = {storage_key(t): (layer, t) for layer, t in enumerate(captured) if t is not None}
     problems = []
     for key, st in now.items():
         if key in qkv:
             layer, t = qkv[key]
             verb = "are views" if len(st.tensors) > 1 else "is a view"
-            problems.append(f"{st.names()} {verb} of layer {layer}'s mixed_qkv {tuple(t.shape)}: {st.sizes()}")
-        elif st.pinned and not st.persisted and last:
+            problems.append(f"{st.names()} {verb} of layer {layer}'s mixed_qkv {tuple(t.shape)}: {st.sizes(False)}")
+        elif st.pinned > st.declared and not st.persisted and last:
             problems.append(f"{st.names()} {'live' if len(st.tensors) > 1 else 'lives'} in a buffer made at the last "
                             f"step ({step}) that the cache does not fill: {st.sizes()} (no later step shows it to be "
                             "the cache's own, persisting allocation)")
     for key, st in previous.items():
-        if st.pinned and not st.persisted and key not in now:
+        if isinstance(layout, PagedLayout) and key not in now:
+            problems.append(f"the paged cache's pool of {st.names()} moved after step {st.made_at}: its storage of "
+                            f"{st.storage.nbytes()} bytes is no longer the pool (a pool stays where it is: the block "
+                            "table and a captured graph point into it)")
+        elif st.pinned and not st.persisted and key not in now:
             problems.append(f"{st.names()} {'were views' if len(st.tensors) > 1 else 'was a view'} of a per-step "
                             f"temporary, made at step {st.made_at} and gone after the next: {st.sizes()}")
     return problems, now
@@ -463,7 +492,8 @@ def aliasing_problems(kv, captured, previous: dict[int, CacheStorage] | None = N
 
 def check_no_aliasing(runner, c: Context) -> None:
     """P3: after the prefill and every decode step, the cached K/V keep nothing alive besides the
-    cache (`aliasing_problems`): no view of mixed_qkv, no view of a per-step temporary."""
+    cache (`aliasing_problems`): no view of mixed_qkv, no view of a per-step temporary. A paged
+    cache is judged by its pools (`Session.cache_layout()`), a block-grown one with its slack."""
     ids, mask = c.case.inputs(c.device)
     capture = WqkvCapture(runner.wqkv_modules())
     try:
@@ -474,8 +504,10 @@ def check_no_aliasing(runner, c: Context) -> None:
             for step in steps:
                 if step != "prefill":
                     logits = session.decode(greedy(logits))
-                problems, storages = aliasing_problems(session.kv(), capture.outputs, storages, step,
-                                                       last=step == steps[-1])
+                layout = layout_of(session)
+                kv = layout.storage_tensors() if isinstance(layout, PagedLayout) else session.kv()
+                problems, storages = aliasing_problems(kv, capture.outputs, storages, step,
+                                                       last=step == steps[-1], layout=layout)
                 if problems:
                     raise PropertyFailure(f"P3 cache aliasing after step {step}: " + "; ".join(problems)
                                           + f" [{describe(c.ctx(step=step))}]")

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
 from mpt_kv.checks.properties import Context, greedy
 from mpt_kv.checks.results import copied
+from mpt_kv.targets.layouts import PagedLayout, layout_of
 
 
 # --- shapes and pointers -------------------------------------------------------------------------
@@ -93,8 +94,17 @@ class AttentionShapeRecorder:
             del m.forward  # the instance attribute; the class's forward shows through again
 
 
-def pointers(kv) -> list[tuple[int, int]]:
-    return [(k.data_ptr(), v.data_ptr()) for k, v in kv]
+def cache_tensors(session) -> list[tuple[str, int | None, torch.Tensor]]:
+    """(what, layer, tensor) for every tensor the cache lives in: each layer's cached key and value,
+    or for a paged cache (`Session.cache_layout()`) each layer's key and value pool and the block
+    table, whose `kv()` is a gathered copy that moves by design."""
+    layout = layout_of(session)
+    if isinstance(layout, PagedLayout):
+        pools = [(f"{name} pool of layer {i}", i, t) for i, pair in enumerate(layout.pools)
+                 for name, t in zip(("key", "value"), pair)]
+        return [*pools, ("block table", None, layout.block_table)]
+    return [(f"cached {name} of layer {i}", i, t) for i, pair in enumerate(session.kv())
+            for name, t in zip(("key", "value"), pair)]
 
 
 def check_static_shape(runner, c: Context) -> None:
@@ -110,19 +120,21 @@ def check_static_shape(runner, c: Context) -> None:
         with torch.inference_mode():
             session = runner.session("static", c.case.total_len, c.bucket)
             logits = session.prefill(ids, mask)[:, -1]
-            first_kv = [(tuple(k.shape), tuple(v.shape)) for k, v in session.kv()]
-            first_ptr = pointers(session.kv())
+            first = [(what, t.data_ptr(), tuple(t.shape)) for what, _, t in cache_tensors(session)]
             seen: dict[int, tuple[int, list]] = {}  # bucket -> (step, op shapes per layer)
             for step in range(c.case.new_tokens):
                 pos = session.written + 1        # token_idx of this step
                 logits = session.decode(greedy(logits))
-                for layer, ((k, v), ptr, shp) in enumerate(zip(session.kv(), first_ptr, first_kv)):
-                    for name, t, p, s in (("key", k, ptr[0], shp[0]), ("value", v, ptr[1], shp[1])):
-                        if t.data_ptr() != p or tuple(t.shape) != s:
-                            raise PropertyFailure(
-                                f"static-shape: cached {name} of layer {layer} moved at decode step {step}: "
-                                f"data_ptr {p:#x} -> {t.data_ptr():#x}, shape {s} -> {tuple(t.shape)} "
-                                f"(a graph replays against the captured storage) [{describe(c.ctx(step=step, layer=layer))}]")
+                now = cache_tensors(session)
+                if len(now) != len(first):
+                    raise PropertyFailure(f"static-shape: the cache had {len(first)} tensors after the prefill, "
+                                          f"{len(now)} at decode step {step} [{describe(c.ctx(step=step))}]")
+                for (what, p, s), (_, layer, t) in zip(first, now):
+                    if t.data_ptr() != p or tuple(t.shape) != s:
+                        raise PropertyFailure(
+                            f"static-shape: {what} moved at decode step {step}: "
+                            f"data_ptr {p:#x} -> {t.data_ptr():#x}, shape {s} -> {tuple(t.shape)} "
+                            f"(a graph replays against the captured storage) [{describe(c.ctx(step=step, layer=layer))}]")
                 key = -(-pos // c.bucket) if c.bucket else 0
                 if key not in seen:
                     seen[key] = (step, list(recorder.calls))

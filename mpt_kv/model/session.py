@@ -83,6 +83,12 @@ class Session:
         """The live cached (key, value) of every layer, (B, H, T, hd), as the target stores them."""
         raise NotImplementedError
 
+    def cache_layout(self):
+        """None: `kv()` returns the cache as stored. A paged cache returns `mpt_kv.PagedLayout`
+        (pools, block table, block size, lengths), a cache growing by blocks `mpt_kv.BlockGrowth`
+        (docs/targets.md, "Cache layouts")."""
+        return None
+
 
 def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int, max_seq_len: int,
                  max_len: int | None = None) -> None:

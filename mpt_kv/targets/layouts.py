@@ -1,0 +1,176 @@
+"""Cache layouts beyond contiguous tensors: how a session describes where its cache lives.
+
+By default (`Session.cache_layout()` returns None) a session's `kv()` returns, per layer, the
+(key, value) tensors (B, H, T, hd) as the target stores them, and the checks read their storage.
+Two other layouts are declared by returning one of these from `Session.cache_layout()`
+(docs/targets.md, "Cache layouts"):
+
+PagedLayout   a block pool and a block table, as vLLM (and the Gaudi vLLM plugin) serve MPT: per
+              layer a key pool and a value pool (num_blocks, H, block_size, hd), a block table
+              (B, max_blocks) of pool block ids (-1: no block), and each row's length. `kv()` then
+              returns gathered copies (for the value checks); P2 poisons, P3, static-shape and
+              memory read the pools and the table.
+BlockGrowth   a contiguous cache that grows by `block_size` positions at a time (one allocation
+              per block): `kv()` returns views of the cache's own block buffers, which may hold up
+              to one block of positions beyond the cached ones.
+
+Slack beyond what a layout declares is a failure, like any other retained byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from mpt_kv.checks.compare import PropertyFailure
+
+
+@dataclass(frozen=True)
+class BlockGrowth:
+    """A contiguous cache whose per-layer key and value buffers grow by `block_size` positions at a
+    time, all rows together: each cached (B, H, T, hd) tensor may live in a buffer with room for
+    up to `block_size` more positions (one block of slack per layer's key and value)."""
+
+    block_size: int
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"BlockGrowth(block_size={self.block_size!r}): expected an int >= 1")
+
+    def slack_bytes(self, t: torch.Tensor) -> int:
+        """Bytes one block adds to a cached (B, H, T, hd) tensor: block_size positions of it."""
+        B, H, _, hd = t.shape
+        return B * H * self.block_size * hd * t.element_size()
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """A paged cache: per layer (key pool, value pool), each (num_blocks, H, block_size, hd); a
+    block table (B, max_blocks) whose entry [b, j] is the pool block holding row b's positions
+    [j * block_size, (j + 1) * block_size), -1 where the row has no block; `lengths` (B,), the
+    positions each row holds (mpt-kv's rows are left-padded: every row's is `Session.written`).
+    A row's handed-out blocks are its table entries >= 0; a pool block in no row's table is not
+    handed out. One block table serves every layer (vLLM's)."""
+
+    pools: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    block_table: torch.Tensor
+    block_size: int
+    lengths: torch.Tensor | Sequence[int]
+
+    def lengths_list(self) -> list[int]:
+        return [int(n) for n in (self.lengths.tolist() if torch.is_tensor(self.lengths) else self.lengths)]
+
+    def rows(self) -> list[list[int]]:
+        """Each row's handed-out pool blocks, in table order."""
+        return [[int(b) for b in row if b >= 0] for row in self.block_table.tolist()]
+
+    def block_bytes(self) -> int:
+        """Bytes one block takes in all layers' key and value pools together."""
+        return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in self.pools)
+
+    def storage_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [tuple(pair) for pair in self.pools]
+
+
+def layout_of(session) -> PagedLayout | BlockGrowth | None:
+    """The session's declared layout (None: contiguous), checked against the session's own state:
+    a malformed description is a ValueError (the adapter is wrong), a table that contradicts the
+    cache (a block in two places, lengths other than what was written, a row whose blocks cannot
+    hold its positions) a PropertyFailure."""
+    method = getattr(session, "cache_layout", None)
+    layout = method() if callable(method) else None
+    if layout is None or isinstance(layout, BlockGrowth):
+        return layout
+    if not isinstance(layout, PagedLayout):
+        raise ValueError(f"cache_layout() returned {type(layout).__name__}: expected None, "
+                         "mpt_kv.PagedLayout or mpt_kv.BlockGrowth")
+    check_paged(layout, session)
+    return layout
+
+
+def check_paged(layout: PagedLayout, session) -> None:
+    bs, table = layout.block_size, layout.block_table
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+        raise ValueError(f"PagedLayout.block_size={bs!r}: expected an int >= 1")
+    if not layout.pools:
+        raise ValueError("PagedLayout.pools is empty: expected one (key pool, value pool) per layer")
+    first = layout.pools[0][0]
+    for layer, pair in enumerate(layout.pools):
+        if len(pair) != 2:
+            raise ValueError(f"PagedLayout.pools[{layer}]: expected a (key pool, value pool) pair")
+        for name, pool in zip(("key", "value"), pair):
+            if not torch.is_tensor(pool) or pool.dim() != 4 or pool.shape[2] != bs:
+                raise ValueError(f"PagedLayout layer {layer} {name} pool of shape "
+                                 f"{tuple(getattr(pool, 'shape', ()))}: expected (num_blocks, H, block_size={bs}, hd)")
+            if pool.shape[0] != first.shape[0]:
+                raise ValueError(f"PagedLayout layer {layer} {name} pool has {pool.shape[0]} blocks, layer 0's key "
+                                 f"pool {first.shape[0]}: one block table indexes every pool")
+    if not torch.is_tensor(table) or table.dim() != 2 or table.dtype.is_floating_point or table.dtype == torch.bool:
+        raise ValueError(f"PagedLayout.block_table {type(table).__name__} {tuple(getattr(table, 'shape', ()))}: "
+                         "expected an integer (B, max_blocks) tensor")
+    B, num_blocks = table.shape[0], first.shape[0]
+    lengths = layout.lengths_list()
+    if len(lengths) != B:
+        raise ValueError(f"PagedLayout.lengths has {len(lengths)} rows, the block table {B}")
+    if table.numel() and (int(table.min()) < -1 or int(table.max()) >= num_blocks):
+        raise ValueError(f"PagedLayout.block_table holds ids outside -1..{num_blocks - 1} "
+                         f"(min {int(table.min())}, max {int(table.max())}; the pool has {num_blocks} blocks)")
+    owner: dict[int, tuple[int, int]] = {}
+    for b, row in enumerate(table.tolist()):
+        for j, block in enumerate(row):
+            if block < 0:
+                continue
+            if block in owner:
+                ob, oj = owner[block]
+                raise PropertyFailure(f"paged cache: pool block {block} is row {ob}'s block {oj} and row {b}'s block "
+                                      f"{j}: one block holds positions of two places [block table "
+                                      f"{tuple(table.shape)}, block_size {bs}]")
+            owner[block] = (b, j)
+    written = getattr(session, "written", None)
+    for b, n in enumerate(lengths):
+        if written is not None and n != written:
+            raise PropertyFailure(f"paged cache: the layout says row {b} holds {n} positions, the session wrote "
+                                  f"{written} (rows are left-padded: every row holds them all)")
+        row = table[b].tolist()
+        missing = [j for j in range(-(-n // bs)) if j >= len(row) or row[j] < 0]
+        if missing:
+            raise PropertyFailure(f"paged cache: row {b} holds {n} positions but has no block for table entries "
+                                  f"{missing} (block_size {bs}): its positions are nowhere in the pool")
+
+
+def storage_tensors(session) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer the tensors the cache lives in: the pools of a paged layout, else `kv()`."""
+    layout = layout_of(session)
+    return layout.storage_tensors() if isinstance(layout, PagedLayout) else list(session.kv())
+
+
+def handed_out(layout: PagedLayout, *others: PagedLayout) -> set[int]:
+    """Pool blocks in the block table of `layout` or of `others` (sessions sharing its pool)."""
+    out = {b for row in layout.rows() for b in row}
+    pool = layout.pools[0][0].untyped_storage()._cdata
+    for other in others:
+        if isinstance(other, PagedLayout) and other.pools[0][0].untyped_storage()._cdata == pool:
+            out |= {b for row in other.rows() for b in row}
+    return out
+
+
+def poison_paged(layout: PagedLayout, written: int, value: float, *others: PagedLayout) -> int:
+    """Fill every never-written slot of a paged cache with `value`: in each row's handed-out blocks
+    the slots at positions >= `written`, and every pool block in no table (of this session or of the
+    `others` sharing its pool, whose blocks are theirs). Returns the number of slots filled per pool."""
+    bs = layout.block_size
+    slots: list[tuple[int, int]] = []  # (block, first slot in it to fill)
+    for b, row in enumerate(layout.block_table.tolist()):
+        for j, block in enumerate(row):
+            if block >= 0 and (j + 1) * bs > written:
+                slots.append((block, max(0, written - j * bs)))
+    taken = handed_out(layout, *others)
+    num_blocks = layout.pools[0][0].shape[0]
+    slots += [(block, 0) for block in range(num_blocks) if block not in taken]
+    for k, v in layout.pools:
+        for block, start in slots:
+            k[block, :, start:] = value
+            v[block, :, start:] = value
+    return sum(bs - start for _, start in slots)
