@@ -107,3 +107,13 @@ def test_a_readme_command_runs_from_a_fresh_folder(project, comment, command, co
         assert not failed, failed
     else:  # the example's documented bug, and nothing else
         assert failed and all("P3/concat" in f or "memory/concat" in f for f in failed), failed
+
+
+def test_nothing_in_the_repository_points_outside_a_clone():
+    """No link to or mention of the seeds folder or the facts file of the workspace this was
+    built in: neither exists in a clone or a wheel (the seeds are named by their public titles)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    bad = ["../" + "shared/", "shared/" + "seeds", "FACTS" + ".md"]
+    found = [f"{name}: {word}" for name in tracked if (REPO / name).is_file()
+             for word in bad if word in (REPO / name).read_text(errors="replace")]
+    assert not found, found
