@@ -69,7 +69,7 @@ class ViewsConcatCache(ConcatCache):
 kv_views_of_mixed_qkv = variant(
     "kv_views_of_mixed_qkv",
     "prefill stores k, v as views of mixed_qkv: the whole fused (B, T, 3D) buffer, q third included, stays alive",
-    "optimum-habana's MPT before the seed PR ("refine use cache for mpt model"); transformers 4.55 DynamicCache stores the first K/V as is",
+    "optimum-habana's MPT before the seed PR ('refine use cache for mpt model'); transformers 4.55 DynamicCache stores the first K/V as is",
     ["P3", "memory"], concat=ViewsConcatCache)
 
 
