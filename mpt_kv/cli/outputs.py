@@ -38,6 +38,16 @@ def _reason(e: OSError) -> str:
     return e.strerror or type(e).__name__
 
 
+def _not_a_folder(folder: Path) -> str | None:
+    """Where `folder` (or the nearest of its parents that exists) is a file, not a folder."""
+    if folder.exists():
+        return None if folder.is_dir() else f"{folder} exists and is not a folder"
+    base = folder.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    return None if base.is_dir() else f"{folder} cannot be created: {base} is not a folder"
+
+
 def file_problem(path: str | os.PathLike) -> str | None:
     """Why a file cannot be written (None if it can), found by creating its parents and opening it
     for writing; everything the check created is removed."""
@@ -46,6 +56,9 @@ def file_problem(path: str | os.PathLike) -> str | None:
     path = Path(path).absolute()
     if path.is_dir():
         return f"{path} is a folder, expected a file name"
+    problem = _not_a_folder(path.parent)
+    if problem:
+        return problem
     created: list[Path] = []
     try:
         _make_parents(path.parent, created)
@@ -67,8 +80,9 @@ def dir_problem(path: str | os.PathLike) -> str | None:
     if str(path) == "":
         return "an empty path: give a folder"
     path = Path(path).absolute()
-    if path.exists() and not path.is_dir():
-        return f"{path} exists and is not a folder"
+    problem = _not_a_folder(path)
+    if problem:
+        return problem
     created: list[Path] = []
     try:
         _make_parents(path, created)
