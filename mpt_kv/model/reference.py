@@ -121,7 +121,7 @@ class ReferenceMPT(nn.Module):
             raise InputError(f"input_ids shape {tuple(input_ids.shape)}: expected (batch, length)")
         B, T = input_ids.shape
         if self.validate:
-            check_positions(token_idx, cache_idx, input_ids.device)    # before _positions reads them
+            check_positions(token_idx, cache_idx, input_ids.device, cache)  # before _positions reads them
         start, K = self._positions(T, cache, token_idx, cache_idx)     # first query position, keys
         if attention_mask is None:
             attention_mask = torch.ones(B, K, dtype=torch.bool, device=input_ids.device)
@@ -198,7 +198,7 @@ def check_inputs(cfg, dtype, input_ids, attention_mask, cache, token_idx, cache_
     if cache is not None:
         check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx)
         if isinstance(cache, StaticCache) and cache.prefilled[0]:
-            visible = min(K, int(token_idx.reshape(-1)[0]) + input_ids.shape[1] - 1)
+            visible = min(K, position(token_idx) + input_ids.shape[1] - 1)
     if K > cfg.max_seq_len:
         raise InputError(f"total length {K} exceeds max_seq_len={cfg.max_seq_len} (ALiBi is built only that far)")
     check_mask(attention_mask, (input_ids.shape[0], K), visible)
@@ -246,9 +246,9 @@ def check_mask(mask: torch.Tensor, shape: tuple[int, int], visible: int | None =
         raise InputError(f"attention_mask rows {dead.nonzero().flatten().tolist()} mask {where}: nothing to attend to")
 
 
-def check_index(what: str, value, device) -> int:
+def check_index(what: str, value, device, python_int: bool) -> int:
     """token_idx or cache_idx: one integer position, a 1-element int64/int32 tensor on `device`
-    or (cache_idx only, as optimum-habana passes it) a Python int -> its value."""
+    or, where `python_int`, an int -> its value."""
     if torch.is_tensor(value):
         if value.dtype not in TOKEN_DTYPES:
             raise InputError(f"{what} dtype {value.dtype}: expected torch.int64 or torch.int32")
@@ -258,19 +258,28 @@ def check_index(what: str, value, device) -> int:
         if value.device != device:
             raise InputError(f"{what} on {value.device} but input_ids on {device}")
         return int(value.reshape(-1)[0])
-    if what == "cache_idx" and isinstance(value, Integral) and not isinstance(value, bool):
+    if python_int and isinstance(value, Integral) and not isinstance(value, bool):
         return int(value)
-    kind = "a 1-element integer tensor, e.g. torch.tensor([4])" + (" or an int" if what == "cache_idx" else
-                                                                   " (index_copy_ takes a tensor index, as optimum-habana passes it)")
-    raise InputError(f"{what}={value!r} ({type(value).__name__}): expected {kind}")
+    why = "" if python_int else " (the reference's StaticCache writes with index_copy_, which takes a tensor index)"
+    raise InputError(f"{what}={value!r} ({type(value).__name__}): expected a 1-element integer tensor, e.g. "
+                     f"torch.tensor([4]){' or an int' if python_int else ''}{why}")
 
 
-def check_positions(token_idx, cache_idx, device) -> None:
-    """token_idx and cache_idx, where given, are one well-formed position each (check_index)."""
+def position(value) -> int:
+    """The value of a token_idx or cache_idx that check_positions accepted."""
+    return int(value.reshape(-1)[0]) if torch.is_tensor(value) else int(value)
+
+
+def check_positions(token_idx, cache_idx, device, cache=None) -> None:
+    """token_idx and cache_idx, where given, are one well-formed position each (check_index).
+    cache_idx may be an int (optimum-habana passes one); token_idx too, but only for a cache
+    that writes its decode steps itself (a StaticCache subclass overriding `update`): the
+    reference's own StaticCache.update needs a tensor."""
     if token_idx is not None:
-        check_index("token_idx", token_idx, device)
+        own_writes = cache is not None and type(cache).update is not StaticCache.update
+        check_index("token_idx", token_idx, device, python_int=own_writes)
     if cache_idx is not None:
-        check_index("cache_idx", cache_idx, device)
+        check_index("cache_idx", cache_idx, device, python_int=True)
 
 
 def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
@@ -309,8 +318,8 @@ def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
         raise InputError(f"static cache layers of lengths {lengths} and prefilled {cache.prefilled}: every layer "
                          f"must have max_len={cache.max_len} slots and be prefilled together")
     # both already well formed (check_positions, before the forward read them)
-    pos = None if token_idx is None else int(token_idx.reshape(-1)[0])
-    limit = None if cache_idx is None else int(cache_idx)
+    pos = None if token_idx is None else position(token_idx)
+    limit = None if cache_idx is None else position(cache_idx)
     if cache.prefilled[0]:
         if not 1 <= pos <= cache.max_len:
             raise InputError(f"token_idx={pos} outside 1..{cache.max_len} (the static cache length)")
