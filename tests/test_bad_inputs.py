@@ -297,9 +297,12 @@ def test_killmatrix_prints_a_line_per_row_to_stderr(capsys):
                    f"killmatrix: [3/3] must-kill variant {variant.name} ({err[1].rsplit('(', 1)[1]}"], err
 
 
-def test_bench_prints_a_line_per_config_without_a_terminal(tmp_path, capsys):
-    assert bench.main(["--target", "reference", "--path", "static", "--config", "1,2,2", "--config", "2,2,2",
-                       "--repeat", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+def test_bench_prints_a_line_per_config_without_a_terminal(capsys):
+    runners = {"reference": build("reference", CFG, random_state_dict(CFG), "cpu", torch.float32)}
+    configs = [bench.BenchConfig(1, 2, 2), bench.BenchConfig(2, 2, 2)]
+    progress = bench.progress_bar(1, quiet=False)  # capsys: stderr is not a terminal
+    rows = bench.run(CFG, configs, runners, [("reference", "static")], "cpu", torch.float32, 1, 0, 0, progress)
+    assert len(rows) == 2
     err = capsys.readouterr().err
     assert "bench: config 1/2 B=1 in=2 new=2" in err and "bench: config 2/2 B=2 in=2 new=2" in err, err
 
