@@ -69,7 +69,7 @@ class ViewsConcatCache(ConcatCache):
 kv_views_of_mixed_qkv = variant(
     "kv_views_of_mixed_qkv",
     "prefill stores k, v as views of mixed_qkv: the whole fused (B, T, 3D) buffer, q third included, stays alive",
-    "optimum-habana's MPT before the seed PR (shared/seeds/); transformers 4.55 DynamicCache stores the first K/V as is",
+    "optimum-habana's MPT before the seed PR ('refine use cache for mpt model'); transformers 4.55 DynamicCache stores the first K/V as is",
     ["P3", "memory"], concat=ViewsConcatCache)
 
 
@@ -117,7 +117,7 @@ class KeepsOldConcatCache(ConcatCache):
 old_cache_kept_referenced = variant(
     "old_cache_kept_referenced",
     "the cache before torch.cat stays referenced after the step: every decode step holds the cache twice",
-    "transformers issue 'forward pass consumes 2x memory' (shared/seeds/): the old past_key_values kept alive",
+    "transformers issue 'forward pass consumes 2x memory': the old past_key_values kept alive",
     ["memory"], concat=KeepsOldConcatCache)
 
 
@@ -247,7 +247,7 @@ class UninitializedStaticModel(ReferenceMPT):
 static_cache_uninitialized = variant(
     "static_cache_uninitialized",
     "static cache allocated with torch.empty (modelled as NaN): a never-written, masked slot spreads NaN via 0 * v",
-    "optimum-habana's cache_idx path allocates torch.empty (FACTS.md: NaN there reaches the output)",
+    "optimum-habana's cache_idx path allocates torch.empty (measured: NaN there reaches the output through 0 * v)",
     ["P1"], model=UninitializedStaticModel)
 
 
@@ -265,7 +265,7 @@ class StaleMaskSession(ReferenceSession):
 static_mask_not_extended = variant(
     "static_mask_not_extended",
     "static generation passes the prefill's mask every step: each new token's slot stays masked",
-    "optimum-habana's static generation must extend the mask every step (FACTS.md); forgetting it is silent",
+    "optimum-habana's static generation must extend the mask every step (without it stale slots are attended); forgetting it is silent",
     ["P1", "P2"], session=StaleMaskSession)
 
 

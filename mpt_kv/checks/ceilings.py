@@ -29,7 +29,7 @@ Two kinds of limit, combined like this:
      cache, so it holds at any sequence length; a step that copies the cache does not fit.
    - concat decode: the same plus KV(L + 1): the new cache may coexist with the old one
      (`torch.cat` while the old tensors are referenced: per layer in the reference, the whole
-     cache in optimum-habana's tuple cache, the transformers issue in shared/seeds/), but
+     cache in optimum-habana's tuple cache, the transformers issue "forward pass consumes 2x memory"), but
      nothing beyond one old and one new cache.
    - no leak: allocation does not grow from one generation to the next: after the measured
      generation's session is deleted, and after `LEAK_GENERATIONS - 1` more, allocation is back

@@ -34,6 +34,10 @@ def declared_graph_outputs(runner, declared: bool = True) -> Capabilities:
     return dataclasses.replace(runner.capabilities, graph_outputs=declared)
 
 
+# P4's note names who declared graph_outputs=True: the suite's wrapper here, not the target
+DECLARED_BY = "graph_outputs_declared_by"
+
+
 class Delegate:
     """Everything not overridden is the wrapped object's."""
 
@@ -53,6 +57,8 @@ class StaticOutputs(Delegate):
     def __init__(self, runner, declared: bool = True):
         super().__init__(runner)
         self.capabilities = declared_graph_outputs(runner, declared)
+        setattr(self, DECLARED_BY, "the suite's CPU graph stand-in (graphs.StaticOutputs: one output buffer per "
+                                   "shape, as a graph replay returns) wrapping the target")
         self.buffers: dict[tuple, torch.Tensor] = {}
 
     def out(self, t: torch.Tensor) -> torch.Tensor:
@@ -89,6 +95,7 @@ def hpu_graphed(runner):
         runner.model.validate = False  # the reference's input checks read the device: not inside a graph
     runner.model = wrap_in_hpu_graph(runner.model)
     runner.capabilities = declared_graph_outputs(runner)
+    setattr(runner, DECLARED_BY, "the suite's HPU graphs (wrap_in_hpu_graph) around the target's model")
     return runner
 
 
@@ -99,6 +106,8 @@ class CudaGraphRunner(Delegate):
     def __init__(self, runner):
         super().__init__(runner)
         self.capabilities = declared_graph_outputs(runner)
+        setattr(self, DECLARED_BY, "the suite's CUDA graphs (graphs.CudaGraphRunner: static decode steps "
+                                   "replayed) wrapping the target")
 
     def session(self, path, max_len, bucket=None):
         session = self.inner.session(path, max_len, bucket)

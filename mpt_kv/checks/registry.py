@@ -35,8 +35,10 @@ The memory checks always check the analytic properties; the stored ceilings are 
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
+import difflib
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -162,11 +164,16 @@ def one_thread(device: torch.device):
 
 
 def as_dtype(dtype) -> torch.dtype:
+    """"fp32"/"bf16" or torch.float32/torch.bfloat16: the dtypes the tolerances are calibrated for
+    (docs/calibration.md). Any other (float16, float64) is refused: a check must not pass in a
+    dtype nobody calibrated, and no Capabilities feature could declare it unsupported."""
     if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in DTYPES:
+        if dtype in DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"dtype {dtype!r}: expected a torch dtype or one of {sorted(DTYPES)}")
+    raise ValueError(f"dtype {dtype!r}: the suite supports {', '.join(DTYPES)} only "
+                     f"({', '.join(map(str, DTYPES.values()))}; its tolerances are calibrated for those)")
 
 
 # --- the checks ---------------------------------------------------------------------------------------------
@@ -388,7 +395,38 @@ def _build_registry() -> dict[str, Check]:
     return {c.id: c for c in out}
 
 
-CHECKS: Mapping[str, Check] = _build_registry()
+class CheckRegistry(collections.abc.Mapping):
+    """Every check by id, read-only. An unknown id is a KeyError naming the closest ids (a
+    property such as "P1" is not an id: its checks are listed)."""
+
+    def __init__(self, checks: dict[str, Check]):
+        self._checks = dict(checks)
+
+    def __getitem__(self, check_id: str) -> Check:
+        try:
+            return self._checks[check_id]
+        except (KeyError, TypeError):
+            pass
+        if check_id in PROPERTIES:
+            ids = [c.id for c in self._checks.values() if c.property == check_id]
+            hint = f"{check_id!r} is a property, not a check id: its checks are {', '.join(ids[:12])}" + \
+                   (f" and {len(ids) - 12} more" if len(ids) > 12 else "") + f" (registry.select({check_id!r}))"
+        else:
+            close = difflib.get_close_matches(str(check_id), list(self._checks), n=6, cutoff=0.5)
+            hint = f"closest ids: {', '.join(close)}" if close else f"properties: {', '.join(PROPERTIES)}"
+        raise KeyError(f"unknown check id {check_id!r}: {hint}; list(mpt_kv.CHECKS) has all {len(self._checks)}")
+
+    def __iter__(self):
+        return iter(self._checks)
+
+    def __len__(self) -> int:
+        return len(self._checks)
+
+    def __repr__(self) -> str:
+        return f"CheckRegistry({len(self)} checks: {', '.join(list(self._checks)[:4])}, ...)"
+
+
+CHECKS: Mapping[str, Check] = CheckRegistry(_build_registry())
 
 
 def select(*properties: str) -> list[Check]:
@@ -422,6 +460,15 @@ def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: 
     """
     import pytest
 
+    # a bare string would iterate as its characters ("reference" -> targets 'r', 'e', ...): refused for
+    # both arguments alike, so a selection always reads as a list
+    for name, value, example in (("targets", targets, '["reference"]'), ("checks", checks, '["P1"]')):
+        if isinstance(value, (str, Check)):
+            raise TypeError(f"parametrize_with_checks: {name}={value!r} is one {type(value).__name__}, not a list: "
+                            f"pass {name}={example} (a bare string would iterate as its characters)")
+    if callable(targets):
+        raise TypeError(f"parametrize_with_checks: targets={targets!r} is one factory, not a list: pass "
+                        f"targets=[{getattr(targets, '__name__', 'build')}]")
     chosen = list(CHECKS.values()) if checks is None else []
     for c in checks or ():
         chosen += [c] if isinstance(c, Check) else select(c)

@@ -1,5 +1,5 @@
 """`python -m mpt_kv bench`: throughput and memory per (batch, max input, max new) config, in the
-format of the seed PR's table (shared/seeds/optimum-habana-pr-refine-mpt-use-cache.txt).
+format of the table of the seed PR, optimum-habana's "refine use cache for mpt model".
 
     python -m mpt_kv bench --model small --batch-size 4 --max-input-tokens 128 --max-new-tokens 128 \
         --config 1,256,256 --config 16,64,64 --threads 1 --repeat 3
@@ -298,6 +298,8 @@ def load(cfg: ModelConfig, targets: list[str], paths: list[str], kind: str, dtyp
             skipped.append({"target": spec, "path": "*", "reason": str(e)})
             log(f"skipped {spec}: {e}")
             continue
+        except Exception as e:  # noqa: BLE001  a factory that raises, or returns no Runner: its error, not a traceback
+            raise BuildError(f"target {spec} does not build on {kind}: {type(e).__name__}: {e}") from e
         for path in paths:
             if path in runners[spec].unsupported:
                 skipped.append({"target": spec, "path": path, "reason": runners[spec].unsupported[path]})
@@ -307,12 +309,19 @@ def load(cfg: ModelConfig, targets: list[str], paths: list[str], kind: str, dtyp
     return runners, pairs, skipped
 
 
+class BuildError(RuntimeError):
+    """A target's factory raised (anything but TargetUnavailable) or returned no Runner."""
+
+
 def run(cfg: ModelConfig, configs: list[BenchConfig], runners: dict[str, Runner], pairs: list[tuple[str, str]],
         kind: str, dtype: torch.dtype, repeat: int, warmup: int, seed: int, progress) -> list[Row]:
     device = devices.torch_device(kind)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     rows = []
-    for bc in configs:
+    for n, bc in enumerate(configs, start=1):
+        # one line per config, with or without a terminal (the bar is only drawn on one)
+        progress.write(f"bench: config {n}/{len(configs)} {bc}: {len(pairs)} target/path pairs x "
+                       f"({warmup} warmup + 1 memory + {repeat} timed) generations")
         ids, mask = prompt(cfg, bc.batch, bc.max_input, device, seed)
         step = lambda *_: progress.update(1)  # noqa: E731
         traces, timings = {}, {p: [] for p in pairs}
@@ -457,20 +466,31 @@ def write(report: Report, out: Path) -> dict[str, Path]:
 # --- CLI -----------------------------------------------------------------------------------
 
 class _NoProgress:
+    """No bar: without a terminal (a CI log) the per-config lines still go to stderr."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+
     def update(self, n=1): pass
     def set_description(self, s): pass
     def close(self): pass
 
+    def write(self, line: str) -> None:
+        if not self.quiet:
+            print(line, file=sys.stderr, flush=True)
+
 
 def progress_bar(total: int, quiet: bool):
-    """tqdm on stderr, only on a terminal and without --quiet."""
+    """tqdm on stderr on a terminal; elsewhere (or without tqdm) a line per config; --quiet: nothing."""
     if quiet or not sys.stderr.isatty():
-        return _NoProgress()
+        return _NoProgress(quiet)
     try:
         from tqdm import tqdm
     except ImportError:
         return _NoProgress()
-    return tqdm(total=total, unit="step", file=sys.stderr, leave=False)
+    bar = tqdm(total=total, unit="step", file=sys.stderr, leave=False)
+    bar.write = lambda line: tqdm.write(line, file=sys.stderr)  # above the bar, not through it
+    return bar
 
 
 def parse_config(text: str) -> BenchConfig:
@@ -481,9 +501,13 @@ def parse_config(text: str) -> BenchConfig:
     return BenchConfig(b, i, n)
 
 
+def first_paragraph(doc: str) -> str:
+    """A module doc's first paragraph as one line: --help's description, never cut mid-sentence."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mpt_kv bench", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m mpt_kv bench", description=first_paragraph(__doc__))
     p.add_argument("--batch-size", type=int, default=None, help="with --max-input-tokens and --max-new-tokens: one config")
     p.add_argument("--max-input-tokens", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -586,7 +610,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-    runners, pairs, skipped = load(cfg, targets, paths, a.device, dtype, a.seed, log)
+    try:
+        runners, pairs, skipped = load(cfg, targets, paths, a.device, dtype, a.seed, log)
+    except BuildError as e:  # as `run` reports it: the target and its error, no traceback
+        p.error(str(e))
     missing = [s for s in skipped if s["path"] == "*" and s["target"] in set(a.target or [])]
     if missing:  # asked for by name: an error, not a silent skip
         p.error("; ".join(f"--target {s['target']} cannot run here: {s['reason']}" for s in missing))

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -104,6 +105,30 @@ def to_json(matrix: dict, checks: list[str], seconds: float) -> dict:
     }
 
 
+def with_progress(rows: list, variants: list[Variant], start: float) -> tuple[list, list[Variant]]:
+    """The same rows, each of whose factory prints one line to stderr the first time it is built
+    (the matrix runs row by row, so that is when its row starts): about 30 s otherwise silent.
+    The reference row, always first, keeps its own factory (the matrix shares it as the oracle)."""
+    total = 1 + len([d for d in rows if d.name != "reference"]) + len(variants)
+    print(f"killmatrix: {total} rows; reference first", file=sys.stderr, flush=True)
+    counter = iter(range(2, total + 1))
+
+    def announced(row, kind: str):
+        said = []
+
+        def build(*args, **kwargs):
+            if not said:
+                said.append(True)
+                print(f"killmatrix: [{next(counter)}/{total}] {kind} {row.name} "
+                      f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+            return row.build(*args, **kwargs)
+
+        return replace(row, build=build)
+
+    return ([d if d.name == "reference" else announced(d, "must-pass design") for d in rows],
+            [announced(v, "must-kill variant") for v in variants])
+
+
 def main(argv: list[str] | None = None) -> int:
     designs = must_pass()
     parser = argparse.ArgumentParser(prog="python -m mpt_kv killmatrix", description=MATRIX_DOC.split("\n\n")[0])
@@ -130,13 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         parser.error(f"--device {args.device!r} is not a torch device: {e}")
     reason = devices.unavailable_reason(kind) if kind in devices.KINDS else f"mpt-kv supports {devices.KINDS}"
-    if not reason and kind == "cuda" and torch.device(args.device).index is not None \
-            and torch.device(args.device).index >= torch.cuda.device_count():
-        reason = f"only {torch.cuda.device_count()} cuda devices"
+    index = torch.device(args.device).index
+    if not reason and index is not None:
+        count = {"cpu": 1, "cuda": torch.cuda.device_count() if kind == "cuda" else 0}.get(kind)
+        if count is not None and index >= count:
+            reason = ("cpu is one device (cpu or cpu:0)" if kind == "cpu" else
+                      f"only {count} cuda devices (cuda:0..cuda:{count - 1})")
     if reason:  # a usage error, not "reference FAIL" for every check
         parser.error(f"--device {args.device} is not available here: {reason}")
     for flag, path in (("--markdown", args.markdown), ("--json", args.json)):
-        problem = path and file_problem(path)
+        problem = path is not None and file_problem(path)
         if problem:
             parser.error(f"{flag} {path}: {problem}")
     chosen = args.design or args.variant  # naming some rows runs only those (and the reference)
@@ -146,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # tiny tensors: more threads only contend (and make timings jump)
     start = time.perf_counter()
+    rows, variants = with_progress(rows, variants, start)
     matrix = run_matrix(rows, variants, checks, args.device)
     seconds = time.perf_counter() - start
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["memory"]:
         argv = argv[1:]
-    p = argparse.ArgumentParser(prog="python -m mpt_kv memory", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mpt_kv memory", description=" ".join(__doc__.split()))
     p.add_argument("--model", default="mpt-7b", choices=sorted(PRESETS))
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-input-tokens", type=int, default=None,
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--batch-size must be >= 1, got {a.batch_size}")
     if a.max_input_tokens is not None and a.max_input_tokens <= 0:
         p.error(f"--max-input-tokens must be >= 1, got {a.max_input_tokens}")
-    if a.max_new_tokens is not None and a.max_new_tokens < 0:
-        p.error(f"--max-new-tokens must be >= 0, got {a.max_new_tokens}")
+    if a.max_new_tokens is not None and a.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1 (a generation makes at least one token), got {a.max_new_tokens}")
     limit = f"{a.model}'s max_seq_len {shape.max_seq_len} (ALiBi is built only that far); pass --max-seq-len to override"
     if a.max_input_tokens is not None and a.max_input_tokens > shape.max_seq_len:
         p.error(f"--max-input-tokens {a.max_input_tokens} exceeds {limit}")
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in {limit}")
     a.max_input_tokens, a.max_new_tokens, note = default_tokens(shape.max_seq_len, a.max_input_tokens,
                                                                 a.max_new_tokens)
+    if a.max_new_tokens < 1:  # the prompt given fills max_seq_len
+        p.error(f"--max-input-tokens {a.max_input_tokens} leaves no room for a new token in {limit}")
     if a.held_caches < 0:
         p.error(f"--held-caches must be >= 0, got {a.held_caches}")
     total = a.max_input_tokens + a.max_new_tokens

@@ -1,36 +1,96 @@
 """Output paths are checked before any work starts: a run of minutes must not end in a
-traceback because its report cannot be written."""
+traceback because its report cannot be written.
+
+A path is checked by doing what the end of the run will do: create its missing parent folders
+and open the file for writing (a folder: create it and a file in it). Whatever the check created
+is removed again, so a refused or later-failing run leaves nothing behind, and a file that was
+there is opened for appending, never truncated. `os.access` is not enough: it is true for root
+on /proc, and says nothing about a read-only mount or a full quota.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+def _make_parents(folder: Path, created: list[Path]) -> None:
+    """mkdir `folder` and its missing parents, recording each one made (outermost first)."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for d in reversed(missing):
+        d.mkdir()
+        created.append(d)
 
 
-def dir_problem(path: str | os.PathLike) -> str | None:
-    """Why a folder cannot be created or written to (None if it can). Parents are created later."""
-    path = Path(path).absolute()
-    if path.exists():
-        if not path.is_dir():
-            return f"{path} exists and is not a folder"
-        return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
-    base = _nearest_existing(path.parent)
-    if not base.is_dir():
-        return f"{path} cannot be created: {base} is not a folder"
-    return None if os.access(base, os.W_OK | os.X_OK) else f"{path} cannot be created: {base} is not writable"
+def _remove(created: list[Path]) -> None:
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            pass  # something else put a file there meanwhile: not ours to delete
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or type(e).__name__
+
+
+def _not_a_folder(folder: Path) -> str | None:
+    """Where `folder` (or the nearest of its parents that exists) is a file, not a folder."""
+    if folder.exists():
+        return None if folder.is_dir() else f"{folder} exists and is not a folder"
+    base = folder.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    return None if base.is_dir() else f"{folder} cannot be created: {base} is not a folder"
 
 
 def file_problem(path: str | os.PathLike) -> str | None:
-    """Why a file cannot be written (None if it can; its missing parent folders are created later)."""
+    """Why a file cannot be written (None if it can), found by creating its parents and opening it
+    for writing; everything the check created is removed."""
+    if str(path) == "":
+        return "an empty path: give a file name"
     path = Path(path).absolute()
     if path.is_dir():
         return f"{path} is a folder, expected a file name"
-    if path.exists():
-        return None if os.access(path, os.W_OK) else f"{path} is not writable"
-    return dir_problem(path.parent)
+    problem = _not_a_folder(path.parent)
+    if problem:
+        return problem
+    created: list[Path] = []
+    try:
+        _make_parents(path.parent, created)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        return f"{path} cannot be written: {_reason(e)}"
+    finally:
+        _remove(created)
+    return None
+
+
+def dir_problem(path: str | os.PathLike) -> str | None:
+    """Why files cannot be written in a folder (None if they can), found by creating the folder
+    (and its parents) and a file in it; everything the check created is removed."""
+    if str(path) == "":
+        return "an empty path: give a folder"
+    path = Path(path).absolute()
+    problem = _not_a_folder(path)
+    if problem:
+        return problem
+    created: list[Path] = []
+    try:
+        _make_parents(path, created)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".mpt-kv-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"{path} cannot be written: {_reason(e)}"
+    finally:
+        _remove(created)
+    return None

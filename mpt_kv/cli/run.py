@@ -68,10 +68,27 @@ def main(argv: list[str]) -> int:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     kinds = args.device or devices.available_kinds()
-    print("\n".join(describe_machine([*BUILTIN, *[t for t in args.target if t not in BUILTIN]], kinds)))
     import pytest
 
     pytest_args = ["--pyargs", CONFORMANCE, "-q", "-rs", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-p", "no:cacheprovider", "--mpt-kv-report", args.report,
                    *[f"--device={k}" for k in kinds], *[f"--target={t}" for t in args.target], *extra]
     print("pytest " + " ".join(pytest_args), flush=True)
-    return int(pytest.main(pytest_args))
+    # the machine is described once pytest has parsed every argument (an unknown option such as
+    # --frobnicate is its usage error at once, before any target is built)
+    describe = DescribeMachine([*BUILTIN, *[t for t in args.target if t not in BUILTIN]], kinds)
+    return int(pytest.main(pytest_args, plugins=[describe]))
+
+
+class DescribeMachine:
+    """A pytest plugin that prints `describe_machine` at the start of the session."""
+
+    def __init__(self, targets: list[str], kinds: list[str]):
+        self.targets, self.kinds = targets, kinds
+
+    def pytest_sessionstart(self, session) -> None:
+        terminal = session.config.pluginmanager.get_plugin("terminalreporter")
+        for line in describe_machine(self.targets, self.kinds):
+            if terminal is not None:
+                terminal.write_line(line)
+            else:
+                print(line, flush=True)

@@ -1,24 +1,37 @@
 """The reference's two KV caches. Both store per layer a key and a value of shape
 (B, H, T, hd) that own their memory: never a view of `mixed_qkv`, which would pin the whole
-fused (B, S, 3D) buffer, q third included (the optimum-habana PR in shared/seeds/).
+fused (B, S, 3D) buffer, q third included (optimum-habana's PR "refine use cache for mpt model").
 """
 
 from __future__ import annotations
+
+from numbers import Integral, Real
 
 import torch
 
 from mpt_kv.errors import InputError
 
 
+def check_size(what: str, value, low: int = 1) -> int:
+    """An int >= low (not a bool, not a float that happens to be whole): a cache dimension."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise InputError(f"{what}={value!r} ({type(value).__name__}): must be an int >= {low}")
+    if value < low:
+        raise InputError(f"{what}={value} must be >= {low}")
+    return int(value)
+
+
 class ConcatCache:
     """Dynamic cache: prefill stores clones, each decode step `torch.cat`s one position on.
 
     The cat allocates a new (B, H, t+1, hd) tensor while the old one is still alive, so a
-    decode step transiently holds the cache twice (the transformers issue in shared/seeds/)."""
+    decode step transiently holds the cache twice (the transformers issue "forward pass consumes 2x
+    memory than required in Attention module when `use_cache=True`")."""
 
     kind = "concat"
 
     def __init__(self, n_layers: int):
+        n_layers = check_size("ConcatCache n_layers", n_layers)
         self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
 
     def length(self, layer: int = 0) -> int:
@@ -44,6 +57,13 @@ class StaticCache:
     kind = "static"
 
     def __init__(self, n_layers, batch, n_heads, max_len, head_dim, dtype, device, fill: float | None = None):
+        n_layers, batch, n_heads, max_len, head_dim = (
+            check_size(f"StaticCache {name}", value) for name, value in
+            (("n_layers", n_layers), ("batch", batch), ("n_heads", n_heads), ("max_len", max_len), ("head_dim", head_dim)))
+        if fill is not None and (isinstance(fill, bool) or not isinstance(fill, Real)):
+            raise InputError(f"StaticCache fill={fill!r}: a number (the value of never-written slots) or None (zeros)")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise InputError(f"StaticCache dtype={dtype!r}: must be a floating torch.dtype")
         shape = (batch, n_heads, max_len, head_dim)
 
         def alloc():

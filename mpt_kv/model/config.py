@@ -6,11 +6,20 @@ transformers' `MptForCausalLM` format, so any disagreement is the cache code, no
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from numbers import Integral, Real
 
 import torch
 
+from mpt_kv.errors import InputError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# ALiBi's key positions are float32 (as in MPT): integers are exact in float32 only up to 2**24,
+# so beyond it two positions would get the same bias (and a 2**31 buffer would be 8 bytes x heads x 2**31)
+MAX_SEQ_LEN = 2 ** 24
+SIZES = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len")
+GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -25,13 +34,23 @@ class ModelConfig:
     layer_norm_epsilon: float = 1e-5
 
     def __post_init__(self):
-        for name in ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be >= 1")
+        """Every field checked here, once: the reference, the targets and the caches trust them."""
+        for name in SIZES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Integral):
+                raise InputError(f"ModelConfig.{name}={value!r} ({type(value).__name__}): must be an int >= 1")
+            if value < 1:
+                raise InputError(f"ModelConfig.{name}={value} must be >= 1")
+            object.__setattr__(self, name, int(value))
+        if self.max_seq_len > MAX_SEQ_LEN:
+            raise InputError(f"ModelConfig.max_seq_len={self.max_seq_len} exceeds {MAX_SEQ_LEN} (2**24): ALiBi's "
+                             "float32 key positions are exact only that far")
         if self.d_model % self.n_heads:
-            raise ValueError(f"ModelConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        if self.clip_qkv is not None and self.clip_qkv <= 0:
-            raise ValueError(f"ModelConfig.clip_qkv={self.clip_qkv} must be > 0 or None")
+            raise InputError(f"ModelConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.clip_qkv is not None:
+            object.__setattr__(self, "clip_qkv", positive_number("clip_qkv", self.clip_qkv, "or None (no clipping)"))
+        object.__setattr__(self, "alibi_bias_max", positive_number("alibi_bias_max", self.alibi_bias_max))
+        object.__setattr__(self, "layer_norm_epsilon", positive_number("layer_norm_epsilon", self.layer_norm_epsilon))
 
     @property
     def head_dim(self) -> int:
@@ -52,16 +71,49 @@ class ModelConfig:
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
 
+    @property
+    def n_params(self) -> int:
+        """Parameters of the reference (lm_head tied to wte, counted once)."""
+        D = self.d_model
+        return self.vocab_size * D + self.n_layers * (12 * D * D + 2 * D) + D
+
+
+def positive_number(name: str, value, alternative: str = "") -> int | float:
+    """A finite real > 0 (NaN compares false to everything, so `value <= 0` alone lets it through)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value <= 0:
+        raise InputError(f"ModelConfig.{name}={value!r}: must be a finite number > 0" + (f" {alternative}" if alternative else ""))
+    return value
+
+
+def check_fits_in_memory(cfg: ModelConfig, what: str) -> None:
+    """Refuse, before anything is allocated, a config whose float32 CPU weights (and ALiBi buffer)
+    do not fit in the memory free here: the allocator failing half way is a worse message. The
+    free memory is read only for configs above 256 MiB (reading it for every tiny case is waste)."""
+    weights = 4 * cfg.n_params
+    alibi = (4 * cfg.n_heads + 12) * cfg.max_seq_len  # the (H, 1, L) float32 bias and its int64/float32 positions
+    need = weights + alibi
+    if need < 256 << 20:
+        return
+    from mpt_kv import devices
+
+    free, source = devices.available_memory("cpu")
+    if need > free:
+        raise InputError(f"{what}: ModelConfig({cfg.describe()}) needs about {need / GiB:.1f} GiB of cpu memory "
+                         f"(float32 weights {cfg.n_params:,} x 4 bytes = {weights / GiB:.1f} GiB + ALiBi "
+                         f"{alibi / GiB:.1f} GiB), but only {free / GiB:.1f} GiB is free ({source})")
+
 
 def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.3) -> dict[str, torch.Tensor]:
     """Seeded random weights in `MptForCausalLM` key format (fp32, CPU).
 
     std 0.3 rather than the usual 0.02: with tiny weights every logit is near zero and a
-    broken cache can hide inside the tolerance (FACTS.md: 2e-7 vs 6e-6 errors). Above d_model
+    broken cache can hide inside the tolerance (measured on a tiny fp32 model, full forward vs prefill +
+    4 cached steps: max abs diff ~2e-7 at std 0.02, ~6e-6 at std 0.3). Above d_model
     32 the projections' std shrinks as 1/sqrt(d_model) (fan-in), so every width keeps the gain of
     d_model 32: with 0.3 at d_model 256 and 4 layers the activations saturate and the model turns
     chaotic, its cached and uncached fp32 paths 3e-4 of the logit scale apart and bf16 63% from
     fp32, where fan-in scaling measured 1e-6 and 2% (docs/calibration.md)."""
+    check_fits_in_memory(cfg, "random_state_dict")
     g = torch.Generator().manual_seed(seed)
     D, V = cfg.d_model, cfg.vocab_size
     std = std * min(1.0, (32 / D) ** 0.5)

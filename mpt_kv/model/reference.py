@@ -9,13 +9,14 @@ runs the same weights. The forward signature mirrors optimum-habana's GaudiMptFo
 from __future__ import annotations
 
 import math
+from numbers import Integral
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpt_kv.model.cache import ConcatCache, StaticCache
-from mpt_kv.model.config import ModelConfig
+from mpt_kv.model.cache import ConcatCache, StaticCache, check_size
+from mpt_kv.model.config import ModelConfig, check_fits_in_memory
 from mpt_kv.errors import InputError
 
 
@@ -96,6 +97,7 @@ class ReferenceMPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        check_fits_in_memory(cfg, "ReferenceMPT")  # before any parameter or the ALiBi buffer is allocated
         self.cfg = cfg
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
@@ -118,6 +120,8 @@ class ReferenceMPT(nn.Module):
         if input_ids.dim() != 2:
             raise InputError(f"input_ids shape {tuple(input_ids.shape)}: expected (batch, length)")
         B, T = input_ids.shape
+        if self.validate:
+            check_positions(token_idx, cache_idx, input_ids.device, cache)  # before _positions reads them
         start, K = self._positions(T, cache, token_idx, cache_idx)     # first query position, keys
         if attention_mask is None:
             attention_mask = torch.ones(B, K, dtype=torch.bool, device=input_ids.device)
@@ -148,19 +152,32 @@ class ReferenceMPT(nn.Module):
 
     # --- cache construction ---------------------------------------------------------------
     def new_cache(self, path: str, batch: int, max_len: int | None = None, fill: float | None = None):
+        """A ConcatCache, or a StaticCache of `max_len` slots (None: max_seq_len; 0 is an error, not None)."""
+        if path not in ("concat", "static"):
+            raise InputError(f"unknown cache path {path!r}: expected 'concat' or 'static'")
+        batch = check_size("cache batch", batch)
         if path == "concat":
             return ConcatCache(self.cfg.n_layers)
-        if path == "static":
-            max_len = max_len or self.cfg.max_seq_len
-            if max_len > self.cfg.max_seq_len:
-                raise InputError(f"static cache length {max_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-            w = self.transformer.wte.weight
-            return StaticCache(self.cfg.n_layers, batch, self.cfg.n_heads, max_len, self.cfg.head_dim,
-                               w.dtype, w.device, fill)
-        raise InputError(f"unknown cache path {path!r}: expected 'concat' or 'static'")
+        max_len = self.cfg.max_seq_len if max_len is None else check_size("static cache length max_len", max_len)
+        if max_len > self.cfg.max_seq_len:
+            raise InputError(f"static cache length {max_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+        w = self.transformer.wte.weight
+        return StaticCache(self.cfg.n_layers, batch, self.cfg.n_heads, max_len, self.cfg.head_dim,
+                           w.dtype, w.device, fill)
 
     # --- weights in transformers' MptForCausalLM format -------------------------------------
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]):
+        """Load `MptForCausalLM` weights. MPT ties lm_head to wte: an `lm_head.weight` that is
+        not the same (V, D) values is refused, since the reference would silently ignore it."""
+        head, wte = sd.get("lm_head.weight"), sd.get("transformer.wte.weight")
+        if head is not None and wte is not None:
+            if tuple(head.shape) != tuple(wte.shape):
+                raise InputError(f"lm_head.weight shape {tuple(head.shape)}: expected {tuple(wte.shape)} "
+                                 "(vocab_size, d_model), tied to transformer.wte.weight as in MPT")
+            if head is not wte and not torch.equal(head, wte):
+                diff = (head.float() - wte.float()).abs().max().item()
+                raise InputError(f"lm_head.weight differs from transformer.wte.weight (max abs difference {diff:.3e}): "
+                                 "MPT ties them, and the reference has no separate head to load untied values into")
         own = {k: v for k, v in sd.items() if k != "lm_head.weight"}  # tied to wte
         self.load_state_dict(own, strict=True)
         return self
@@ -172,62 +189,146 @@ class ReferenceMPT(nn.Module):
 
 
 def check_inputs(cfg, dtype, input_ids, attention_mask, cache, token_idx, cache_idx, K):
-    """Reject bad input with the value and the limit, before torch fails deep inside. The cache
-    comes first: `K`, the number of keys, is derived from token_idx/cache_idx."""
+    """Reject bad input with the value and the limit, before torch fails deep inside, and before
+    any layer writes the cache: every layer of it, token_idx and cache_idx are checked here, so a
+    rejected call leaves the cache as it was. The cache comes first: `K`, the number of keys, is
+    derived from token_idx/cache_idx."""
+    check_token_ids(input_ids, cfg.vocab_size, "input_ids")
+    visible = K  # key positions the last query row can see (causality): the mask must leave it one
     if cache is not None:
         check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx)
+        if isinstance(cache, StaticCache) and cache.prefilled[0]:
+            visible = min(K, position(token_idx) + input_ids.shape[1] - 1)
     if K > cfg.max_seq_len:
         raise InputError(f"total length {K} exceeds max_seq_len={cfg.max_seq_len} (ALiBi is built only that far)")
-    check_token_ids(input_ids, cfg.vocab_size, "input_ids")
-    check_mask(attention_mask, (input_ids.shape[0], K))
+    check_mask(attention_mask, (input_ids.shape[0], K), visible)
+
+
+TOKEN_DTYPES = (torch.int64, torch.int32)  # what torch.nn.Embedding takes as indices
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise InputError(f"{what} dtype {ids.dtype}: expected an integer dtype")
+    """int64 or int32 ids in [0, vocab_size). Other integer dtypes are refused rather than cast:
+    nn.Embedding takes only these two, and uint8/int8/int16 cannot hold a real vocabulary's ids."""
+    if not torch.is_tensor(ids):
+        raise InputError(f"{what} is a {type(ids).__name__}: expected a torch.Tensor of token ids")
+    if ids.dtype not in TOKEN_DTYPES:
+        raise InputError(f"{what} dtype {ids.dtype}: expected an integer dtype, torch.int64 or torch.int32 "
+                         "(what torch.nn.Embedding takes; cast with .long())")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise InputError(f"{what}: token id out of range [0, {vocab_size}): min {int(ids.min())}, max {int(ids.max())}")
 
 
-def check_mask(mask: torch.Tensor, shape: tuple[int, int]) -> None:
-    """(B, K) bool or integer, 1 = attend, exactly one entry per key position; no row all masked."""
+def check_mask(mask: torch.Tensor, shape: tuple[int, int], visible: int | None = None) -> None:
+    """(B, K) bool or integer of 0 (padding) and 1 (attend), one entry per key position; no row
+    without a 1 among its first `visible` positions (default all K: the ones causality lets the
+    last query see; a static decode step sees slots up to its own, never a future one)."""
+    if not torch.is_tensor(mask):
+        raise InputError(f"attention_mask is {type(mask).__name__}: expected a ({shape[0]}, {shape[1]}) tensor, "
+                         "1 = attend, 0 = padding")
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise InputError(f"attention_mask dtype {mask.dtype}: expected bool or integer (1 = attend)")
     if tuple(mask.shape) != tuple(shape):
         raise InputError(f"attention_mask shape {tuple(mask.shape)}: expected {tuple(shape)}, "
                          f"one entry per key position ({shape[1]} keys)")
-    dead = (~mask.bool()).all(dim=1)
+    if mask.dtype != torch.bool:
+        bad = mask[(mask != 0) & (mask != 1)]
+        if bad.numel():
+            values = sorted(set(bad.unique().tolist()))
+            raise InputError(f"attention_mask values {values[:5]}: expected 0 (padding) or 1 (attend) only; an "
+                             "additive mask (0 / -10000) or a count is not a padding mask")
+    visible = shape[1] if visible is None else visible
+    dead = (~mask[:, :visible].bool()).all(dim=1)
     if dead.any():
-        raise InputError(f"attention_mask rows {dead.nonzero().flatten().tolist()} mask every one of their "
-                         f"{shape[1]} positions: nothing to attend to")
+        where = (f"every one of their {shape[1]} positions" if visible == shape[1] else
+                 f"every one of the {visible} positions up to the current one (a 1 only on a future slot "
+                 "attends to nothing: causality masks it)")
+        raise InputError(f"attention_mask rows {dead.nonzero().flatten().tolist()} mask {where}: nothing to attend to")
+
+
+def check_index(what: str, value, device, python_int: bool) -> int:
+    """token_idx or cache_idx: one integer position, a 1-element int64/int32 tensor on `device`
+    or, where `python_int`, an int -> its value."""
+    if torch.is_tensor(value):
+        if value.dtype not in TOKEN_DTYPES:
+            raise InputError(f"{what} dtype {value.dtype}: expected torch.int64 or torch.int32")
+        if value.numel() != 1:
+            raise InputError(f"{what} shape {tuple(value.shape)}: expected one position (1 element), got "
+                             f"{value.numel()}")
+        if value.device != device:
+            raise InputError(f"{what} on {value.device} but input_ids on {device}")
+        return int(value.reshape(-1)[0])
+    if python_int and isinstance(value, Integral) and not isinstance(value, bool):
+        return int(value)
+    why = "" if python_int else " (the reference's StaticCache writes with index_copy_, which takes a tensor index)"
+    raise InputError(f"{what}={value!r} ({type(value).__name__}): expected a 1-element integer tensor, e.g. "
+                     f"torch.tensor([4]){' or an int' if python_int else ''}{why}")
+
+
+def position(value) -> int:
+    """The value of a token_idx or cache_idx that check_positions accepted."""
+    return int(value.reshape(-1)[0]) if torch.is_tensor(value) else int(value)
+
+
+def check_positions(token_idx, cache_idx, device, cache=None) -> None:
+    """token_idx and cache_idx, where given, are one well-formed position each (check_index).
+    cache_idx may be an int (optimum-habana passes one); token_idx too, but only for a cache
+    that writes its decode steps itself (a StaticCache subclass overriding `update`): the
+    reference's own StaticCache.update needs a tensor."""
+    if token_idx is not None:
+        own_writes = cache is not None and type(cache).update is not StaticCache.update
+        check_index("token_idx", token_idx, device, python_int=own_writes)
+    if cache_idx is not None:
+        check_index("cache_idx", cache_idx, device, python_int=True)
 
 
 def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
+    """Every layer of the cache matches the input and the others (a later layer that is empty or
+    shorter would give wrong logits, not an error); token_idx/cache_idx are well formed."""
     B, T = input_ids.shape
+    if not isinstance(cache, (ConcatCache, StaticCache)):
+        raise InputError(f"cache is a {type(cache).__name__}: expected a ConcatCache or StaticCache "
+                         "(ReferenceMPT.new_cache)")
     if len(cache.kv) != cfg.n_layers:
         raise InputError(f"cache has {len(cache.kv)} layers, the model {cfg.n_layers}")
-    k0 = cache.kv[0][0] if cache.kv[0] is not None else None
-    if k0 is not None:
-        want = (B, cfg.n_heads, cfg.head_dim)
-        have = (k0.shape[0], k0.shape[1], k0.shape[3])
+    want = (B, cfg.n_heads, cfg.head_dim)
+    lengths = []
+    for i, entry in enumerate(cache.kv):
+        name = "cache" if i == 0 else f"cache layer {i}"
+        if entry is None:
+            lengths.append(0)
+            continue
+        k, v = entry
+        have = (k.shape[0], k.shape[1], k.shape[3]) if k.dim() == 4 else tuple(k.shape)
         if have != want:
-            raise InputError(f"cache (batch, heads, head_dim) = {have} does not match the input's {want}")
-        if k0.device != input_ids.device:
-            raise InputError(f"cache is on {k0.device} but input_ids are on {input_ids.device}")
-        if k0.dtype != dtype:
-            raise InputError(f"cache dtype {k0.dtype} does not match the model's {dtype}")
-    if not isinstance(cache, StaticCache):
+            raise InputError(f"{name} (batch, heads, head_dim) = {have} does not match the input's {want}")
+        if tuple(v.shape) != tuple(k.shape):
+            raise InputError(f"{name}: value shape {tuple(v.shape)} differs from key shape {tuple(k.shape)}")
+        if k.device != input_ids.device:
+            raise InputError(f"{name} is on {k.device} but input_ids are on {input_ids.device}")
+        if k.dtype != dtype:
+            raise InputError(f"{name} dtype {k.dtype} does not match the model's {dtype}")
+        lengths.append(k.shape[2])
+    if isinstance(cache, ConcatCache):
+        if any(x != lengths[0] for x in lengths):
+            raise InputError(f"cache layers hold {lengths} positions (layer 0 first): every layer must hold "
+                             "the same number (an empty or shorter later layer would give wrong logits)")
         return
+    if any(x != cache.max_len for x in lengths) or len(set(cache.prefilled)) > 1:
+        raise InputError(f"static cache layers of lengths {lengths} and prefilled {cache.prefilled}: every layer "
+                         f"must have max_len={cache.max_len} slots and be prefilled together")
+    # both already well formed (check_positions, before the forward read them)
+    pos = None if token_idx is None else position(token_idx)
+    limit = None if cache_idx is None else position(cache_idx)
     if cache.prefilled[0]:
-        pos = int(token_idx.reshape(-1)[0]) if torch.is_tensor(token_idx) else int(token_idx)
         if not 1 <= pos <= cache.max_len:
             raise InputError(f"token_idx={pos} outside 1..{cache.max_len} (the static cache length)")
         if T != 1:
             raise InputError(f"a static decode step takes 1 token per row, got {T}")
-        if cache_idx is not None and not pos <= int(cache_idx) <= cache.max_len:
-            raise InputError(f"cache_idx={int(cache_idx)} outside {pos}..{cache.max_len} (token_idx..cache length)")
+        if limit is not None and not pos <= limit <= cache.max_len:
+            raise InputError(f"cache_idx={limit} outside {pos}..{cache.max_len} (token_idx..cache length)")
     else:
         if T > cache.max_len:
             raise InputError(f"prefill of {T} tokens exceeds the static cache length {cache.max_len}")
-        if cache_idx is not None and not T <= int(cache_idx) <= cache.max_len:
-            raise InputError(f"cache_idx={int(cache_idx)} outside {T}..{cache.max_len} (prompt length..cache length)")
+        if limit is not None and not T <= limit <= cache.max_len:
+            raise InputError(f"cache_idx={limit} outside {T}..{cache.max_len} (prompt length..cache length)")

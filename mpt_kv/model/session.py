@@ -14,6 +14,8 @@ the way optimum-habana's generation does, which is the protocol of both the refe
 
 from __future__ import annotations
 
+from numbers import Integral
+
 import torch
 
 from mpt_kv.errors import InputError
@@ -40,6 +42,10 @@ class Session:
     def __init__(self, path: str, max_len: int, max_seq_len: int, vocab_size: int):
         if path not in PATHS:
             raise InputError(f"unknown cache path {path!r}: expected one of {PATHS}")
+        if isinstance(max_len, bool) or not isinstance(max_len, Integral):
+            raise InputError(f"cache length max_len={max_len!r} ({type(max_len).__name__}): must be an int in "
+                             f"1..max_seq_len={max_seq_len}")
+        max_len = int(max_len)
         if not 1 <= max_len <= max_seq_len:
             raise InputError(f"cache length max_len={max_len} outside 1..max_seq_len={max_seq_len} "
                              "(ALiBi is built only that far)")
@@ -52,6 +58,9 @@ class Session:
         """(B, S) left-padded prompt, mask 1 = token -> logits (B, S, V)."""
         if self.batch is not None:
             raise InputError("prefill called twice on one session: open a new session per generation")
+        if attention_mask is None:  # the session keeps the mask (padding) for every later step: no default
+            raise InputError(f"prefill attention_mask is None: pass the ({', '.join(map(str, getattr(input_ids, 'shape', ())))}) "
+                             "mask of the prompt, 1 = token, 0 = left padding (torch.ones_like(input_ids) for none)")
         check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len, self.max_len)
         logits = self._prefill(input_ids, attention_mask)
         self.batch, self.device, self.written = input_ids.shape[0], input_ids.device, input_ids.shape[1]
@@ -95,6 +104,8 @@ def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_si
     """A (B, S) prompt of valid ids within max_seq_len (and the cache length `max_len`, if
     any), with a (B, S) bool/integer mask that leaves every row something to attend to.
     Sessions check every prefill with it; adapters' uncached forwards call it too."""
+    if not torch.is_tensor(input_ids):
+        raise InputError(f"input_ids is a {type(input_ids).__name__}: expected a (batch, length) torch.Tensor")
     if input_ids.dim() != 2 or 0 in input_ids.shape:
         raise InputError(f"input_ids shape {tuple(input_ids.shape)}: expected (batch, length), both >= 1")
     B, S = input_ids.shape
@@ -103,9 +114,20 @@ def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_si
     if max_len is not None and S > max_len:
         raise InputError(f"prompt length {S} exceeds the cache length max_len={max_len}")
     check_token_ids(input_ids, vocab_size, "input_ids")
+    if not torch.is_tensor(attention_mask):
+        raise InputError(f"attention_mask is {type(attention_mask).__name__}: expected a ({B}, {S}) tensor, "
+                         "1 = token, 0 = padding")
     if attention_mask.device != input_ids.device:
         raise InputError(f"attention_mask on {attention_mask.device} but input_ids on {input_ids.device}")
     check_mask(attention_mask, (B, S))
+
+
+def check_bucket(bucket, path: str) -> None:
+    """A cache_idx bucket: None, or an int >= 1 on the static path."""
+    if bucket is None:
+        return
+    if isinstance(bucket, bool) or not isinstance(bucket, Integral) or bucket < 1 or path != "static":
+        raise InputError(f"bucket={bucket!r}: buckets need the static path (got {path!r}) and an int size >= 1")
 
 
 class TokenIdxSession(Session):
@@ -114,8 +136,7 @@ class TokenIdxSession(Session):
     def __init__(self, path: str, max_len: int, bucket: int | None = None, sync=lambda: None, *,
                  max_seq_len: int, vocab_size: int):
         super().__init__(path, max_len, max_seq_len, vocab_size)
-        if bucket is not None and (path != "static" or bucket < 1):
-            raise InputError(f"bucket={bucket}: buckets need the static path and a size >= 1")
+        check_bucket(bucket, path)
         self.bucket, self.sync = bucket, sync
 
     def _forward(self, input_ids, mask, token_idx=None, cache_idx=None) -> torch.Tensor:

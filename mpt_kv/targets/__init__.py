@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from mpt_kv.model.config import ModelConfig, random_state_dict
-from mpt_kv.errors import TargetUnavailable, Unsupported
+from mpt_kv.errors import InputError, TargetUnavailable, Unsupported
 from mpt_kv.model.session import Session
 
 PATHS = ("concat", "static")
@@ -63,6 +63,14 @@ class Capabilities:
     cache_pool: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.unsupported, Mapping):
+            raise TypeError(f"Capabilities.unsupported={self.unsupported!r} ({type(self.unsupported).__name__}): "
+                            "give a mapping feature -> reason, e.g. Capabilities({'bf16': 'our kernels are fp32 "
+                            f"only'}}); features: {sorted(FEATURES)}")
+        for name in ("graph_outputs", "cache_pool"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # "no" would be truthy: a declaration must be True or False
+                raise TypeError(f"Capabilities.{name}={value!r} ({type(value).__name__}): must be True or False")
         unknown = sorted(set(self.unsupported) - set(FEATURES))
         if unknown:
             raise ValueError(f"Capabilities.unsupported: unknown features {unknown}; known: {sorted(FEATURES)}")
@@ -75,8 +83,9 @@ class Capabilities:
         """Why `feature` is not implemented, or None if it is (None: nothing needed)."""
         if feature is None:
             return None
-        if feature not in FEATURES:
-            raise ValueError(f"unknown feature {feature!r}; known: {sorted(FEATURES)}")
+        if feature not in FEATURES:  # a session's path reaches here first (Runner.require)
+            raise InputError(f"unknown cache path or feature {feature!r}: the cache paths are {', '.join(PATHS)}; "
+                             f"the features {', '.join(FEATURES)}")
         return self.unsupported.get(feature)
 
 

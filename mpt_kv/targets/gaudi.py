@@ -5,7 +5,7 @@ On a Gaudi machine it is imported normally and `adapt_transformers_to_gaudi()` s
 classes. Elsewhere `import optimum.habana` fails (its `__init__` checks the Synapse version
 and its models package imports habana_frameworks), but the MPT module itself guards its one
 HPU import and runs on CPU: `load_gaudi_mpt_module` registers the parent packages as bare
-namespace modules so their `__init__` never runs, then imports just that module (FACTS.md).
+namespace modules so their `__init__` never runs, then imports just that module (measured on 1.21.2).
 
 Public API (docs/targets.md): `load_gaudi_mpt_module()` returns optimum-habana's MPT module,
 on CPU too (TargetUnavailable with the reason where it cannot); `gaudi_classes(module)` is the
@@ -58,7 +58,7 @@ def load_gaudi_mpt_module():
         except Exception as e:
             raise TargetUnavailable(f"optimum-habana is installed and habana_frameworks imports, but {MPT_MODULE} "
                                     f"fails to import: {type(e).__name__}: {e}") from e
-    # CPU: its package __init__ files need HPU (FACTS.md); the MPT module itself does not
+    # CPU: its package __init__ files need HPU (a Synapse version check, habana_frameworks imports); the MPT module itself does not
     for name, folder in [("optimum.habana", root), ("optimum.habana.transformers", root / "transformers"),
                          ("optimum.habana.transformers.models", root / "transformers" / "models"),
                          ("optimum.habana.transformers.models.mpt", root / "transformers" / "models" / "mpt")]:
