@@ -240,8 +240,10 @@ def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
         pos = int(token_idx.reshape(-1)[0]) if torch.is_tensor(token_idx) else int(token_idx)
         if not 1 <= pos <= cache.max_len:
             raise InputError(f"token_idx={pos} outside 1..{cache.max_len} (the static cache length)")
-        if T != 1:
-            raise InputError(f"a static decode step takes 1 token per row, got {T}")
+        end = int(cache_idx) if cache_idx is not None else cache.max_len
+        if pos - 1 + T > end:
+            raise InputError(f"a static cached call of {T} tokens at token_idx={pos} writes slots {pos - 1}..{pos + T - 2}, "
+                             f"beyond the {end} slots it attends (cache_idx, or the static cache length)")
         if cache_idx is not None and not pos <= int(cache_idx) <= cache.max_len:
             raise InputError(f"cache_idx={int(cache_idx)} outside {pos}..{cache.max_len} (token_idx..cache length)")
     else:
