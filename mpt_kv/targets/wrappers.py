@@ -185,9 +185,23 @@ class TransformersSession(Session):
         self.mask = attention_mask  # bool, int64 or int32, as given: MptForCausalLM accepts each
         return self._forward(input_ids, self.mask)
 
-    def _decode(self, tokens):
-        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        return self._forward(tokens, self.mask)[:, -1]
+    def _extend(self, tokens):
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1]).expand(-1, tokens.shape[1])], dim=1)
+        return self._forward(tokens, self.mask)
+
+    def _crop(self, n):
+        """transformers' own `Cache.crop`: 5.x takes the number of tokens to remove as a negative
+        int (`DynamicLayer.crop` slices, `StaticLayer.crop` moves `cumulative_length` back),
+        4.x the length to keep (`DynamicCache.crop(max_length)`)."""
+        self.mask = self.mask[:, :n].clone()
+        self.cache.crop(n - self.written if transformers_major() >= 5 else n)
+        self.runner.sync()
+
+    def _reorder(self, index):
+        """transformers' own `Cache.reorder_cache(beam_idx)`: `index_select` per layer."""
+        self.mask = self.mask.index_select(0, index)
+        self.cache.reorder_cache(index)
+        self.runner.sync()
 
     def kv(self):
         c = self.cache
