@@ -161,11 +161,25 @@ def ops_from(pick, case: Case, style: str, allowed: set[str], ks: tuple[int, ...
     return tuple(ops)
 
 
+def small_case_from(pick, min_d_model: int = 1) -> Case:
+    """The CPU space of the programs: the operations, not the model, are what is drawn wide, so the
+    model is small (d_model <= 64, 1-2 layers; the properties' own cases cover the wide ones):
+    head counts that are and are not powers of two, 1-3 rows of 1-10 prompt tokens, left-padded."""
+    from mpt_kv.checks.properties import MASK_DTYPES
+
+    n_heads, head_dim = pick.choice([(h, d) for h in (1, 2, 3, 4) for d in (4, 8, 16) if h * d >= min_d_model])
+    batch = pick.integer(1, 3)
+    lens = tuple(pick.integer(1, 10) for _ in range(batch))
+    cfg = ModelConfig(d_model=n_heads * head_dim, n_heads=n_heads, n_layers=pick.integer(1, 2), vocab_size=64,
+                      max_seq_len=pick.choice([32, 64]), clip_qkv=pick.choice([None, None, 4.0]))
+    return Case(cfg, lens, 12, seed=pick.integer(0, 2**16), mask_dtype=pick.choice(MASK_DTYPES))
+
+
 def program_from(pick, device: str, allowed: set[str], dtype=None, capabilities=None, style=None) -> Program:
     from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, HPU_PROMPT_BUCKET, case_from
 
     min_d = BF16_MIN_D_MODEL if dtype == torch.bfloat16 else 1
-    case = case_from(pick, device, False, min_d)
+    case = case_from(pick, device, False, min_d) if device == "hpu" else small_case_from(pick, min_d)
     if capabilities is not None and capabilities.reason("clip_qkv") and case.cfg.clip_qkv is not None:
         case = dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, clip_qkv=None))
     styles = [s for s in STYLES if s == "mixed" or (s == "beam" and "reorder" in allowed)
@@ -498,19 +512,18 @@ def check_operation_memory(runner, c: Context, operation: str) -> list[str]:
         while session.written < written:
             session.decode(torch.randint(0, cfg.vocab_size, (B, 1), generator=g).to(device))
         tokens = torch.randint(0, cfg.vocab_size, (B, MEMORY_EXTEND), generator=g).to(device)
-        index = torch.tensor(MEMORY_BEAM_INDEX, device=device)
         meter.reset_peak()
         before = meter.allocated()
+        op = Op("reorder", index=MEMORY_BEAM_INDEX) if operation == "reorder" else Op("extend", MEMORY_EXTEND)
+        out = run_op(session, op, tokens, "measured", "ops-memory", c, Fed())
         if operation == "reorder":
-            session.reorder(index)
             bound = layer_kv + masks
         else:
-            out = session.extend(tokens)
             shape = shape_of(cfg)
             bound = (TRANSIENT_SLACK * analytic.layer_transients(shape, B, MEMORY_EXTEND, L, s, softmax_itemsize=4)
                      + 2 * analytic.logits_bytes(shape, B, MEMORY_EXTEND, trim=False, itemsize=s)
                      + B * L * (2 * 8 + 4 + 1) + (analytic.kv_cache_bytes(shape, B, L, s) if c.path == "concat" else 0))
-            del out
+        del out
         peak, after = meter.peak(), meter.allocated()
     transient = peak - max(before, after)
     what = f"{operation}" + (f" of {MEMORY_EXTEND} tokens" if operation == "extend" else f" by {list(MEMORY_BEAM_INDEX)}")

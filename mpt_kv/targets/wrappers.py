@@ -111,6 +111,21 @@ class GaudiStyleSession(TokenIdxSession):
         self.past = out.past_key_values
         return out.logits
 
+    def _crop_cache(self, n):
+        """As optimum-habana's `_assisted_decoding`: `past_key_values.crop(n)` (gaudi_generation.py);
+        a tuple/list cache has no crop (AttributeError, as there). The session has already moved
+        token_idx and the mask back."""
+        from mpt_kv.targets.gaudi_generation import assisted_crop
+
+        self.past = assisted_crop(self.past, n)
+
+    def _reorder_cache(self, index):
+        """As optimum-habana's `_beam_search` with reuse_cache off: its own
+        `_temporary_reorder_cache(model, past_key_values, beam_idx)` (gaudi_generation.py)."""
+        from mpt_kv.targets.gaudi_generation import temporary_reorder_cache
+
+        self.past = temporary_reorder_cache(self.runner.model, self.past, index)
+
     def kv(self):
         return [(layer[0], layer[1]) for layer in self.past]
 
