@@ -397,6 +397,7 @@ def compare_paths(c, program, step, concat, concat_logits, static, static_logits
     else:
         judged = [("static", static, static_logits), ("concat", concat, concat_logits)]
         against, ref_logits, ref_kv = "the fp32 twin's concat path", oracle_logits, oracle.kv()
+    check_static_mask(c, program, step, concat, static)
     for path, session, logits in judged:
         if logits is not None:
             assert_close(logits, ref_logits, c.tol(f"logits:{path}"), f"ops-P2 {path} vs {against} logits",
@@ -407,6 +408,25 @@ def compare_paths(c, program, step, concat, concat_logits, static, static_logits
             assert_close(got, want, c.tol(f"kv:{path}"),
                          f"ops-P2 {path} vs {against} cached {name}s (layer, batch, head, position, dim) at written "
                          f"positions [0, {t})", ctx_of(c, program, step=step), where=real)
+
+
+def check_static_mask(c, program, step, concat, static) -> None:
+    """The mask the static path last gave the target: the concat path's on written slots, and off on
+    every slot past them (after a crop, the cropped slots: the mask is the source of truth there, and
+    a decode step of optimum-habana's MPT applies no causal mask of its own)."""
+    t, mask = concat.written, static.mask
+    if mask is None:
+        return
+    if not torch.equal(mask[:, :t].bool(), concat.mask[:, :t].bool()):
+        raise PropertyFailure(f"ops-P2 static mask on the written slots [0, {t}) differs from the concat path's "
+                              f"[{describe(ctx_of(c, program, step=step))}]")
+    ahead = mask[:, t:].bool()
+    if ahead.any():
+        rows, slots = ahead.nonzero(as_tuple=True)
+        raise PropertyFailure(f"ops-P2 static mask after step {step}: {int(ahead.sum())} slots past the {t} written "
+                              f"positions are still switched on (row {int(rows[0])}, slot {t + int(slots[0])}): "
+                              f"stale K/V there are attended by any call that does not mask causally "
+                              f"[{describe(ctx_of(c, program, step=step))}]")
 
 
 # --- ops-P3 --------------------------------------------------------------------------------------------------
@@ -470,9 +490,9 @@ def fail_p3(problems, step, c, program, op: Op | None = None) -> None:
 
 # --- ops-memory ----------------------------------------------------------------------------------------------
 
-# one fixed case per path: 3 layers (a whole-cache copy is 3 x the per-layer bound), 3 rows, a
-# cache of 24 positions, reorders with repeats, an extend of 8 on a filled cache
-MEMORY_CASE = Case(_cfg(4, 8, 3, 64), (8, 5, 7), 16, seed=31)
+# one fixed case per path: 3 layers (a whole-cache copy is 3 x the per-layer bound), 3 rows; a prompt
+# of 16 then the operation: a reorder with repeats, or an extend of 8 to the cache length 24
+MEMORY_CASE = Case(_cfg(4, 8, 3, 64), (16, 12, 14), 8, seed=31)
 MEMORY_BEAM_INDEX = (2, 2, 0)
 MEMORY_EXTEND = 8
 
@@ -491,6 +511,16 @@ def whole_cache_finding(extra: int, layer_bytes: int) -> str:
             "at MPT-7B bf16, each beam step would hold a second whole KV cache: " + "; ".join(rows))
 
 
+def quick_readings(meter):
+    """(allocated, peak, reset_peak) of `meter`. The cpu meter is read from its tracker without the
+    `gc.collect()` of `CpuMeter.allocated()`: nothing here makes reference cycles, and in a large
+    process (the kill matrix) each collection costs a fraction of a second."""
+    tracker = getattr(meter, "tracker", None)
+    if tracker is not None:
+        return (lambda: tracker.live), (lambda: tracker.peak), tracker.reset_peak
+    return meter.allocated, meter.peak, meter.reset_peak
+
+
 def check_operation_memory(runner, c: Context, operation: str) -> list[str]:
     """ops-memory: the transient (peak above the level before and after) of one reorder or one
     k-token extend on a filled cache, measured exactly on CPU (`mpt_kv.memory.meter`)."""
@@ -501,19 +531,19 @@ def check_operation_memory(runner, c: Context, operation: str) -> list[str]:
     cfg, B = case.cfg, case.batch
     ids, mask = case.inputs(device)
     L, s = case.total_len, itemsize(c.dtype)
-    layer_kv = 2 * B * cfg.n_heads * L * cfg.head_dim * s  # one layer's K and V at the full length
     masks = 3 * B * L * 8  # the session's old and new mask, an index
     meter = checked_meter(device)
     with torch.inference_mode(), meter:
         session = runner.session(c.path, L, c.bucket)
         session.prefill(ids, mask)
+        k0, v0 = session.kv()[0]
+        layer_kv = (k0.numel() + v0.numel()) * s  # one layer's K and V as the target stores them now
         g = torch.Generator().manual_seed(case.seed)
-        written = L - MEMORY_EXTEND - 1 if operation == "extend" else L - 1
-        while session.written < written:
-            session.decode(torch.randint(0, cfg.vocab_size, (B, 1), generator=g).to(device))
         tokens = torch.randint(0, cfg.vocab_size, (B, MEMORY_EXTEND), generator=g).to(device)
-        meter.reset_peak()
-        before = meter.allocated()
+        del k0, v0
+        level, peak_of, reset = quick_readings(meter)
+        reset()
+        before = level()
         op = Op("reorder", index=MEMORY_BEAM_INDEX) if operation == "reorder" else Op("extend", MEMORY_EXTEND)
         out = run_op(session, op, tokens, "measured", "ops-memory", c, Fed())
         if operation == "reorder":
@@ -524,7 +554,7 @@ def check_operation_memory(runner, c: Context, operation: str) -> list[str]:
                      + 2 * analytic.logits_bytes(shape, B, MEMORY_EXTEND, trim=False, itemsize=s)
                      + B * L * (2 * 8 + 4 + 1) + (analytic.kv_cache_bytes(shape, B, L, s) if c.path == "concat" else 0))
         del out
-        peak, after = meter.peak(), meter.allocated()
+        peak, after = peak_of(), level()
     transient = peak - max(before, after)
     what = f"{operation}" + (f" of {MEMORY_EXTEND} tokens" if operation == "extend" else f" by {list(MEMORY_BEAM_INDEX)}")
     ctx = describe(c.ctx(operation=operation, before=before, peak=peak, after=after))
