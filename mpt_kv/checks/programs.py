@@ -77,7 +77,7 @@ class Program:
     case: Case
     ops: tuple[Op, ...]
     style: str = "mixed"
-    max_len: int = field(init=False)
+    max_len: int = field(init=False)  # the case's prompt + new_tokens
 
     def __post_init__(self):
         S, B, t, top = self.case.prompt_len, self.case.batch, self.case.prompt_len, self.case.prompt_len
@@ -94,9 +94,12 @@ class Program:
             else:
                 raise ValueError(f"op {i}: unknown kind {op.kind!r}")
             top = max(top, t)
-        if top > self.case.cfg.max_seq_len:
-            raise ValueError(f"program reaches {top} positions, beyond max_seq_len={self.case.cfg.max_seq_len}")
-        object.__setattr__(self, "max_len", top)
+        if top > self.case.total_len:
+            raise ValueError(f"program reaches {top} positions, beyond its cache length {self.case.total_len} "
+                             "(prompt + new_tokens of its case)")
+        # the cache length of every session, and the oracle's padded length: the case's, not the
+        # positions reached, so that programs of one case have one shape (a graph compile each on HPU)
+        object.__setattr__(self, "max_len", self.case.total_len)
 
     def kinds(self) -> set[str]:
         return {op.kind for op in self.ops}
