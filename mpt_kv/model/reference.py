@@ -156,7 +156,8 @@ class ReferenceMPT(nn.Module):
             # a tensor position stays on the device: no host sync, which CUDA/HPU graph capture forbids
             start = token_idx.reshape(-1)[0] - 1 if torch.is_tensor(token_idx) else int(token_idx) - 1
             written = getattr(cache, "written", None)
-            if self.validate and written is not None and int(start) != written:
+            # a token_idx outside the cache is check_cache's message; inside it, it must be written + 1
+            if self.validate and written is not None and 0 <= int(start) < cache.max_len and int(start) != written:
                 raise InputError(f"token_idx={int(start) + 1} writes slot {int(start)}, but the static cache holds "
                                  f"{written} positions of this generation: a cached call must start at token_idx "
                                  f"= {written + 1} (written + 1; crop the cache first to rewrite earlier slots)")
@@ -240,12 +241,12 @@ def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
         pos = int(token_idx.reshape(-1)[0]) if torch.is_tensor(token_idx) else int(token_idx)
         if not 1 <= pos <= cache.max_len:
             raise InputError(f"token_idx={pos} outside 1..{cache.max_len} (the static cache length)")
+        if cache_idx is not None and not pos <= int(cache_idx) <= cache.max_len:
+            raise InputError(f"cache_idx={int(cache_idx)} outside {pos}..{cache.max_len} (token_idx..cache length)")
         end = int(cache_idx) if cache_idx is not None else cache.max_len
         if pos - 1 + T > end:
             raise InputError(f"a static cached call of {T} tokens at token_idx={pos} writes slots {pos - 1}..{pos + T - 2}, "
                              f"beyond the {end} slots it attends (cache_idx, or the static cache length)")
-        if cache_idx is not None and not pos <= int(cache_idx) <= cache.max_len:
-            raise InputError(f"cache_idx={int(cache_idx)} outside {pos}..{cache.max_len} (token_idx..cache length)")
     else:
         if T > cache.max_len:
             raise InputError(f"prefill of {T} tokens exceeds the static cache length {cache.max_len}")
