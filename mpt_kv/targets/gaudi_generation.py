@@ -75,6 +75,13 @@ def temporary_reorder_cache(model, past_key_values, beam_idx):
 
 def assisted_crop(past_key_values, length: int):
     """What optimum-habana's `_assisted_decoding` does to the cache after the candidates are
-    checked: `outputs.past_key_values.crop(new_cur_len - 1)` (a `Cache` method)."""
-    past_key_values.crop(length)
+    checked: `outputs.past_key_values.crop(new_cur_len - 1)` (a `Cache` method; transformers 4.x
+    takes the length to keep, 5.x the number of tokens to remove, as a negative int)."""
+    crop = past_key_values.crop  # a tuple/list cache: AttributeError, as in _assisted_decoding
+    from mpt_kv.targets.wrappers import transformers_major
+
+    if transformers_major() >= 5 and hasattr(past_key_values, "get_seq_length"):
+        crop(length - int(past_key_values.get_seq_length()))
+    else:
+        crop(length)
     return past_key_values
