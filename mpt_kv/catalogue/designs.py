@@ -65,6 +65,21 @@ class StackedConcatCache(ConcatCache):
         self.kv[layer] = (new[0], new[1])
         return self.kv[layer]
 
+    # the stacked buffer is the cache: crop and reorder it, one layer at a time (the old layer goes
+    # before the next is made), and view its halves again
+    def crop(self, n):
+        self._replace(lambda s: s[:, :, :, :n].clone())
+
+    def reorder(self, index):
+        self._replace(lambda s: s.index_select(1, index))
+
+    def _replace(self, new):
+        for layer, s in enumerate(self.stacked):
+            if s is not None:
+                self.kv[layer] = None
+                self.stacked[layer] = s = new(s)
+                self.kv[layer] = (s[0], s[1])
+
 
 class StackedStaticCache(StaticCache):
     def __init__(self, n_layers, batch, n_heads, max_len, head_dim, dtype, device, fill=None):
