@@ -644,9 +644,9 @@ def drawn(check, target, device, dtype, caps, allowed, fed: Fed) -> list[str]:
     ctx = registry._context.get()
     shrink = name in registry.SHRINKING_PROFILES and not (ctx and ctx.expected_to_fail)
     phases = [p for p in profile.phases if p != Phase.shrink or shrink]
-    # half the profile's examples: each program is several cached calls, each checked, and the fixed
-    # beam and speculative programs run every time (ci: 3 drawn + 2 fixed per check)
-    test = settings(profile, max_examples=max(2, profile.max_examples // 2), report_multiple_bugs=False,
+    # a third of the profile's examples: each program is several cached calls, each checked, and the
+    # fixed beam and speculative programs run every time (ci: 2 drawn + 2 fixed per check; thorough: 33 + 2)
+    test = settings(profile, max_examples=max(2, profile.max_examples // 3), report_multiple_bugs=False,
                     print_blob=False, phases=phases)(test)
     test.hypothesis.inner_test._hypothesis_internal_add_digest = \
         f"{check.id}|{registry.target_name(target)}|{device}|{dtype}".encode()
