@@ -178,3 +178,17 @@ def test_on_hpu_programs_feed_few_input_shapes():
         count = int(notes[0].split("distinct input shapes")[0].rsplit(":", 1)[1])
         assert 3 <= count <= programs.HPU_SHAPE_BUDGET, f"{check}: {notes[0]}"
         assert "extend (2, 8)" in notes[0] and "extend (2, 3)" not in notes[0], notes[0]
+
+
+def test_ops_checks_record_their_reach_and_the_shapes_fed():
+    from mpt_kv.checks.registry import RunContext, running
+
+    records = []
+    with running(RunContext(record=lambda name, value: records.append((name, value)))):
+        CHECKS["ops-P1/static"]("reference", "cpu", torch.float32)
+    reach = [v for name, v in records if name == "mpt_kv_reach"]
+    assert {v["check"] for v in reach} == {"ops-P1/static"}
+    assert {v["knobs"]["operation"] for v in reach} == {"extend", "crop", "reorder"}
+    assert {8, 5} <= {v["knobs"]["tokens per cached call"] for v in reach if v["knobs"]["operation"] == "extend"}
+    shapes = [v for name, v in records if name == "mpt_kv_ops_shapes"]
+    assert len(shapes) == 1 and shapes[0]["target"] == "reference" and shapes[0]["shapes"] >= 4, shapes
