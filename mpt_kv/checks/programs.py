@@ -314,10 +314,6 @@ def record_reach(check_id: str | None, program: Program) -> None:
                                                                  else 1, "operation": op.kind}})
 
 
-def program_context(c: Context, program: Program) -> Context:
-    return dataclasses.replace(c, case=program.case)
-
-
 def ctx_of(c: Context, program: Program, **more) -> dict:
     return c.ctx(program=program.describe(), **more)
 
