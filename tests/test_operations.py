@@ -192,3 +192,15 @@ def test_ops_checks_record_their_reach_and_the_shapes_fed():
     assert {8, 5} <= {v["knobs"]["tokens per cached call"] for v in reach if v["knobs"]["operation"] == "extend"}
     shapes = [v for name, v in records if name == "mpt_kv_ops_shapes"]
     assert len(shapes) == 1 and shapes[0]["target"] == "reference" and shapes[0]["shapes"] >= 4, shapes
+
+
+def test_the_packaged_known_failures_name_the_operations_findings():
+    """Each pattern is checked against the real failure in the ohabana env (transformers 4.55.4,
+    optimum-habana 1.21.2) and the cpu env (transformers 5.24), where the shipped test xfails it."""
+    from mpt_kv.targets import known_failures as KF
+
+    ops = [(e.target, e.property, e.path, e.bucket) for e in KF.load() if e.property.startswith("ops-")]
+    assert ops == [("optimum-habana", "ops-P1", "static", True), ("optimum-habana", "ops-P1", None, None),
+                   ("optimum-habana", "ops-P2", None, None), ("optimum-habana", "ops-P3", None, None),
+                   ("optimum-habana", "ops-memory", None, None), ("transformers", "ops-P3", "concat", None),
+                   ("transformers", "ops-P3", "concat", None)]
