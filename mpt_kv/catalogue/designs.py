@@ -65,6 +65,21 @@ class StackedConcatCache(ConcatCache):
         self.kv[layer] = (new[0], new[1])
         return self.kv[layer]
 
+    # the stacked buffer is the cache: crop and reorder it, one layer at a time (the old layer goes
+    # before the next is made), and view its halves again
+    def crop(self, n):
+        self._replace(lambda s: s[:, :, :, :n].clone())
+
+    def reorder(self, index):
+        self._replace(lambda s: s.index_select(1, index))
+
+    def _replace(self, new):
+        for layer, s in enumerate(self.stacked):
+            if s is not None:
+                self.kv[layer] = None
+                self.stacked[layer] = s = new(s)
+                self.kv[layer] = (s[0], s[1])
+
 
 class StackedStaticCache(StaticCache):
     def __init__(self, n_layers, batch, n_heads, max_len, head_dim, dtype, device, fill=None):
@@ -468,3 +483,79 @@ cache_growing_in_blocks = layout_design(
     "torch.cat per token (transformers' DynamicCache); a block of 4 here, so the tiny cases grow often and on "
     "their last step",
     model_with(concat=BlockGrowthConcatCache), BlockGrowthSession)
+
+# --- cache operations: extend, crop, reorder (the ops column, programs.py) -------------------------------
+
+from mpt_kv.targets.reference import ReferenceSession  # noqa: E402  (the session designs below)
+
+class InPlaceReorderConcat(ConcatCache):
+    """Each layer's K and V reordered into their own storage: a gathered copy of one tensor at a time."""
+
+    def reorder(self, index):
+        for k, v in (pair for pair in self.kv if pair is not None):
+            k.copy_(k.index_select(0, index))  # the gather is read whole before a row is written
+            v.copy_(v.index_select(0, index))
+
+
+in_place_per_layer_reorder = design(
+    "in_place_per_layer_reorder",
+    "the concat cache reorders its rows in place, layer by layer, tensor by tensor (the static path already "
+    "does): the storage never moves and the transient is one tensor",
+    "optimum-habana's llama `reorder_kv_cache` (reuse_cache): index_copy_ of a gathered copy into each layer's "
+    "preallocated KVCache (models/llama/modeling_llama.py, 1.21)",
+    model_with(concat=InPlaceReorderConcat))
+
+
+class UntrackedStaticCache(StaticCache):
+    """Keeps no count of its positions, as optimum-habana's MPT cache (a [key, value] list): where the
+    next write goes is token_idx alone, so a crop is the session moving token_idx back and masking
+    the cropped slots again."""
+
+    written = property(lambda self: None, lambda self, value: None)
+
+    def crop(self, n):
+        pass  # nothing to do: the slots past n are masked by the session and overwritten by the next call
+
+
+crop_by_moving_token_idx_back = design(
+    "crop_by_moving_token_idx_back",
+    "the static cache keeps no length: a crop is token_idx moved back and the cropped slots masked again; "
+    "their stale K/V stay in the buffer until overwritten",
+    "optimum-habana's static (token_idx) path, where the position lives in the generation loop; transformers' "
+    "StaticLayer.crop moves cumulative_length back the same way without touching keys and values",
+    model_with(static=UntrackedStaticCache))
+
+
+class ChunkedPrefillSession(ReferenceSession):
+    """The prompt goes in as two chunks: a prefill of the first half, then ONE cached call of the rest."""
+
+    def _prefill(self, input_ids, attention_mask):
+        S = input_ids.shape[1]
+        # every row needs a token in the first chunk (left padding: a row all padding has nothing to attend)
+        c = max(S // 2, int((~attention_mask.bool()).sum(dim=1).max()) + 1)
+        if c >= S:
+            return super()._prefill(input_ids, attention_mask)
+        if self.path == "concat":
+            first = self._forward(input_ids[:, :c], attention_mask[:, :c])
+            rest = self._forward(input_ids[:, c:], attention_mask)
+            self.mask = attention_mask
+        else:
+            # as the bucketed path: the first chunk prefilled into a cache of max_len slots, then the
+            # rest at token_idx c + 1 over the whole buffer, under the full-length mask
+            self.mask = torch.zeros(attention_mask.shape[0], self.max_len, dtype=attention_mask.dtype,
+                                    device=attention_mask.device)
+            self.mask[:, :S] = attention_mask
+            first = self._forward(input_ids[:, :c], attention_mask[:, :c], torch.tensor([c], device=input_ids.device))
+            rest = self._forward(input_ids[:, c:], self.mask, torch.tensor([c + 1], device=input_ids.device))
+        self.sync()
+        return torch.cat([first, rest], dim=1)
+
+
+chunked_prefill = runner_factory("chunked_prefill", ReferenceMPT, ChunkedPrefillSession)
+DESIGNS["chunked_prefill"] = Design(
+    "chunked_prefill",
+    "the prompt is prefilled in two chunks: a prefill of the first part, then one cached call of the rest "
+    "(causal inside the chunk, over the first chunk's cache)",
+    "chunked prefill (vLLM's enable_chunked_prefill, transformers' generate with prefill_chunk_size): long "
+    "prompts in pieces, each a multi-token cached call",
+    chunked_prefill)

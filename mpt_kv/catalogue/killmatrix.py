@@ -93,6 +93,24 @@ def check_memory(runner, reference, c):
     ceilings.check_memory(runner, c)
 
 
+def check_operations(runner, reference, c):
+    """The ops column: the fixed beam and speculative programs (programs.FIXED, on the case's model)
+    through ops-P1 and ops-P3 on every path and ops-P2 on the static ones, then the transient of a
+    reorder (ops-memory) on the concat and static paths."""
+    from mpt_kv.checks import programs
+
+    for fixed in programs.FIXED.values():
+        program = programs.Program(dataclasses.replace(fixed.case, cfg=c.case.cfg), fixed.ops, fixed.style)
+        pc = dataclasses.replace(c, case=program.case)
+        programs.check_program_cached(runner, pc, program)
+        programs.check_program_aliasing(runner, pc, program)
+        if c.path == "static":
+            programs.check_program_static_concat(runner, pc, program)
+    if c.bucket is None:
+        memory = dataclasses.replace(programs.MEMORY_CASE, cfg=c.case.cfg)
+        programs.check_operation_memory(runner, dataclasses.replace(c, case=memory), "reorder")
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -109,6 +127,7 @@ CHECKS = {c.name: c for c in (
     Check("P4", "all", lambda r, ref, c: P.check_outputs_not_reused(r, c)),
     Check("static-shape", "static", lambda r, ref, c: static_shape.check_static_shape(r, c)),
     Check("memory", "all", check_memory),
+    Check("ops", "all", check_operations),
 )}
 assert tuple(CHECKS) == COLUMNS
 

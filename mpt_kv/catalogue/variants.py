@@ -30,8 +30,9 @@ from mpt_kv.model.reference import Attention, ReferenceMPT
 from mpt_kv.targets.reference import ReferenceSession
 
 # The kill-matrix columns (killmatrix.CHECKS): P0-P4 from properties.py (P4: outputs not
-# reused), static-shape from static_shape.py, memory from ceilings.py.
-COLUMNS = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory")
+# reused), static-shape from static_shape.py, memory from ceilings.py, ops (extend, crop and
+# reorder programs: ops-P1/P2/P3 and the reorder transient) from programs.py.
+COLUMNS = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory", "ops")
 
 
 @dataclass(frozen=True)
@@ -590,3 +591,136 @@ block_growth_beyond_one_block = variant(
     "positions need: up to three blocks of slack per layer where one is declared",
     "growth by a factor or a margin on top of the block (capacity = needed + 2 blocks), as growable arrays do",
     ["memory"], concat=ThreeBlocksCapacityCache, session=BlockGrowthSession)
+
+# --- cache operations: extend, crop, reorder (the ops column, programs.py) -------------------------------
+
+class KeysOnlyReorderConcat(ConcatCache):
+    def reorder(self, index):
+        for layer, (k, v) in enumerate(self.kv):
+            self.kv[layer] = (k.index_select(0, index), v)  # the values stay with the old rows
+
+
+class KeysOnlyReorderStatic(StaticCache):
+    def reorder(self, index):
+        for ck, _ in self.kv:
+            ck.copy_(ck.index_select(0, index))
+
+
+reorder_keys_only = variant(
+    "reorder_keys_only",
+    "a beam reorder takes the keys' rows from the index but leaves the values where they were",
+    "two caches per layer and one index_select line; a reorder test with the identity index passes",
+    ["ops"], concat=KeysOnlyReorderConcat, static=KeysOnlyReorderStatic)
+
+
+class RowByRowReorderStatic(StaticCache):
+    def reorder(self, index):
+        for ck, cv in self.kv:
+            for b, j in enumerate(index.tolist()):  # row b may read row j < b, already overwritten
+                ck[b] = ck[j]
+                cv[b] = cv[j]
+
+
+class RowByRowReorderConcat(ConcatCache):
+    def reorder(self, index):
+        for k, v in (pair for pair in self.kv if pair is not None):
+            for b, j in enumerate(index.tolist()):
+                k[b] = k[j]
+                v[b] = v[j]
+
+
+in_place_reorder_reads_overwritten_rows = variant(
+    "in_place_reorder_reads_overwritten_rows",
+    "the in-place reorder copies row index[b] into row b one row at a time: a row it reads may already "
+    "hold another beam",
+    "an in-place reorder written to spare the second buffer (llama's reorder_kv_cache does it right, "
+    "with index_copy_ of a gathered copy)",
+    ["ops"], concat=RowByRowReorderConcat, static=RowByRowReorderStatic)
+
+
+class StaleSlotsCropSession(ReferenceSession):
+    """Crop moves the position back but leaves the cropped slots' mask on (static path)."""
+
+    def _crop(self, n):
+        if self.path == "concat":
+            return super()._crop(n)
+        self._crop_cache(n)  # no `self.mask[:, n:] = 0`: the rejected candidates stay attended
+
+
+crop_leaves_mask_ahead = variant(
+    "crop_leaves_mask_ahead",
+    "a static crop moves token_idx back but leaves the cropped slots switched on in the mask: the rejected "
+    "candidates' K/V stay attended",
+    "assisted decoding on a static cache: `cumulative_length` (transformers' StaticLayer.crop) or token_idx is "
+    "moved back, the mask is not",
+    ["ops"], session=StaleSlotsCropSession)
+
+
+class NoLengthStaticCache(StaticCache):
+    """A static cache that keeps no count of its positions, and a crop that does nothing to it."""
+
+    written = property(lambda self: None, lambda self, value: None)
+
+    def crop(self, n):
+        pass
+
+
+class AheadPositionSession(ReferenceSession):
+    """The next write position is a counter of its own that crop does not move back."""
+
+    def _extend(self, tokens):
+        self.position = getattr(self, "position", self.written) + tokens.shape[1]
+        written, self.written = self.written, self.position - tokens.shape[1]
+        try:
+            return super()._extend(tokens)
+        finally:
+            self.written = written
+
+
+crop_leaves_token_idx_ahead = variant(
+    "crop_leaves_token_idx_ahead",
+    "after a crop the static path keeps writing at the old position (token_idx ahead): the cropped slots stay "
+    "masked and the new tokens land past them, at the wrong ALiBi distance",
+    "a generation loop that advances token_idx on its own and forgets to move it back after the assistant's "
+    "candidates are rejected",
+    ["ops"], session=AheadPositionSession, static=NoLengthStaticCache)
+
+
+class NoCausalChunkAttention(Attention):
+    def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
+        filled = cache is not None and (cache.prefilled[layer] if isinstance(cache, StaticCache)
+                                        else cache.kv[layer] is not None)
+        if filled and x.shape[1] > 1:
+            mask = mask[:, :, -1:].expand_as(mask)  # every query sees the chunk's last row: its later tokens too
+        return super().forward(x, mask, bias, cache, layer, token_idx, cache_idx)
+
+
+extend_without_causal_chunk_mask = variant(
+    "extend_without_causal_chunk_mask",
+    "a k-token cached call masks padding and never-written slots but not causality inside the chunk: each "
+    "candidate sees the ones after it",
+    "a decode-step mask (one query row) broadcast over k queries; measured 5.47 from the uncached logits "
+    "(issue 16), and no one-token check can see it",
+    ["ops"], attention=NoCausalChunkAttention)
+
+
+class WholeCopyReorderConcat(ConcatCache):
+    def reorder(self, index):
+        new = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]  # all before any goes
+        self.kv = new
+
+
+class WholeCopyReorderStatic(StaticCache):
+    def reorder(self, index):
+        copies = [(ck.index_select(0, index), cv.index_select(0, index)) for ck, cv in self.kv]
+        for (ck, cv), (k, v) in zip(self.kv, copies):
+            ck.copy_(k)
+            cv.copy_(v)
+
+
+reorder_through_whole_cache_copy = variant(
+    "reorder_through_whole_cache_copy",
+    "a reorder gathers every layer's new K and V before the old ones go: a second whole cache per beam step",
+    "the legacy `_reorder_cache` of transformers' and optimum-habana's models: tuple(tuple(past.index_select(0, "
+    "beam_idx) ...) for layer_past in past) builds the whole new tuple while the old one is alive",
+    ["ops"], concat=WholeCopyReorderConcat, static=WholeCopyReorderStatic)

@@ -57,7 +57,7 @@ from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
 from mpt_kv.targets import Capabilities, ResolvedTarget, Runner, Target, required_features, resolve_target, target_name
 
-PROPERTIES = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory")
+PROPERTIES = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory", "ops-P1", "ops-P2", "ops-P3", "ops-memory")
 BUCKET = 4          # P1-P3 and static-shape: with 5 + 6 tokens, bucketed decode crosses a boundary
 MEMORY_BUCKET = 8   # the memory configs' bucket (mpt_kv.checks.ceilings.CONFIGS)
 # 3 heads, clip_qkv, a left-padded row, 6 decode steps (bucket 4 crosses a boundary)
@@ -212,6 +212,10 @@ class Check:
         require(name, caps, self.features(device, dtype))
         if self.property == "memory":
             notes = self._memory(target, device, dtype, ceilings)
+        elif self.property.startswith("ops-"):  # drawn programs of cache operations (programs.py)
+            from mpt_kv.checks import programs
+
+            notes = programs.run_check(self, target, device, dtype, caps)
         elif self.property == "static-shape":
             notes = self.run_case(target, device, dtype, without_clip(STATIC_SHAPE_CASE, caps))
         elif self.edge:
@@ -237,6 +241,10 @@ class Check:
         declares no fp32), so each bf16 path carries one rounding error, not two."""
         target = resolve_target(target)  # public: a spec string, a factory or already resolved
         device, dtype = torch.device(device), as_dtype(dtype)
+        if self.property.startswith("ops-"):  # `case` is a programs.Program (hypothesis prints it)
+            from mpt_kv.checks import programs
+
+            return programs.run_program(self, target, device, dtype, case, programs.Fed())
         features = [*self.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
         require(target.name, target.capabilities(device, dtype), features)
         runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
@@ -392,6 +400,21 @@ def _build_registry() -> dict[str, Check]:
         for config in C.CONFIGS:
             out.append(Check(f"memory/{path_label(path, bucket)}/{config.id}", "memory", path, bucket, config,
                              doc="retained = KV cache, bounded decode transients, nothing leaks; stored ceilings"))
+    # cache operations over drawn programs (programs.py, docs/operations.md)
+    for path, bucket in paths:
+        out.append(Check(f"ops-P1/{path_label(path, bucket)}", "ops-P1", path, bucket,
+                         doc="after every decode, extend, crop and reorder of a drawn program, the logits equal a "
+                             "full forward over each row's surviving history"))
+    for path, bucket in paths[1:]:
+        out.append(Check(f"ops-P2/{path_label(path, bucket)}", "ops-P2", path, bucket,
+                         doc="static and concat agree after the same program: logits and K/V at written positions"))
+    for path, bucket in paths:
+        out.append(Check(f"ops-P3/{path_label(path, bucket)}", "ops-P3", path, bucket,
+                         doc="no cached K/V pins storage beyond the cache after a crop or reorder"))
+    for path, bucket in (("concat", None), ("static", None), ("static", MEMORY_BUCKET)):
+        for operation in ("reorder", "extend"):
+            out.append(Check(f"ops-memory/{path_label(path, bucket)}/{operation}", "ops-memory", path, bucket,
+                             doc=f"the transient of a {operation} is bounded per layer, not a whole-cache copy"))
     return {c.id: c for c in out}
 
 

@@ -22,11 +22,15 @@ def check_size(what: str, value, low: int = 1) -> int:
 
 
 class ConcatCache:
-    """Dynamic cache: prefill stores clones, each decode step `torch.cat`s one position on.
+    """Dynamic cache: prefill stores clones, each cached call `torch.cat`s its T positions on.
 
-    The cat allocates a new (B, H, t+1, hd) tensor while the old one is still alive, so a
+    The cat allocates a new (B, H, t+T, hd) tensor while the old one is still alive, so a
     decode step transiently holds the cache twice (the transformers issue "forward pass consumes 2x
-    memory than required in Attention module when `use_cache=True`")."""
+    memory than required in Attention module when `use_cache=True`").
+
+    `crop(n)` keeps the first n positions as copies (a slice would keep the cropped tail's
+    storage alive); `reorder(index)` takes rows from `index` one layer at a time, so the
+    transient is one layer's K and V, never a second whole cache (docs/operations.md)."""
 
     kind = "concat"
 
@@ -45,14 +49,33 @@ class ConcatCache:
             self.kv[layer] = (torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2))
         return self.kv[layer]
 
+    def crop(self, n: int) -> None:
+        """Keep positions [0, n) of every layer (transformers' `DynamicCache.crop`, but copied)."""
+        for layer, pair in enumerate(self.kv):
+            if pair is not None:
+                self.kv[layer] = (pair[0][:, :, :n].clone(), pair[1][:, :, :n].clone())
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row b of the cache becomes row index[b] (beam search; repeats allowed), layer by layer."""
+        for layer, pair in enumerate(self.kv):
+            if pair is not None:
+                self.kv[layer] = (pair[0].index_select(0, index), pair[1].index_select(0, index))
+
 
 class StaticCache:
     """Preallocated (B, H, max_len, hd) per layer, as optimum-habana's `token_idx` path.
 
-    Prefill copies its T positions into [0, T) and attends over its own k, v. A decode step
-    writes position `token_idx - 1` with `index_copy_` (no allocation, storage never moves:
+    Prefill copies its T positions into [0, T) and attends over its own k, v. A cached call of
+    T tokens (a decode step: T = 1; an extend, a chunk of a prompt: T = k) writes positions
+    [token_idx - 1, token_idx - 1 + T) with `index_copy_` (no allocation, storage never moves:
     what HPU and CUDA graphs need) and attends over the whole buffer, or over its first
-    `cache_idx` positions (bucketed lengths), under the attention mask."""
+    `cache_idx` positions (bucketed lengths), under the attention mask.
+
+    `written` counts the positions that hold this generation's tokens: the model sets it (the
+    prefill to its token_idx, or T; each cached call to token_idx - 1 + T) and rejects a cached
+    call that does not start there. `crop(n)` moves it back (the slots past n are masked again
+    by the caller's mask: the mask is the source of truth); `reorder(index)` permutes the rows in
+    place, one tensor at a time (storage never moves)."""
 
     kind = "static"
 
@@ -74,6 +97,7 @@ class StaticCache:
         self.kv = [(alloc(), alloc()) for _ in range(n_layers)]
         self.prefilled = [False] * n_layers
         self.max_len = max_len
+        self.written = 0
 
     def update(self, layer, k, v, token_idx=None, cache_idx=None):
         ck, cv = self.kv[layer]
@@ -85,8 +109,26 @@ class StaticCache:
             return k, v
         if token_idx is None:
             raise InputError("StaticCache decode needs token_idx (1-based position of the new token)")
-        ck.index_copy_(2, token_idx - 1, k)
-        cv.index_copy_(2, token_idx - 1, v)
+        slots = write_slots(token_idx, k.shape[2])
+        ck.index_copy_(2, slots, k)
+        cv.index_copy_(2, slots, v)
         if cache_idx is not None:
             return ck[:, :, :cache_idx], cv[:, :, :cache_idx]
         return ck, cv
+
+    def crop(self, n: int) -> None:
+        self.written = n
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for ck, cv in self.kv:
+            ck.copy_(ck.index_select(0, index))  # the copy is read whole before any row is written
+            cv.copy_(cv.index_select(0, index))
+
+
+def write_slots(token_idx, T: int) -> torch.Tensor:
+    """The slots a cached call of T tokens at 1-based `token_idx` writes: [token_idx - 1, + T).
+    A tensor token_idx stays on its device (no host sync: graph capture forbids one)."""
+    if not torch.is_tensor(token_idx):
+        token_idx = torch.tensor([int(token_idx)])
+    start = token_idx.reshape(-1)[:1] - 1
+    return start + torch.arange(T, device=token_idx.device)

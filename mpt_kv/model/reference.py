@@ -133,19 +133,38 @@ class ReferenceMPT(nn.Module):
         padding = ~attention_mask[:, :K].bool()                         # (B, K)
         mask = future[None, None] | padding[:, None, None, :]          # (B, 1, T, K) True = masked
 
+        prefill = isinstance(cache, StaticCache) and not cache.prefilled[0]
         x = self.transformer.wte(input_ids)                            # (B, T, D)
         for i, block in enumerate(self.transformer.blocks):
             x = block(x, mask, self.alibi, cache, i, token_idx, cache_idx)
+        if isinstance(cache, StaticCache):
+            # the positions that now hold this generation's tokens. Read on the host only while
+            # validating: under graph capture (validate off) a host sync is forbidden, so untracked
+            if not self.validate:
+                cache.written = None
+            elif prefill:  # its token_idx: where a prompt right-padded to the cache length ends
+                cache.written = T if token_idx is None else int(torch.as_tensor(token_idx).reshape(-1)[0])
+            else:
+                cache.written = int(start) + T
         x = self.transformer.norm_f(x)
         return x @ self.transformer.wte.weight.T                       # (B, T, V), lm_head tied
 
     def _positions(self, T, cache, token_idx, cache_idx):
-        """(first query position, number of keys attended) for this call."""
+        """(first query position, number of keys attended) for this call. A static cached call
+        (a decode step, T = 1, or an extend of T tokens) must start where this generation's
+        tokens end (`StaticCache.written`): one that starts earlier would silently overwrite them
+        (crop first to rewrite them), one that starts later would leave slots never written."""
         if isinstance(cache, StaticCache) and cache.prefilled[0]:
             if token_idx is None:
-                raise InputError("a decode step on a StaticCache needs token_idx (1-based position)")
+                raise InputError("a cached call on a StaticCache needs token_idx (1-based position)")
             # a tensor position stays on the device: no host sync, which CUDA/HPU graph capture forbids
             start = token_idx.reshape(-1)[0] - 1 if torch.is_tensor(token_idx) else int(token_idx) - 1
+            written = getattr(cache, "written", None)
+            # a token_idx outside the cache is check_cache's message; inside it, it must be written + 1
+            if self.validate and written is not None and 0 <= int(start) < cache.max_len and int(start) != written:
+                raise InputError(f"token_idx={int(start) + 1} writes slot {int(start)}, but the static cache holds "
+                                 f"{written} positions of this generation: a cached call must start at token_idx "
+                                 f"= {written + 1} (written + 1; crop the cache first to rewrite earlier slots)")
             return start, int(cache_idx) if cache_idx is not None else cache.max_len
         past = cache.length() if isinstance(cache, ConcatCache) else 0
         return past, past + T
@@ -323,10 +342,12 @@ def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
     if cache.prefilled[0]:
         if not 1 <= pos <= cache.max_len:
             raise InputError(f"token_idx={pos} outside 1..{cache.max_len} (the static cache length)")
-        if T != 1:
-            raise InputError(f"a static decode step takes 1 token per row, got {T}")
         if limit is not None and not pos <= limit <= cache.max_len:
             raise InputError(f"cache_idx={limit} outside {pos}..{cache.max_len} (token_idx..cache length)")
+        end = limit if limit is not None else cache.max_len
+        if pos - 1 + T > end:
+            raise InputError(f"a static cached call of {T} tokens at token_idx={pos} writes slots {pos - 1}..{pos + T - 2}, "
+                             f"beyond the {end} slots it attends (cache_idx, or the static cache length)")
     else:
         if T > cache.max_len:
             raise InputError(f"prefill of {T} tokens exceeds the static cache length {cache.max_len}")

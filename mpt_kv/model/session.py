@@ -1,7 +1,9 @@
 """One generation's cache state, driven the same way on every target.
 
 A `Session` is what the properties talk to: `prefill` a left-padded prompt, `decode` one
-token per row, look at the live cache tensors with `kv()`. `TokenIdxSession` drives a model
+token per row, `extend` k tokens per row in one cached call, `crop` back to n positions,
+`reorder` the rows (beam search), look at the live cache tensors with `kv()`
+(docs/operations.md). `TokenIdxSession` drives a model
 the way optimum-habana's generation does, which is the protocol of both the reference and
 `GaudiMptForCausalLM`:
 
@@ -26,10 +28,11 @@ PATHS = ("concat", "static")
 
 
 class Session:
-    """`prefill` and `decode` check their input here, once for every target, before the target
-    sees it: transformers' MPT crashes deep inside torch on a token id past the vocabulary or a
-    length past max_seq_len, and silently accepts a short or float mask. Subclasses implement
-    `_prefill` and `_decode`."""
+    """`prefill`, `decode`, `extend`, `crop` and `reorder` check their input here, once for every
+    target, before the target sees it: transformers' MPT crashes deep inside torch on a token id
+    past the vocabulary or a length past max_seq_len, and silently accepts a short or float mask.
+    Subclasses implement `_prefill` and `_extend` (k tokens -> (B, k, V); `_decode` is its last
+    position unless overridden), and `_crop` and `_reorder` where they support them."""
 
     path: str
     max_len: int       # cache length this generation was opened with
@@ -68,25 +71,86 @@ class Session:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, 1) next token of every row -> logits (B, V)."""
-        if self.batch is None:
-            raise InputError("decode before prefill: the cache holds nothing yet")
-        if self.written >= self.max_len:
-            raise InputError(f"decode at position {self.written} is beyond the cache length max_len={self.max_len}")
+        self._check_cached_call(tokens, "decode")
         if tuple(tokens.shape) != (self.batch, 1):
             raise InputError(f"decode tokens shape {tuple(tokens.shape)}: expected ({self.batch}, 1), one token "
                              f"per row of the cache (batch {self.batch})")
-        if tokens.device != self.device:
-            raise InputError(f"decode tokens on {tokens.device} but the cache is on {self.device}")
-        check_token_ids(tokens, self.vocab_size, "decode tokens")
         logits = self._decode(tokens)
         self.written += 1
         return logits
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, k) next k tokens of every row, k >= 1, in ONE cached call -> logits (B, k, V).
+        What assisted decoding's verification step and a chunked prefill do: k new positions on
+        a filled cache, causal inside the chunk."""
+        self._check_cached_call(tokens, "extend")
+        if tokens.dim() != 2 or tokens.shape[0] != self.batch or tokens.shape[1] < 1:
+            raise InputError(f"extend tokens shape {tuple(tokens.shape)}: expected ({self.batch}, k), k >= 1 tokens "
+                             f"per row of the cache (batch {self.batch})")
+        k = tokens.shape[1]
+        if self.written + k > self.max_len:
+            raise InputError(f"extend of {k} tokens at position {self.written} ends at {self.written + k}, beyond the "
+                             f"cache length max_len={self.max_len} (max_seq_len={self.max_seq_len})")
+        logits = self._extend(tokens)
+        self.written += k
+        return logits
+
+    def crop(self, n: int) -> None:
+        """Keep the first n positions, 1 <= n <= written (assisted decoding after a rejected
+        candidate; `DynamicCache.crop`); `written` and `mask` follow."""
+        if self.batch is None:
+            raise InputError("crop before prefill: the cache holds nothing yet")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.written:
+            raise InputError(f"crop to n={n!r}: expected an int in 1..{self.written} (the positions written)")
+        self._crop(n)
+        self.written = n
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row b of the cache becomes row index[b] (beam search's `beam_idx`): a (B,) int64
+        index on the cache's device, each entry in 0..B-1, repeats allowed; `mask` follows."""
+        if self.batch is None:
+            raise InputError("reorder before prefill: the cache holds nothing yet")
+        if not torch.is_tensor(index) or index.dtype != torch.int64:
+            raise InputError(f"reorder index {type(index).__name__ if not torch.is_tensor(index) else index.dtype}: "
+                             "expected a torch.int64 tensor")
+        if tuple(index.shape) != (self.batch,):
+            raise InputError(f"reorder index shape {tuple(index.shape)}: expected ({self.batch},), one source row per "
+                             f"row of the cache")
+        if index.device != self.device:
+            raise InputError(f"reorder index on {index.device} but the cache is on {self.device}")
+        if int(index.min()) < 0 or int(index.max()) >= self.batch:
+            raise InputError(f"reorder index out of range [0, {self.batch}): min {int(index.min())}, "
+                             f"max {int(index.max())}")
+        self._reorder(index)
+
+    def _check_cached_call(self, tokens: torch.Tensor, what: str) -> None:
+        if self.batch is None:
+            raise InputError(f"{what} before prefill: the cache holds nothing yet")
+        if self.written >= self.max_len:
+            raise InputError(f"{what} at position {self.written} is beyond the cache length max_len={self.max_len}")
+        if not torch.is_tensor(tokens):
+            raise InputError(f"{what} tokens: expected a tensor, got {type(tokens).__name__}")
+        if tokens.device != self.device:
+            raise InputError(f"{what} tokens on {tokens.device} but the cache is on {self.device}")
+        check_token_ids(tokens, self.vocab_size, f"{what} tokens")
 
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self._extend(tokens)[:, -1]
+
+    def _extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no _extend: implement it, or declare "
+                                  "Capabilities(unsupported={'extend': <why>})")
+
+    def _crop(self, n: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no _crop: implement it, or declare "
+                                  "Capabilities(unsupported={'crop': <why>})")
+
+    def _reorder(self, index: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no _reorder: implement it, or declare "
+                                  "Capabilities(unsupported={'reorder': <why>})")
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The live cached (key, value) of every layer, (B, H, T, hd), as the target stores them."""
@@ -158,21 +222,45 @@ class TokenIdxSession(Session):
         self.sync()
         return logits
 
-    def _decode(self, tokens):
-        t = self.written
+    def _extend(self, tokens):
+        """k tokens in one call: concat feeds them with the mask k longer; static writes slots
+        [t, t + k) at token_idx = t + 1 (optimum-habana: `token_idx` is where the chunk starts,
+        the mask switched on for those slots), bucketed: over the first cache_idx slots, rounded up."""
+        t, k = self.written, tokens.shape[1]
         if self.path == "concat":
-            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1]).expand(-1, k)], dim=1)
             logits = self._forward(tokens, self.mask)
         else:
-            self.mask[:, t] = 1
+            self.mask[:, t:t + k] = 1
             token_idx = torch.tensor([t + 1], device=tokens.device)
             if self.bucket is None:
                 logits = self._forward(tokens, self.mask, token_idx)
             else:
-                cache_idx = min(-(-(t + 1) // self.bucket) * self.bucket, self.max_len)
+                cache_idx = min(-(-(t + k) // self.bucket) * self.bucket, self.max_len)
                 logits = self._forward(tokens, self.mask[:, :cache_idx], token_idx, cache_idx)
         self.sync()
-        return logits[:, -1]
+        return logits
+
+    def _crop(self, n):
+        """The mask first (static: slots past n masked again, the mask is the source of truth),
+        then the target's cache (`_crop_cache`)."""
+        if self.path == "concat":
+            self.mask = self.mask[:, :n].clone()
+        else:
+            self.mask[:, n:] = 0
+        self._crop_cache(n)
+        self.sync()
+
+    def _reorder(self, index):
+        self.mask = self.mask.index_select(0, index)
+        self._reorder_cache(index)
+        self.sync()
+
+    def _crop_cache(self, n: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no _crop_cache")
+
+    def _reorder_cache(self, index: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no _reorder_cache")
 
 
 def pad_right(x: torch.Tensor, length: int, value: int) -> torch.Tensor:

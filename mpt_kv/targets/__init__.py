@@ -43,6 +43,9 @@ FEATURES = {
     "cpu": "the cpu device",
     "cuda": "the cuda device",
     "hpu": "the hpu (Gaudi) device",
+    "extend": "Session.extend: k tokens per row in one cached call (assisted decoding, chunked prefill)",
+    "crop": "Session.crop: keep the first n positions (assisted decoding after rejected candidates)",
+    "reorder": "Session.reorder: rows taken from a (B,) index, repeats allowed (beam search)",
 }
 
 
@@ -160,9 +163,11 @@ def target_name(target: Target) -> str:
 
 
 def required_features(path: str | None = None, bucket: int | None = None, dtype: torch.dtype | None = None,
-                      device=None, clip_qkv: float | None = None) -> list[str]:
-    """The Capabilities features a case needs: its cache path, buckets, dtype, device kind, clip_qkv."""
+                      device=None, clip_qkv: float | None = None, operations=()) -> list[str]:
+    """The Capabilities features a case needs: its cache path, buckets, dtype, device kind, clip_qkv,
+    and the Session operations it calls ("extend", "crop", "reorder")."""
     out = [path] if path else []
+    out += list(operations)
     if bucket:
         out.append("bucket")
     if dtype is not None:

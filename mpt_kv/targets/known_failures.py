@@ -28,7 +28,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 FILE = Path(__file__).with_name("known_failures.json")
-PROPERTIES = ("P0", "P1", "P2", "P3", "memory", "static-shape")
+PROPERTIES = ("P0", "P1", "P2", "P3", "memory", "static-shape", "ops-P1", "ops-P2", "ops-P3", "ops-memory")
 PATHS = ("concat", "static")
 REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}
 OPTIONAL = {"path": str, "bucket": bool, "when": dict}

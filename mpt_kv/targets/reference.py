@@ -20,6 +20,12 @@ class ReferenceSession(TokenIdxSession):
             cache_idx = None  # the prefill attends over its own tokens; the buffer is already max_len
         return self.model(input_ids, mask, self.cache, token_idx, cache_idx)
 
+    def _crop_cache(self, n):
+        self.cache.crop(n)      # concat: copies of [0, n); static: `written` moves back (cache.py)
+
+    def _reorder_cache(self, index):
+        self.cache.reorder(index)  # one layer at a time; static: in place
+
     def kv(self):
         return list(self.cache.kv)
 

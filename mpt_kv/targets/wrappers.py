@@ -111,6 +111,21 @@ class GaudiStyleSession(TokenIdxSession):
         self.past = out.past_key_values
         return out.logits
 
+    def _crop_cache(self, n):
+        """As optimum-habana's `_assisted_decoding`: `past_key_values.crop(n)` (gaudi_generation.py);
+        a tuple/list cache has no crop (AttributeError, as there). The session has already moved
+        token_idx and the mask back."""
+        from mpt_kv.targets.gaudi_generation import assisted_crop
+
+        self.past = assisted_crop(self.past, n)
+
+    def _reorder_cache(self, index):
+        """As optimum-habana's `_beam_search` with reuse_cache off: its own
+        `_temporary_reorder_cache(model, past_key_values, beam_idx)` (gaudi_generation.py)."""
+        from mpt_kv.targets.gaudi_generation import temporary_reorder_cache
+
+        self.past = temporary_reorder_cache(self.runner.model, self.past, index)
+
     def kv(self):
         return [(layer[0], layer[1]) for layer in self.past]
 
@@ -185,9 +200,23 @@ class TransformersSession(Session):
         self.mask = attention_mask  # bool, int64 or int32, as given: MptForCausalLM accepts each
         return self._forward(input_ids, self.mask)
 
-    def _decode(self, tokens):
-        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        return self._forward(tokens, self.mask)[:, -1]
+    def _extend(self, tokens):
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1]).expand(-1, tokens.shape[1])], dim=1)
+        return self._forward(tokens, self.mask)
+
+    def _crop(self, n):
+        """transformers' own `Cache.crop`: 5.x takes the number of tokens to remove as a negative
+        int (`DynamicLayer.crop` slices, `StaticLayer.crop` moves `cumulative_length` back),
+        4.x the length to keep (`DynamicCache.crop(max_length)`)."""
+        self.mask = self.mask[:, :n].clone()
+        self.cache.crop(n - self.written if transformers_major() >= 5 else n)
+        self.runner.sync()
+
+    def _reorder(self, index):
+        """transformers' own `Cache.reorder_cache(beam_idx)`: `index_select` per layer."""
+        self.mask = self.mask.index_select(0, index)
+        self.cache.reorder_cache(index)
+        self.runner.sync()
 
     def kv(self):
         c = self.cache

@@ -1,0 +1,665 @@
+"""Properties over drawn programs of cache operations: the roads beam search, assisted
+(speculative) decoding and chunked prefill take through the cache (docs/operations.md).
+
+A `Program` is a prefill, then a list of `Op`s: one-token decodes, k-token extends (k 2-8, one
+cached call), crops back by 1-k positions, and reorders of the rows by a drawn index (identity,
+a permutation, repeats as beams do). Drawn in three styles: beam (a decode then a reorder every
+step), speculative (extend k, crop back part of it, decode the bonus token) and mixed; every
+program ends with a logits-producing call, so the effect of a last crop or reorder is checked.
+Tokens are teacher-forced (seeded), not greedy: the properties do not need the model's choice.
+
+After every operation:
+ops-P1      the logits equal an uncached forward over each row's surviving token history (the
+            oracle follows the same crops and reorders on the history and on each row's padding);
+ops-P2      static = concat after the same program: logits, and K/V at every written position;
+            never-written static slots are poisoned after the prefill and again after every crop
+            (the slots past n must be masked again: the mask is the source of truth there);
+ops-P3      no cached K/V shares storage with mixed_qkv or pins a per-step temporary
+            (properties.aliasing_problems), and a crop or reorder pins no bytes beyond the cache
+            that were not pinned before it (a crop by slicing keeps the cropped tail alive);
+ops-memory  the transient of a reorder is at most one layer's K and V (a whole-cache copy is a
+            finding, with its bytes at the seed's MPT-7B configs), and the transient of a
+            k-token extend is bounded like a decode step's, with k queries.
+
+The uncached oracle runs on the history right-padded to the program's cache length (the model
+is causal: right padding does not reach earlier positions), so it is ONE input shape per
+program: on HPU every new shape is a graph compile. HPU programs take k from `HPU_EXTEND_KS`;
+each check notes how many distinct input shapes it fed the target (`shapes fed`).
+
+A target whose operation raises (not an `InputError` of mpt-kv's own Session checks) fails the
+property with the exception named: beam search or assisted decoding would crash at that step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
+from mpt_kv.checks.properties import (Case, Context, WqkvCapture, aliasing_problems, fresh_memory_holds_nan,
+                                      poison_unwritten, twin_of)
+from mpt_kv.checks.results import copied, snapshot
+from mpt_kv.checks.storages import covered_bytes, storage_key
+from mpt_kv.errors import Unsupported
+from mpt_kv.model.config import ModelConfig
+from mpt_kv.model.session import pad_right
+
+OPERATIONS = ("extend", "crop", "reorder")  # the Capabilities features; decode is always there
+EXTEND_KS = tuple(range(2, 9))
+HPU_EXTEND_KS = (4, 8)       # bucketed: every k is a graph compile on HPU
+HPU_OPS_NEW_TOKENS = 16      # cache length on HPU: the 128-token prompt + 16
+HPU_SHAPE_BUDGET = 12        # distinct input shapes one ops check may feed a target on HPU (tests/test_operations.py)
+STYLES = ("beam", "speculative", "mixed")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str                    # "decode" | "extend" | "crop" | "reorder"
+    k: int = 1                   # decode: 1; extend: tokens in the call; crop: positions removed
+    index: tuple[int, ...] = ()  # reorder: row b takes row index[b]
+
+    def describe(self) -> str:
+        if self.kind == "extend":
+            return f"extend {self.k}"
+        if self.kind == "crop":
+            return f"crop -{self.k}"
+        if self.kind == "reorder":
+            return f"reorder {list(self.index)}"
+        return "decode"
+
+
+@dataclass(frozen=True)
+class Program:
+    """A prefill of `case`'s prompt into a cache of `max_len` positions, then `ops`."""
+
+    case: Case
+    ops: tuple[Op, ...]
+    style: str = "mixed"
+    max_len: int = field(init=False)  # the case's prompt + new_tokens
+
+    def __post_init__(self):
+        S, B, t, top = self.case.prompt_len, self.case.batch, self.case.prompt_len, self.case.prompt_len
+        for i, op in enumerate(self.ops):
+            if op.kind in ("decode", "extend"):
+                t += op.k
+            elif op.kind == "crop":
+                if not 1 <= op.k <= t - S:
+                    raise ValueError(f"op {i} ({op.describe()}): crops into the prompt or past position 0 at {t}")
+                t -= op.k
+            elif op.kind == "reorder":
+                if len(op.index) != B or not all(0 <= j < B for j in op.index):
+                    raise ValueError(f"op {i} ({op.describe()}): expected {B} rows in 0..{B - 1}")
+            else:
+                raise ValueError(f"op {i}: unknown kind {op.kind!r}")
+            top = max(top, t)
+        if top > self.case.total_len:
+            raise ValueError(f"program reaches {top} positions, beyond its cache length {self.case.total_len} "
+                             "(prompt + new_tokens of its case)")
+        # the cache length of every session, and the oracle's padded length: the case's, not the
+        # positions reached, so that programs of one case have one shape (a graph compile each on HPU)
+        object.__setattr__(self, "max_len", self.case.total_len)
+
+    def kinds(self) -> set[str]:
+        return {op.kind for op in self.ops}
+
+    def tokens(self, step: int, k: int, device) -> torch.Tensor:
+        """The (B, k) tokens op `step` feeds: seeded by the case's seed and the step."""
+        g = torch.Generator().manual_seed(self.case.seed * 1009 + step)
+        return torch.randint(0, self.case.cfg.vocab_size, (self.case.batch, k), generator=g).to(device)
+
+    def describe(self) -> str:
+        return f"{self.style}: prefill, " + ", ".join(op.describe() for op in self.ops) + f" (cache length {self.max_len})"
+
+
+# --- drawing programs --------------------------------------------------------------------------------------
+
+def beam_index(pick, batch: int) -> tuple[int, ...]:
+    """Identity, a permutation, or rows drawn with repeats (beams that survive twice)."""
+    kind = pick.choice(["identity", "permutation", "repeats"])
+    if kind == "identity":
+        return tuple(range(batch))
+    if kind == "permutation":
+        rows = list(range(batch))
+        for i in range(batch - 1, 0, -1):  # Fisher-Yates with drawn choices (shrinks towards identity)
+            j = pick.integer(0, i)
+            rows[i], rows[j] = rows[j], rows[i]
+        return tuple(rows)
+    return tuple(sorted(pick.integer(0, batch - 1) for _ in range(batch)))
+
+
+def ops_from(pick, case: Case, style: str, allowed: set[str], ks: tuple[int, ...], n_ops: int,
+             room: int) -> tuple[Op, ...]:
+    """Up to `n_ops` groups of operations of `style` that fit in `room` positions after the prompt,
+    ending with a decode or an extend (so the last crop or reorder is checked)."""
+    ops, t, S = [], 0, case.prompt_len  # t: positions past the prompt
+    for _ in range(n_ops):
+        if style == "beam":
+            group = ["decode", "reorder"]
+        elif style == "speculative":
+            group = ["extend", "crop", "decode"]
+        else:
+            group = [pick.choice(["decode", *sorted(allowed)])]
+        for kind in group:
+            if kind not in allowed and kind != "decode":
+                continue
+            if kind == "decode" and t + 1 <= room:
+                ops.append(Op("decode"))
+                t += 1
+            elif kind == "extend":
+                fits = [k for k in ks if t + k <= room]
+                if fits:
+                    k = pick.choice(fits)
+                    ops.append(Op("extend", k))
+                    t += k
+            elif kind == "crop" and t >= 1:
+                last = ops[-1].k if ops and ops[-1].kind == "extend" else t
+                ops.append(Op("crop", pick.integer(1, min(last, t))))
+                t -= ops[-1].k
+            elif kind == "reorder":
+                ops.append(Op("reorder", index=beam_index(pick, case.batch)))
+    if t + 1 <= room and (not ops or ops[-1].kind in ("crop", "reorder")):
+        ops.append(Op("decode"))
+    return tuple(ops)
+
+
+def small_case_from(pick, min_d_model: int = 1) -> Case:
+    """The CPU space of the programs: the operations, not the model, are what is drawn wide, so the
+    model is small (d_model <= 64, 1-2 layers; the properties' own cases cover the wide ones):
+    head counts that are and are not powers of two, 1-3 rows of 1-10 prompt tokens, left-padded."""
+    from mpt_kv.checks.properties import MASK_DTYPES
+
+    n_heads, head_dim = pick.choice([(h, d) for h in (1, 2, 3, 4) for d in (4, 8, 16) if h * d >= min_d_model])
+    batch = pick.integer(1, 3)
+    lens = tuple(pick.integer(1, 10) for _ in range(batch))
+    cfg = ModelConfig(d_model=n_heads * head_dim, n_heads=n_heads, n_layers=pick.integer(1, 2), vocab_size=64,
+                      max_seq_len=pick.choice([32, 64]), clip_qkv=pick.choice([None, None, 4.0]))
+    return Case(cfg, lens, 12, seed=pick.integer(0, 2**16), mask_dtype=pick.choice(MASK_DTYPES))
+
+
+def program_from(pick, device: str, allowed: set[str], dtype=None, capabilities=None, style=None) -> Program:
+    from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, HPU_PROMPT_BUCKET, case_from
+
+    min_d = BF16_MIN_D_MODEL if dtype == torch.bfloat16 else 1
+    case = case_from(pick, device, False, min_d) if device == "hpu" else small_case_from(pick, min_d)
+    if capabilities is not None and capabilities.reason("clip_qkv") and case.cfg.clip_qkv is not None:
+        case = dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, clip_qkv=None))
+    styles = [s for s in STYLES if s == "mixed" or (s == "beam" and "reorder" in allowed)
+              or (s == "speculative" and {"extend", "crop"} <= allowed)]
+    style = style or pick.choice(styles)
+    if device == "hpu":
+        room, ks = HPU_OPS_NEW_TOKENS, HPU_EXTEND_KS
+        cfg = dataclasses.replace(case.cfg, max_seq_len=max(case.cfg.max_seq_len, HPU_PROMPT_BUCKET + room))
+        case = dataclasses.replace(case, cfg=cfg, new_tokens=room)
+    else:
+        room, ks = max(case.new_tokens, 12), EXTEND_KS
+        room = min(room, case.cfg.max_seq_len - case.prompt_len)
+        if room < 1:  # the drawn prompt fills max_seq_len: make room for the program
+            cfg = dataclasses.replace(case.cfg, max_seq_len=case.cfg.max_seq_len + 12)
+            case, room = dataclasses.replace(case, cfg=cfg), 12
+        case = dataclasses.replace(case, new_tokens=room)
+    ops = ops_from(pick, case, style, allowed, ks, pick.integer(2, 5), room)
+    return Program(case, ops, style)
+
+
+def programs(device: str = "cpu", allowed: set[str] = frozenset(OPERATIONS), dtype=None, capabilities=None):
+    """Hypothesis strategy of `Program`s using only the `allowed` operations."""
+    from hypothesis import strategies as st
+
+    from mpt_kv.checks.strategies import HypothesisPicks
+
+    @st.composite
+    def draw(d):
+        return program_from(HypothesisPicks(d), device, set(allowed), dtype, capabilities)
+
+    return draw()
+
+
+def _cfg(n_heads, head_dim, n_layers, max_seq_len, clip_qkv=None):
+    return ModelConfig(d_model=n_heads * head_dim, n_heads=n_heads, n_layers=n_layers, vocab_size=64,
+                       max_seq_len=max_seq_len, clip_qkv=clip_qkv)
+
+
+# Every run reaches both styles, whatever hypothesis draws: a beam search of 3 beams (a reorder every
+# step: a permutation, repeats, identity) and an assisted decoding (extend k, crop, bonus token).
+FIXED = {
+    "beam": Program(Case(_cfg(3, 8, 2, 32), (5, 3, 4), 8, seed=21), (
+        Op("decode"), Op("reorder", index=(2, 0, 1)), Op("decode"), Op("reorder", index=(1, 1, 0)),
+        Op("decode"), Op("reorder", index=(0, 1, 2)), Op("decode"), Op("reorder", index=(2, 2, 2)), Op("decode")),
+        "beam"),
+    "speculative": Program(Case(_cfg(2, 8, 2, 32), (6, 2), 14, seed=22), (
+        Op("extend", 5), Op("crop", 3), Op("decode"), Op("extend", 8), Op("crop", 1), Op("decode"),
+        Op("extend", 2), Op("crop", 2), Op("decode")), "speculative"),
+}
+HPU_FIXED = {
+    "beam": Program(Case(_cfg(4, 32, 1, 256), (128, 60), 16, seed=21), (
+        Op("decode"), Op("reorder", index=(1, 0)), Op("decode"), Op("reorder", index=(1, 1)), Op("decode")), "beam"),
+    "speculative": Program(Case(_cfg(4, 32, 1, 256), (128, 60), 16, seed=22), (
+        Op("extend", 8), Op("crop", 3), Op("decode"), Op("extend", 4), Op("crop", 4), Op("decode")), "speculative"),
+}
+
+
+def fixed_programs(device: str, allowed: set[str]) -> list[Program]:
+    chosen = HPU_FIXED if device == "hpu" else FIXED
+    return [p for p in chosen.values() if p.kinds() - {"decode"} <= allowed]
+
+
+# --- running a program --------------------------------------------------------------------------------------
+
+class Fed:
+    """The distinct input shapes a check fed one target (on HPU each is a graph compile)."""
+
+    def __init__(self):
+        self.shapes: set[tuple] = set()
+
+    def add(self, call: str, t: torch.Tensor) -> None:
+        self.shapes.add((call, tuple(t.shape)))
+
+
+class History:
+    """Each row's surviving tokens and padding (the oracle's input), following every operation."""
+
+    def __init__(self, ids, mask):
+        self.ids, self.mask = ids, mask
+
+    def apply(self, op: Op, tokens):
+        if op.kind in ("decode", "extend"):
+            self.ids = torch.cat([self.ids, tokens], dim=1)
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1]).expand(-1, tokens.shape[1])], dim=1)
+        elif op.kind == "crop":
+            self.ids, self.mask = self.ids[:, :-op.k], self.mask[:, :-op.k]
+        elif op.kind == "reorder":
+            index = torch.tensor(op.index, device=self.ids.device)
+            self.ids, self.mask = self.ids[index], self.mask[index]
+
+    def padded(self, length: int):
+        """(ids, mask) right-padded to `length`: one oracle shape per program."""
+        return pad_right(self.ids, length, 0), pad_right(self.mask, length, 0)
+
+
+def run_op(session, op: Op, tokens, step, what: str, c: Context, fed: Fed):
+    """One operation on the target's live session; logits (B, k, V) copied at once, or None. A
+    target that raises fails the property, the exception named (module doc)."""
+    from mpt_kv.errors import InputError
+
+    live = getattr(session, "live", session)
+    try:
+        if op.kind == "decode":
+            fed.add("decode", tokens)
+            return snapshot(live.decode(tokens))[:, None]
+        if op.kind == "extend":
+            fed.add("extend", tokens)
+            return snapshot(live.extend(tokens))
+        if op.kind == "crop":
+            live.crop(live.written - op.k)
+        else:
+            live.reorder(torch.tensor(op.index, device=live.device))
+        return None
+    except (PropertyFailure, Unsupported, InputError):
+        raise
+    except Exception as e:  # noqa: BLE001  the target's own operation crashed
+        raise PropertyFailure(f"{what}: the target's {op.kind} raised {type(e).__name__}: {e} at step {step} "
+                              f"({op.describe()}) [{describe(c.ctx(step=step, operation=op.kind))}]") from e
+
+
+def record_reach(check_id: str | None, program: Program) -> None:
+    from mpt_kv.checks.registry import record
+
+    if check_id is None:
+        return
+    for op in program.ops:
+        if op.kind != "decode":
+            record("mpt_kv_reach", {"check": check_id, "knobs": {"tokens per cached call": op.k if op.kind == "extend"
+                                                                 else 1, "operation": op.kind}})
+
+
+def ctx_of(c: Context, program: Program, **more) -> dict:
+    return c.ctx(program=program.describe(), **more)
+
+
+# --- ops-P1 --------------------------------------------------------------------------------------------------
+
+def check_program_cached(runner, c: Context, program: Program, fed: Fed | None = None) -> list[str]:
+    """ops-P1: after every operation the logits equal an uncached forward over the surviving history."""
+    fed = fed or Fed()
+    runner, twin = copied(runner), twin_of(c)
+    oracle_runner = twin or runner
+    ids, mask = program.case.inputs(c.device)
+    L = program.max_len
+    tol = c.tol(f"logits:{c.path}")
+    against = "full forward" if twin is None else "the fp32 twin's full forward"
+    with torch.inference_mode(), fresh_memory_holds_nan():
+        session = runner.session(c.path, L, c.bucket)
+        fed.add("prefill", ids)
+        prefill = session.prefill(ids, mask)
+        history = History(ids, mask)
+
+        def oracle():
+            pid, pmask = history.padded(L)
+            fed.add("uncached", pid)
+            return oracle_runner.logits(pid, pmask)
+
+        full = oracle()
+        S = ids.shape[1]
+        assert_close(prefill, full[:, :S], tol, f"ops-P1 prefill logits vs {against}",
+                     ctx_of(c, program, step="prefill"), where=mask.bool()[:, :, None])
+        for step, op in enumerate(program.ops):
+            tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
+            out = run_op(session, op, tokens, step, "ops-P1", c, fed)
+            history.apply(op, tokens)
+            if out is None:
+                continue
+            t = history.ids.shape[1]
+            full = oracle()
+            assert_close(out, full[:, t - op.k:t], tol,
+                         f"ops-P1 {op.describe()} logits (batch, query, vocab) vs {against} over each row's "
+                         f"surviving history (positions {t - op.k}..{t - 1})", ctx_of(c, program, step=step))
+    return c.notes
+
+
+# --- ops-P2 --------------------------------------------------------------------------------------------------
+
+def check_program_static_concat(runner, c: Context, program: Program, fed: Fed | None = None) -> list[str]:
+    """ops-P2: the static path and the concat path run the same program; after every operation
+    their logits and their K/V at every written position agree (bf16: each against the fp32
+    twin's concat path). Never-written static slots are poisoned after the prefill and every crop."""
+    fed = fed or Fed()
+    runner, twin = copied(runner), twin_of(c)
+    ids, mask = program.case.inputs(c.device)
+    L = program.max_len
+    with torch.inference_mode(), fresh_memory_holds_nan():
+        concat, static = runner.session("concat", L), runner.session("static", L, c.bucket)
+        oracle = None if twin is None else twin.session("concat", L)
+        fed.add("prefill", ids)
+        outs = [concat.prefill(ids, mask), static.prefill(ids, mask)]
+        poison_unwritten(static.live)
+        o = None if oracle is None else oracle.prefill(ids, mask)
+        compare_paths(c, program, "prefill", concat, outs[0], static, outs[1], oracle, o, where=mask.bool()[:, :, None])
+        for step, op in enumerate(program.ops):
+            tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
+            a = run_op(concat, op, tokens, step, "ops-P2 (concat)", c, fed)
+            b = run_op(static, op, tokens, step, "ops-P2 (static)", c, fed)
+            o = None if oracle is None else run_op(oracle, op, tokens, step, "ops-P2 (fp32 twin)", c, Fed())
+            if op.kind == "crop":
+                poison_unwritten(static.live)  # the cropped slots [n, old written) must be masked again
+            compare_paths(c, program, f"{step} ({op.describe()})", concat, a, static, b, oracle, o)
+    return c.notes
+
+
+def compare_paths(c, program, step, concat, concat_logits, static, static_logits, oracle=None, oracle_logits=None,
+                  where=None) -> None:
+    t = concat.written
+    real = concat.mask[:, :t].bool()[None, :, None, :, None]  # (1, B, 1, t, 1): tokens, not padding
+    if oracle is None:
+        judged, against, ref_logits, ref_kv = [("static", static, static_logits)], "concat", concat_logits, concat.kv()
+    else:
+        judged = [("static", static, static_logits), ("concat", concat, concat_logits)]
+        against, ref_logits, ref_kv = "the fp32 twin's concat path", oracle_logits, oracle.kv()
+    check_static_mask(c, program, step, concat, static)
+    for path, session, logits in judged:
+        if logits is not None:
+            assert_close(logits, ref_logits, c.tol(f"logits:{path}"), f"ops-P2 {path} vs {against} logits",
+                         ctx_of(c, program, step=step), where=where)
+        kv = session.kv()
+        for i, name in enumerate(("key", "value")):
+            got, want = (torch.stack([pair[i][:, :, :t] for pair in x]) for x in (kv, ref_kv))
+            assert_close(got, want, c.tol(f"kv:{path}"),
+                         f"ops-P2 {path} vs {against} cached {name}s (layer, batch, head, position, dim) at written "
+                         f"positions [0, {t})", ctx_of(c, program, step=step), where=real)
+
+
+def check_static_mask(c, program, step, concat, static) -> None:
+    """The mask the static path last gave the target: the concat path's on written slots, and off on
+    every slot past them (after a crop, the cropped slots: the mask is the source of truth there, and
+    a decode step of optimum-habana's MPT applies no causal mask of its own)."""
+    t, mask = concat.written, static.mask
+    if mask is None:
+        return
+    if not torch.equal(mask[:, :t].bool(), concat.mask[:, :t].bool()):
+        raise PropertyFailure(f"ops-P2 static mask on the written slots [0, {t}) differs from the concat path's "
+                              f"[{describe(ctx_of(c, program, step=step))}]")
+    ahead = mask[:, t:].bool()
+    if ahead.any():
+        rows, slots = ahead.nonzero(as_tuple=True)
+        raise PropertyFailure(f"ops-P2 static mask after step {step}: {int(ahead.sum())} slots past the {t} written "
+                              f"positions are still switched on (row {int(rows[0])}, slot {t + int(slots[0])}): "
+                              f"stale K/V there are attended by any call that does not mask causally "
+                              f"[{describe(ctx_of(c, program, step=step))}]")
+
+
+# --- ops-P3 --------------------------------------------------------------------------------------------------
+
+def pinned_by_storage(kv) -> dict[int, tuple[int, list[str]]]:
+    """storage identity -> (bytes of it no cached tensor reaches, the cached tensors in it)."""
+    tensors: dict[int, list] = {}
+    for layer, pair in enumerate(kv):
+        for name, t in zip(("key", "value"), pair):
+            tensors.setdefault(storage_key(t), []).append((layer, name, t))
+    out = {}
+    for key, ts in tensors.items():
+        nbytes = ts[0][2].untyped_storage().nbytes()
+        out[key] = (nbytes - covered_bytes(nbytes, [t for _, _, t in ts]),
+                    [f"layer {layer} {name} {tuple(t.shape)}" for layer, name, t in ts], nbytes)
+    return out
+
+
+def check_program_aliasing(runner, c: Context, program: Program, fed: Fed | None = None) -> list[str]:
+    """ops-P3: after every operation, `aliasing_problems`; after a crop or reorder, no storage of
+    the cached K/V pins more bytes beyond the cache than it did before the operation."""
+    fed = fed or Fed()
+    ids, mask = program.case.inputs(c.device)
+    capture = WqkvCapture(runner.wqkv_modules())
+    try:
+        with torch.inference_mode():
+            session = runner.session(c.path, program.max_len, c.bucket)
+            fed.add("prefill", ids)
+            session.prefill(ids, mask)
+            problems, storages = aliasing_problems(session.kv(), capture.outputs, {}, "prefill", last=not program.ops)
+            fail_p3(problems, "prefill", c, program)
+            for step, op in enumerate(program.ops):
+                tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
+                before = pinned_by_storage(session.kv())
+                run_op(session, op, tokens, step, "ops-P3", c, fed)
+                kv = session.kv()
+                problems, storages = aliasing_problems(kv, capture.outputs, storages, f"{step} ({op.describe()})",
+                                                       last=step == len(program.ops) - 1)
+                if op.kind in ("crop", "reorder"):
+                    for key, (pinned, names, nbytes) in pinned_by_storage(kv).items():
+                        was = before.get(key, (0,))[0]
+                        if pinned > was:
+                            problems.append(f"after {op.describe()}, {' and '.join(names[:4])} "
+                                            f"{'pin' if len(names) > 1 else 'pins'} {pinned - was} bytes beyond the "
+                                            f"cache (its storage holds {nbytes} bytes, {pinned} of them unreached by "
+                                            f"the cached tensors; {was} before the {op.kind})"
+                                            + (": a crop by slicing keeps the cropped tail alive" if op.kind == "crop"
+                                               else ""))
+                fail_p3(problems, step, c, program, op)
+    finally:
+        capture.close()
+    return c.notes
+
+
+def fail_p3(problems, step, c, program, op: Op | None = None) -> None:
+    if problems:
+        what = "prefill" if op is None else op.kind
+        raise PropertyFailure(f"ops-P3 cache aliasing after {what} (step {step}): " + "; ".join(problems)
+                              + f" [{describe(ctx_of(c, program, step=step, operation=what))}]")
+
+
+# --- ops-memory ----------------------------------------------------------------------------------------------
+
+# one fixed case per path: 3 layers (a whole-cache copy is 3 x the per-layer bound), 3 rows; a prompt
+# of 16 then the operation: a reorder with repeats, or an extend of 8 to the cache length 24
+MEMORY_CASE = Case(_cfg(4, 8, 3, 64), (16, 12, 14), 8, seed=31)
+MEMORY_BEAM_INDEX = (2, 2, 0)
+MEMORY_EXTEND = 8
+
+
+def whole_cache_finding(extra: int, layer_bytes: int) -> str:
+    """What a whole-cache copy per reorder costs at the seed's MPT-7B configs (bf16)."""
+    from mpt_kv.memory import analytic
+
+    shape, rows = analytic.PRESETS["mpt-7b"], []
+    for row in analytic.SEED_TABLE:
+        if row.version != "after":
+            continue
+        whole = analytic.kv_cache_bytes(shape, row.batch, row.max_input + row.max_new, analytic.SEED_ITEMSIZE)
+        rows.append(f"batch {row.batch}, {row.max_input} + {row.max_new} tokens: {whole / analytic.GiB:.2f} GiB")
+    return (f"a whole-cache copy: {extra} bytes above the per-layer bound ({layer_bytes} bytes, one layer's K and V); "
+            "at MPT-7B bf16, each beam step would hold a second whole KV cache: " + "; ".join(rows))
+
+
+def quick_readings(meter):
+    """(allocated, peak, reset_peak) of `meter`. The cpu meter is read from its tracker without the
+    `gc.collect()` of `CpuMeter.allocated()`: nothing here makes reference cycles, and in a large
+    process (the kill matrix) each collection costs a fraction of a second."""
+    tracker = getattr(meter, "tracker", None)
+    if tracker is not None:
+        return (lambda: tracker.live), (lambda: tracker.peak), tracker.reset_peak
+    return meter.allocated, meter.peak, meter.reset_peak
+
+
+def check_operation_memory(runner, c: Context, operation: str) -> list[str]:
+    """ops-memory: the transient (peak above the level before and after) of one reorder or one
+    k-token extend on a filled cache, measured exactly on CPU (`mpt_kv.memory.meter`)."""
+    from mpt_kv.checks.ceilings import TRANSIENT_SLACK, checked_meter, itemsize, shape_of
+    from mpt_kv.memory import analytic
+
+    case, device = c.case, torch.device(c.device)
+    cfg, B = case.cfg, case.batch
+    ids, mask = case.inputs(device)
+    L, s = case.total_len, itemsize(c.dtype)
+    masks = 3 * B * L * 8  # the session's old and new mask, an index
+    meter = checked_meter(device)
+    with torch.inference_mode(), meter:
+        session = runner.session(c.path, L, c.bucket)
+        session.prefill(ids, mask)
+        k0, v0 = session.kv()[0]
+        layer_kv = (k0.numel() + v0.numel()) * s  # one layer's K and V as the target stores them now
+        g = torch.Generator().manual_seed(case.seed)
+        tokens = torch.randint(0, cfg.vocab_size, (B, MEMORY_EXTEND), generator=g).to(device)
+        del k0, v0
+        level, peak_of, reset = quick_readings(meter)
+        reset()
+        before = level()
+        op = Op("reorder", index=MEMORY_BEAM_INDEX) if operation == "reorder" else Op("extend", MEMORY_EXTEND)
+        out = run_op(session, op, tokens, "measured", "ops-memory", c, Fed())
+        if operation == "reorder":
+            bound = layer_kv + masks
+        else:
+            shape = shape_of(cfg)
+            bound = (TRANSIENT_SLACK * analytic.layer_transients(shape, B, MEMORY_EXTEND, L, s, softmax_itemsize=4)
+                     + 2 * analytic.logits_bytes(shape, B, MEMORY_EXTEND, trim=False, itemsize=s)
+                     + B * L * (2 * 8 + 4 + 1) + (analytic.kv_cache_bytes(shape, B, L, s) if c.path == "concat" else 0))
+        del out
+        peak, after = peak_of(), level()
+    transient = peak - max(before, after)
+    what = f"{operation}" + (f" of {MEMORY_EXTEND} tokens" if operation == "extend" else f" by {list(MEMORY_BEAM_INDEX)}")
+    ctx = describe(c.ctx(operation=operation, before=before, peak=peak, after=after))
+    if transient > bound:
+        finding = whole_cache_finding(transient - bound, layer_kv) if operation == "reorder" else (
+            f"{transient - bound} bytes above the bound of a cached call with {MEMORY_EXTEND} queries")
+        raise PropertyFailure(f"ops-memory {what}: transient {transient} bytes > bound {bound} bytes: {finding} [{ctx}]")
+    return [f"ops-memory {what}: transient {transient} bytes, bound {bound} ({transient / bound:.2f} of it) [{ctx}]"]
+
+
+# --- the registry's checks -----------------------------------------------------------------------------------
+
+PROPERTY_FUNCTIONS = {"ops-P1": check_program_cached, "ops-P2": check_program_static_concat,
+                      "ops-P3": check_program_aliasing}
+
+
+def allowed_operations(name: str, caps) -> set[str]:
+    """The operations the target implements; Unsupported (its reasons) when it implements none."""
+    allowed = {op for op in OPERATIONS if caps.reason(op) is None}
+    if not allowed:
+        raise Unsupported(f"{name}: " + "; ".join(f"{op}: {caps.reason(op)}" for op in OPERATIONS))
+    return allowed
+
+
+def run_program(check, target, device, dtype, program: Program, fed: Fed) -> list[str]:
+    """One program of `check` (an ops-P1/P2/P3 registry check) on a fresh runner of `target`."""
+    from mpt_kv.checks import properties as P
+    from mpt_kv.checks.registry import capabilities, require, runner_for
+    from mpt_kv.model.config import random_state_dict
+    from mpt_kv.targets import build, target_name
+
+    case = program.case
+    features = [*check.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
+    require(target_name(target), capabilities(target, device, dtype), features)
+    runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
+    c = Context(target_name(target), device.type, dtype, case, check.path, check.bucket)
+    if check.property in ("ops-P1", "ops-P2") and dtype != torch.float32:
+        twin = target if runner.capabilities.reason("fp32") is None else "reference"
+        c.fp32 = build(twin, case.cfg, P.rounded_state_dict(random_state_dict(case.cfg, seed=case.seed), dtype),
+                       device, torch.float32)
+    notes = PROPERTY_FUNCTIONS[check.property](runner, c, program, fed)
+    record_reach(check.id, program)
+    return list(notes)
+
+
+def run_check(check, target, device, dtype, caps) -> list[str]:
+    """The registry's entry point for the ops properties: the fixed beam and speculative programs,
+    then hypothesis's drawn ones (mpt-kv's profile, as the other drawn checks); ops-memory runs its
+    fixed case. Notes: the distinct input shapes fed to the target, and the unsupported operations."""
+    from mpt_kv.targets import target_name
+
+    name = target_name(target)
+    if check.property == "ops-memory":
+        return run_memory(check, target, device, dtype)
+    allowed = allowed_operations(name, caps)
+    fed, notes = Fed(), []
+    for program in fixed_programs(device.type, allowed):
+        notes += run_program(check, target, device, dtype, program, fed)
+    notes += drawn(check, target, device, dtype, caps, allowed, fed)
+    missing = [f"{op} ({caps.reason(op)})" for op in OPERATIONS if op not in allowed]
+    if missing:
+        notes.append(f"{check.id}: {name} declares unsupported: {', '.join(missing)}: not drawn, its other "
+                     "operations ran")
+    notes.append(f"{check.id}: shapes fed {name} on {device.type}: {len(fed.shapes)} distinct input shapes "
+                 f"({', '.join(f'{call} {shape}' for call, shape in sorted(fed.shapes))})")
+    from mpt_kv.checks.registry import record
+
+    record("mpt_kv_ops_shapes", {"check": check.id, "target": name, "device": device.type, "shapes": len(fed.shapes)})
+    return notes
+
+
+def drawn(check, target, device, dtype, caps, allowed, fed: Fed) -> list[str]:
+    from hypothesis import Phase, given, settings
+
+    from mpt_kv.checks import registry
+
+    notes: list[str] = []
+
+    def one_program(program):
+        notes.extend(run_program(check, target, device, dtype, program, fed))
+
+    test = given(program=programs(device.type, allowed, dtype, caps))(one_program)
+    profile, name = registry.hypothesis_profile()
+    ctx = registry._context.get()
+    shrink = name in registry.SHRINKING_PROFILES and not (ctx and ctx.expected_to_fail)
+    phases = [p for p in profile.phases if p != Phase.shrink or shrink]
+    # a third of the profile's examples: each program is several cached calls, each checked, and the
+    # fixed beam and speculative programs run every time (ci: 2 drawn + 2 fixed per check; thorough: 33 + 2)
+    test = settings(profile, max_examples=max(2, profile.max_examples // 3), report_multiple_bugs=False,
+                    print_blob=False, phases=phases)(test)
+    test.hypothesis.inner_test._hypothesis_internal_add_digest = \
+        f"{check.id}|{registry.target_name(target)}|{device}|{dtype}".encode()
+    test()
+    return notes
+
+
+def run_memory(check, target, device, dtype) -> list[str]:
+    from mpt_kv.checks.registry import require, runner_for, capabilities
+    from mpt_kv.targets import target_name
+
+    name = target_name(target)
+    operation = check.id.rsplit("/", 1)[1]
+    require(name, capabilities(target, device, dtype), [operation])
+    if device.type != "cpu":
+        raise Unsupported(f"{check.id}: the exact transient of one operation is measured on cpu (CpuTracker); "
+                          f"{device.type}'s allocator rounds per block")
+    runner = runner_for(target, MEMORY_CASE.cfg, MEMORY_CASE.seed, device, dtype, [operation])
+    c = Context(name, device.type, dtype, MEMORY_CASE, check.path, check.bucket)
+    return check_operation_memory(runner, c, operation)
