@@ -16,7 +16,11 @@ from collections import defaultdict
 from mpt_kv import devices
 
 PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat", "P3": "no aliasing",
-                  "P4": "outputs not reused", "memory": "memory ceilings", "static-shape": "static shapes"}
+                  "P4": "outputs not reused", "memory": "memory ceilings", "static-shape": "static shapes",
+                  "ops-P1": "P1 over programs of decode/extend/crop/reorder", "ops-P2": "P2 over programs",
+                  "ops-P3": "P3 over programs", "ops-memory": "reorder and extend transients",
+                  "family-P1": "P1 on another decoder family", "family-P3": "P3 on another decoder family"}
+ALWAYS = ("P0", "P1", "P2", "P3", "P4", "memory", "static-shape")
 # a cell whose checks disagree shows its worst word: the first of these
 SEVERITY = ("error", "failed", "XPASS", "xfail", "unsupported", "skipped", "passed")
 MAX_LINES = 20  # of each kind of line under the matrix
@@ -80,19 +84,23 @@ def matrix_lines(results: list[dict], absent: dict[str, str], profile: str | Non
         lines.append(f"{kind}: {n} cases skipped, not available here: {reason}")
     if not cells:
         return lines
-    heads = ["target", "device", "dtype", "path", *PROPERTY_NAMES]
+    # the gate's properties always; the cache operations' and other families' where this run has them
+    # (a property the table does not know, e.g. a project's own, still gets a column, at the end)
+    seen = {p for key in cells for p in cells[key]}
+    columns = [p for p in PROPERTY_NAMES if p in ALWAYS or p in seen] + sorted(seen - set(PROPERTY_NAMES))
+    heads = ["target", "device", "dtype", "path", *columns]
     order = sorted(cells, key=lambda k: (k[0] != "reference", k))  # the oracle first
-    table = [[*key, *(cell([r["outcome"] for r in cells[key][p]]) if p in cells[key] else "-" for p in PROPERTY_NAMES)]
+    table = [[*key, *(cell([r["outcome"] for r in cells[key][p]]) if p in cells[key] else "-" for p in columns)]
              for key in order]
     widths = [max(len(str(row[i])) for row in [heads, *table]) for i in range(len(heads))]
     for row in [heads, *table]:
         lines.append(" ".join(f"{c:<{w}}" for c, w in zip(row, widths)).rstrip())
-    lines.append("  " + "; ".join(f"{k} {v}" for k, v in PROPERTY_NAMES.items())
+    lines.append("  " + "; ".join(f"{k} {PROPERTY_NAMES.get(k, k)}" for k in columns)
                  + (f"; hypothesis profile {profile}" if profile else "")
                  + ". failed: a property does not hold; error: the target or its adapter raised something else; "
                    "unsupported: the target declares it does not implement what the case needs; failed(2/5): 2 of "
                    "the cell's 5 checks failed, the worst word of a cell whose checks disagree. Reasons: pytest -rs")
-    mixed = [mixed_cell_lines(key, p, cells[key][p]) for key in order for p in PROPERTY_NAMES
+    mixed = [mixed_cell_lines(key, p, cells[key][p]) for key in order for p in columns
              if p in cells[key] and len({r["outcome"] for r in cells[key][p]}) > 1]
     lines += mixed[:MAX_LINES] + ([f"  ... and {len(mixed) - MAX_LINES} more cells whose checks disagree"]
                                   if len(mixed) > MAX_LINES else [])
