@@ -134,3 +134,23 @@ def test_known_failures_file_is_checked(tmp_path, change, message):
     [known] = kf.load(path)
     assert kf.applying("mpt", "alibi", "family-P3", [known]) is known
     assert kf.applying("mpt", "alibi", "family-P1", [known]) is None
+
+
+def test_a_known_failure_absorbs_only_its_own_message(monkeypatch):
+    """Fail closed: the conformance case turns a PropertyFailure its entry's pattern does not
+    find into NotTheKnownFailure, which the strict xfail(raises=PropertyFailure) does not take."""
+    import re
+
+    from mpt_kv.conformance.test_families import NotTheKnownFailure, test_family
+
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", views_update)
+    known = kf.Known("mpt", "alibi", "family-P3", re.compile(r"layer 0 key .* are views of \S+Wqkv's output"), "r",
+                     "u", {})
+    with pytest.raises(PropertyFailure, match="Wqkv's output"):  # the known failure: the xfail takes it
+        test_family("transformers/mpt", "family-P3/alibi", "mpt", "alibi", "family-P3", known, "cpu", "float32",
+                    "concat")
+    other = dataclasses.replace(known, pattern=re.compile(r"query_key_value's output"))
+    with pytest.raises(NotTheKnownFailure, match=r"transformers/mpt family-P3/alibi failed, but not as its known "
+                                                 r"failure says \(pattern \"query_key_value's output\""):
+        test_family("transformers/mpt", "family-P3/alibi", "mpt", "alibi", "family-P3", other, "cpu", "float32",
+                    "concat")

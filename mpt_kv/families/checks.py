@@ -37,8 +37,8 @@ def build(family: Family, variant: str, seed: int = 0):
 
     config = family.config(variant)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    return model.eval(), config
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # no dtype: 4.x does not take it
+    return model.to(torch.float32).eval(), config
 
 
 def prompt(config, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
