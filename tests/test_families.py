@@ -1,0 +1,161 @@
+"""The family checks catch what they are for: a cache that stores views of the fused projection's
+output (the transformers <4.56 bug, put back by patching DynamicLayer.update) fails family-P3
+naming the module, the layer and the bytes; a cache that loses the new token's value fails
+family-P1; a family entry that misdescribes its cache is an error, not a verdict; legitimate
+layouts (K and V stacked in one buffer, a tensor of its own) pin nothing.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.families import FAMILIES, variants
+from mpt_kv.families import known_failures as kf
+from mpt_kv.families.checks import check_cached_equals_uncached, check_no_pinned_storage, pinning_problems
+
+transformers = pytest.importorskip("transformers")
+cache_utils = pytest.importorskip("transformers.cache_utils")
+# 4.x: its DynamicLayer is the views bug itself (the 4.55 findings are strict xfails of the
+# conformance cases, mpt_kv/families/known_failures.json)
+needs_5x = pytest.mark.skipif(not hasattr(getattr(cache_utils, "DynamicLayer", None), "lazy_initialization"),
+                              reason="these patches are written against transformers 5.x DynamicLayer")
+
+
+def views_update(self, key_states, value_states, *args, **kwargs):
+    """DynamicLayer.update as in transformers <4.56: the first K/V stored as they come (views of
+    the fused output where the model splits one), later ones concatenated."""
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return self.keys, self.values
+    self.keys = torch.cat([self.keys, key_states], dim=-2)
+    self.values = torch.cat([self.values, value_states], dim=-2)
+    return self.keys, self.values
+
+
+def lossy_update(self, key_states, value_states, *args, **kwargs):
+    """Decode steps cache zeros instead of the new token's value."""
+    first = not self.is_initialized
+    if first:
+        self.lazy_initialization(key_states, value_states)
+    self.keys = torch.cat([self.keys, key_states], dim=-2)
+    self.values = torch.cat([self.values, value_states if first else torch.zeros_like(value_states)], dim=-2)
+    return self.keys, self.values
+
+
+@needs_5x
+@pytest.mark.parametrize("family, variant, expected", [
+    # q, k, v of MPT are all views of mixed_qkv: K and V cover 2 of its 3 thirds, q's third is pinned
+    ("mpt", "alibi", "layer 0 key (2, 4, 6, 8) and layer 0 value (2, 4, 6, 8) are views of "
+                     "transformer.blocks.0.attn.Wqkv's output (2, 6, 96): its storage holds 4608 bytes, the cached "
+                     "tensors in it 3072: 1536 bytes pinned beyond the cache"),
+    # GPT-NeoX's rotary copies K; V stays a view and pins the q and k thirds
+    ("gpt_neox", "mha", "layer 0 value (2, 4, 6, 8) is a view of gpt_neox.layers.0.attention.query_key_value's "
+                        "output (2, 6, 96): its storage holds 4608 bytes, the cached tensors in it 1536: 3072 bytes "
+                        "pinned beyond the cache"),
+])
+def test_p3_catches_views_of_the_fused_output(monkeypatch, family, variant, expected):
+    check_no_pinned_storage(family, variant)  # the real 5.x cache copies: nothing pinned
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", views_update)
+    with pytest.raises(PropertyFailure) as e:
+        check_no_pinned_storage(family, variant)
+    msg = str(e.value)
+    assert msg.startswith("family-P3 cache pins storage after prefill: ")
+    assert expected in msg and expected.replace("layer 0", "layer 1").replace(".0.", ".1.") in msg
+    assert f"[target=transformers/{family}, variant={variant}, dtype=float32, batch=2, step=prefill" in msg
+
+
+@needs_5x
+def test_p3_passes_the_real_cache_and_p1_catches_a_lossy_one(monkeypatch):
+    check_no_pinned_storage("llama", "gqa")
+    check_cached_equals_uncached("llama", "gqa")
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", lossy_update)
+    with pytest.raises(PropertyFailure, match=r"family-P1 decode step 1: cached logits vs the uncached forward "
+                                              r"differ .*target=transformers/llama, variant=gqa"):
+        check_cached_equals_uncached("llama", "gqa")
+
+
+def test_a_family_entry_that_misdescribes_its_cache_is_an_error(monkeypatch):
+    wrong = dataclasses.replace(FAMILIES["llama"], kv_heads=lambda c: c.num_attention_heads)
+    monkeypatch.setitem(FAMILIES, "llama", wrong)
+    with pytest.raises(RuntimeError, match=r"family llama: the cache holds 3072 bytes of K/V, the family entry "
+                                           r"says 6144 \(2 x 6 tokens\)"):
+        check_no_pinned_storage("llama", "gqa")
+
+
+def test_pinning_problems_legitimate_layouts_and_a_view():
+    stacked = torch.zeros(2, 2, 4, 6, 8)  # K and V of one layer in one buffer: nothing pinned
+    own = torch.zeros(2, 4, 6, 8), torch.zeros(2, 4, 6, 8)
+    assert pinning_problems([(0, "key", stacked[0]), (0, "value", stacked[1]), (1, "key", own[0]),
+                             (1, "value", own[1])], {}) == []
+    fused = torch.zeros(2, 6, 3 * 32)
+    key = fused[..., 32:64].view(2, 6, 4, 8).transpose(1, 2)
+    [problem] = pinning_problems([(0, "key", key)], {"attn.qkv": fused})
+    assert problem == ("layer 0 key (2, 4, 6, 8) is a view of attn.qkv's output (2, 6, 96): its storage holds 4608 "
+                       "bytes, the cached tensors in it 1536: 3072 bytes pinned beyond the cache")
+    [problem] = pinning_problems([(0, "key", key)], {})
+    assert "is a view of a buffer that is no fused projection's output of this step" in problem
+
+
+def test_analytic_kv_bytes_are_mqa_and_gqa_aware():
+    f = FAMILIES["falcon"]
+    assert f.kv_bytes_per_token(f.config("rotary-mqa"), torch.float32) == 2 * 2 * 1 * 8 * 4
+    assert f.kv_bytes_per_token(f.config("alibi"), torch.bfloat16) == 2 * 2 * 4 * 8 * 2
+    assert f.kv_bytes_per_token(f.config("new-arch-gqa"), torch.float32) == 2 * 2 * 2 * 8 * 4
+    assert f.stored_kv_bytes_per_token(f.config("new-arch-gqa"), torch.float32) == 2 * 2 * 4 * 8 * 4
+    g = FAMILIES["gpt_bigcode"]
+    assert g.kv_bytes_per_token(g.config("mqa"), torch.float32) == 2 * 2 * 1 * 8 * 4
+    assert FAMILIES["dbrx"].kv_bytes_per_token(FAMILIES["dbrx"].config("gqa"), torch.float32) == 2 * 2 * 2 * 8 * 4
+
+
+def test_registry_has_the_families_and_fused_names():
+    assert len({f for f, _ in variants()}) >= 17
+    fused = {n: f.fused for n, f in FAMILIES.items()}
+    assert fused["mpt"] == fused["dbrx"] == "Wqkv" and fused["gpt2"] == fused["gpt_bigcode"] == "c_attn"
+    assert fused["llama"] is fused["gptj"] is fused["phi"] is None
+    with pytest.raises(ValueError, match=r"family llama has no variant 'x': variants \['gqa', 'mha', 'mqa'\]"):
+        FAMILIES["llama"].config("x")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"family": "nope"}, r"no family variant nope/alibi"),
+    ({"property": "P3"}, r"unknown property 'P3'"),
+    ({"pattern": ".*"}, r"matches the empty string"),
+    ({"when": {"transformers": "four"}}, r"not a version specifier"),
+    ({"extra": 1}, r"exactly the fields"),
+])
+def test_known_failures_file_is_checked(tmp_path, change, message):
+    entry = {"family": "mpt", "variant": "alibi", "property": "family-P3", "pattern": "Wqkv's output",
+             "reason": "r", "upstream": "u", "when": {}}
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps([{**entry, **change}]))
+    with pytest.raises(ValueError, match=message):
+        kf.load(path)
+    path.write_text(json.dumps([entry]))
+    [known] = kf.load(path)
+    assert kf.applying("mpt", "alibi", "family-P3", [known]) is known
+    assert kf.applying("mpt", "alibi", "family-P1", [known]) is None
+
+
+@needs_5x
+def test_a_known_failure_absorbs_only_its_own_message(monkeypatch):
+    """Fail closed: the conformance case turns a PropertyFailure its entry's pattern does not
+    find into NotTheKnownFailure, which the strict xfail(raises=PropertyFailure) does not take."""
+    import re
+
+    from mpt_kv.conformance.test_families import NotTheKnownFailure, test_family
+
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", views_update)
+    known = kf.Known("mpt", "alibi", "family-P3", re.compile(r"layer 0 key .* are views of \S+Wqkv's output"), "r",
+                     "u", {})
+    with pytest.raises(PropertyFailure, match="Wqkv's output"):  # the known failure: the xfail takes it
+        test_family("transformers/mpt", "family-P3/alibi", "mpt", "alibi", "family-P3", known, "cpu", "float32",
+                    "concat")
+    other = dataclasses.replace(known, pattern=re.compile(r"query_key_value's output"))
+    with pytest.raises(NotTheKnownFailure, match=r"transformers/mpt family-P3/alibi failed, but not as its known "
+                                                 r"failure says \(pattern \"query_key_value's output\""):
+        test_family("transformers/mpt", "family-P3/alibi", "mpt", "alibi", "family-P3", other, "cpu", "float32",
+                    "concat")
