@@ -170,10 +170,11 @@ METRICS = ("prefill_retained", "decode_transient", "allocated", "max_allocated")
 
 
 def target_version(target: str) -> str:
-    """The versions of the packages that implement a built-in target ('' for the reference)."""
+    """The versions of the packages that implement a built-in target ('' for the reference);
+    `transformers/<family>` (mpt_kv.families) is transformers too."""
     packages = {"transformers": ("transformers",), "optimum-habana": ("optimum-habana", "transformers")}
     out = []
-    for p in packages.get(target, ()):
+    for p in packages.get(target.split("/", 1)[0], ()):
         try:
             out.append(f"{p} {'.'.join(version(p).split('.')[:2])}")
         except PackageNotFoundError:
