@@ -443,24 +443,37 @@ def model_state_tensors(runner, preexisting: set[int]) -> list[tuple[str, torch.
                 continue
             items = value.items() if attr == "_buffers" else [(attr, value)]
             for key, v in items:
-                for where, t in _tensors_in(v, prefix + str(key), 4):
+                for where, t in _tensors_in(v, prefix + str(key), 6):
                     add(where, t)
     for attr, value in vars(runner).items():
         if attr != "model":
-            for where, t in _tensors_in(value, f"runner.{attr}", 4):
+            for where, t in _tensors_in(value, f"runner.{attr}", 6):
                 add(where, t)
     return out
 
 
-def _tensors_in(x, where, depth):
+def _tensors_in(x, where, depth, seen=None):
+    """Tensors reachable from x through dicts, lists, tuples and plain objects' attributes (a kept
+    session, a history list), not through modules (walked on their own) or runners."""
+    from mpt_kv.targets import Runner
+
+    seen = set() if seen is None else seen
     if isinstance(x, torch.Tensor):
         yield where, x
-    elif depth and isinstance(x, dict):
-        for k, v in x.items():
-            yield from _tensors_in(v, f"{where}[{k!r}]", depth - 1)
-    elif depth and isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _tensors_in(v, f"{where}[{i}]", depth - 1)
+        return
+    if not depth or id(x) in seen or isinstance(x, (nn.Module, Runner, type, str, bytes, int, float, bool)):
+        return
+    seen.add(id(x))
+    if isinstance(x, dict):
+        items = [(f"{where}[{k!r}]", v) for k, v in x.items()]
+    elif isinstance(x, (list, tuple)):
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(x)]
+    elif hasattr(x, "__dict__") and not callable(x):
+        items = [(f"{where}.{k}", v) for k, v in vars(x).items()]
+    else:
+        return
+    for w, v in items:
+        yield from _tensors_in(v, w, depth - 1, seen)
 
 
 def model_state_problem(runner, held: int, pool: dict, preexisting: set[int], slack_per_storage: int,
@@ -479,8 +492,8 @@ def model_state_problem(runner, held: int, pool: dict, preexisting: set[int], sl
                       f"{t.untyped_storage().nbytes()} bytes" for where, t in found[:6])
     more = f" and {len(found) - 6} more" if len(found) > 6 else ""
     rest = excess - sum(t.untyped_storage().nbytes() for _, t in found)
-    return (f"memory: after the generations ended and their sessions were deleted, {held} bytes are still allocated "
-            f"above the level before the warm-up generation{f' ({pooled} of them the declared cache pool)' if pooled else ''}"
+    return (f"memory: after the generations ended and their sessions were deleted, the model and runner hold {held} "
+            f"bytes above the level before the warm-up generation{f' ({pooled} of them the declared cache pool)' if pooled else ''}"
             f": {excess} bytes of per-generation state kept on the model or runner. "
             f"{named + more if named else 'No tensor attribute of the model or runner holds them'}"
             f"{f'; {rest:+d} bytes held by nothing found there (a hook, a global?)' if found and rest else ''} "
