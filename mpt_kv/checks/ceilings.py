@@ -37,6 +37,11 @@ Two kinds of limit, combined like this:
      judge a test). A cache pool allocated once passes; a pool that grows every generation fails.
    - cache with its session: the cache's storages die with its session, unless the target
      declares a pool (`Capabilities(cache_pool=True)`, optimum-habana's reuse_cache).
+   - nothing kept on the model: after every generation ended and its session is gone, the
+     model and runner hold their weights and a declared pool and nothing else, measured from the
+     level before the warm-up generation (exact on cpu); what they keep (attention
+     probabilities, a logits history, a kept session) is named by attribute path, with its bytes
+     (`model_state_problem`).
 
 2. Stored ceilings (`Baseline`), for the config table `CONFIGS` only: per device kind a JSON
    file (`<project>/mpt_kv_ceilings/ceilings-<kind>.json`) maps a key (target and its implementing package's
