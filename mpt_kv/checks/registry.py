@@ -21,7 +21,7 @@ the report (near-ties in greedy decoding) and raises:
 Ids: "P0", "P1/<path>", "P2/<path>", "P3/<path>", "P4/<path>", "static-shape/<path>",
 "memory/<path>/<config>"; <path> is concat, static or static+bucket<N>. Fixed edge cases (long
 sequences to max_seq_len 2048, head dim 128, prompts around the 128 bucket; strategies.EDGE_CASES)
-have their own ids, "P0/<edge>", "P1/<path>/<edge>", "P2/static/<edge>", "P3/<path>/<edge>", and P1, P2 and P4 also run
+have their own ids, "P0/<edge>", "P1/<path>/<edge>", "P2/static/<edge>", "P3/<path>/<edge>" (strategies.P3_EDGES), and P1, P2 and P4 also run
 under graphs, "P1/static/graphs" (graphs.py: HPU graphs, CUDA graphs, or on CPU a stand-in that
 returns one buffer per output shape). The shipped tests (mpt_kv/conformance) and a
 project's own tests (`parametrize_with_checks`) run these same functions. The drawn checks (P0-P4)
@@ -51,7 +51,7 @@ from mpt_kv.checks import reach, static_shape
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.graphs import graphed
 from mpt_kv.checks.properties import Case, Context
-from mpt_kv.checks.strategies import EDGE_CASES, edge_cases
+from mpt_kv.checks.strategies import EDGE_CASES, P3_EDGES, edge_cases
 from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
 from mpt_kv.targets import Capabilities, Runner, Target, build, required_features, target_name
@@ -380,7 +380,7 @@ def _build_registry() -> dict[str, Check]:
                              doc="P1 on a fixed edge case"))
         # the static path only: buckets are exercised by the drawn cases
         out.append(Check(f"P2/static/{edge}", "P2", "static", edge=edge, doc="P2 on a fixed edge case"))
-        for path, bucket in paths:  # prompts past 64 and 128 (and to 2044) in every run
+        for path, bucket in paths if edge in P3_EDGES else ():  # prompts past 64 and 128 in every run
             out.append(Check(f"P3/{path_label(path, bucket)}/{edge}", "P3", path, bucket, edge=edge,
                              doc="P3 on a fixed edge case"))
     for prop in ("P1", "P2", "P4"):
