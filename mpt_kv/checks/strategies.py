@@ -2,10 +2,10 @@
 
 Drawn (CPU): head dims 4-128 (MPT-7B's is 128) with head counts 1-32 that are and are not powers of
 two (3, 6 and 12 exercise ALiBi's slopes for the others; 12, 16 and 32 its slopes past 8 heads, with
-small head dims), d_model <= 384, 1-6 layers (d_model x layers <= 768: wide or deep, not both), a
+small head dims), d_model <= 384, 1-6 layers (d_model x layers <= 512: wide or deep, not both), a
 batch of 1-4 prompts x 1-2 beams (up to 8 rows, each prompt's rows equally padded, the prompts
-unequally), 1-24 prompt tokens, or in one case in three a long prompt of 65-160 tokens (past 64
-and 128; then d_model <= 64 and 1-2 layers), left-padded, 1-12 new tokens, max_seq_len either
+unequally), 1-24 prompt tokens, or in one case in four a long prompt of 65-140 tokens (past 64
+and 128; then d_model <= 32 and one layer), left-padded, 1-12 new tokens, max_seq_len either
 exactly the case's length (the last slot is used) or 64 (or the case's length, if longer), mask
 dtype bool / int64 / int32, and every config field the targets read: clip_qkv (None, 0.5, 4),
 alibi_bias_max (4, 8, 16: P0's drawn cases keep 8, see `ALIBI_BIAS_MAXES`), layer_norm_epsilon
@@ -58,7 +58,7 @@ ALIBI_BIAS_MAXES = (8, 4, 16)
 LAYER_NORM_EPSILONS = (1e-5, 1e-6)
 VOCAB_SIZES = (64, 128, 256)
 MAX_LAYERS, MAX_PROMPTS, MAX_BEAMS = 6, 4, 2
-LONG_PROMPT = (65, 160)  # one drawn case in three: past 64 (a path chosen by length) and 128 (a bucket)
+LONG_PROMPT = (65, 140)  # one drawn case in four: past 64 (a path chosen by length) and 128 (a bucket)
 # bf16 cases are at least this wide: a layer norm over 4 features in bf16 put the logits 19% of
 # their scale from fp32 (8 and more: at most 7%; docs/calibration.md)
 BF16_MIN_D_MODEL = 8
@@ -128,10 +128,10 @@ def case_from(pick, device: str = "cpu", thorough: bool = False, min_d_model: in
         new_tokens, max_seq_len, vocab_size = HPU_NEW_TOKENS, HPU_MAX_SEQ_LEN, 64  # vocab: a shape, a graph
     else:
         # cost ~ rows x layers x d_model x tokens: a case is wide, deep or long, not all three
-        widest, longest, most_new, width_x_depth = (1024, 300, 40, 4096) if thorough else (384, 24, 12, 768)
-        long = pick.integer(0, 2) == 0
+        widest, longest, most_new, width_x_depth = (1024, 300, 40, 4096) if thorough else (384, 24, 12, 512)
+        long = pick.integer(0, 3) == 0
         if long:
-            widest, width_x_depth = 64, 128
+            widest, width_x_depth = 32, 32 if not thorough else 128
         n_heads, head_dim = pick.choice([(h, d) for h in HEAD_COUNTS for d in HEAD_DIMS
                                          if min_d_model <= h * d <= widest])
         n_layers = pick.integer(1, max(1, min(8 if thorough else MAX_LAYERS, width_x_depth // (n_heads * head_dim))))
