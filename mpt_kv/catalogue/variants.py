@@ -724,3 +724,126 @@ reorder_through_whole_cache_copy = variant(
     "the legacy `_reorder_cache` of transformers' and optimum-habana's models: tuple(tuple(past.index_select(0, "
     "beam_idx) ...) for layer_past in past) builds the whole new tuple while the old one is alive",
     ["ops"], concat=WholeCopyReorderConcat, static=WholeCopyReorderStatic)
+
+# --- bugs past the drawn ranges: batch, layers, heads, prompt length, config fields, model state (issue 17) ---
+
+class RowZeroMaskForLargeBatch(Attention):
+    def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
+        if x.shape[0] >= 4 and x.shape[1] == 1:  # the batched decode kernel: one mask row for all
+            mask = mask[:1].expand_as(mask)
+        return attention_forward(self, x, mask, bias, cache, layer, token_idx, cache_idx)
+
+
+batched_decode_row_zero_mask = variant(
+    "batched_decode_row_zero_mask",
+    "decode with batch >= 4 takes a batched path that applies row 0's padding mask to every row: "
+    "rows padded differently from row 0 attend their padding (or lose real tokens)",
+    "kernels dispatch on batch size (a batched decode path for B >= 4); a mask broadcast from one row "
+    "is right whenever the rows are padded alike, as a batch of 1-3 equal prompts often is",
+    ["P1"], attention=RowZeroMaskForLargeBatch)
+
+
+class LayerRingConcatCache(ConcatCache):
+    """Each layer's past is read from and written to buffer `layer % RING` (an offloaded cache
+    that keeps RING layers on the device): right for up to RING layers."""
+
+    RING = 3
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if layer == 0:  # the ring is loaded for this step: layer i's past from buffer i % RING
+            self.ring = [self.kv[i % self.RING] for i in range(len(self.kv))]
+        past = self.ring[layer] if self.kv[layer] is not None else None  # prefill: no past
+        new = (k.clone(), v.clone()) if past is None else (torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2))
+        self.kv[layer] = new
+        return new
+
+
+layer_ring_of_3 = variant(
+    "layer_ring_of_3",
+    "the concat cache keeps its K/V in a ring of 3 per-layer buffers (layer i in buffer i % 3): from "
+    "4 layers on, a layer's decode attends over another layer's past",
+    "offloaded caches (transformers' OffloadedCache prefetches the next layer into a small ring of device "
+    "buffers); an indexing slip is invisible while the model has no more layers than the ring",
+    ["P1"], concat=LayerRingConcatCache)
+
+
+def alibi_of_8_head_groups(cfg, device=None):
+    from mpt_kv.model.reference import alibi_bias
+
+    bias = alibi_bias(cfg, device)
+    return bias[torch.arange(cfg.n_heads) % 8] if cfg.n_heads > 8 else bias  # heads 8.. repeat 0-7's slopes
+
+
+def alibi_of_config_max_8(cfg, device=None):
+    import dataclasses
+
+    from mpt_kv.model.reference import alibi_bias
+
+    return alibi_bias(dataclasses.replace(cfg, alibi_bias_max=8), device)
+
+
+def model_with_alibi(build_alibi):
+    """The reference with its ALiBi table built by `build_alibi(cfg, device)`."""
+
+    class Model(ReferenceMPT):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.alibi = build_alibi(cfg)
+
+        def _apply(self, fn, recurse=True):
+            super()._apply(fn, recurse)
+            self.alibi = build_alibi(self.cfg, self.alibi.device)
+            return self
+
+    return Model
+
+
+alibi_slopes_per_8_heads = variant(
+    "alibi_slopes_per_8_heads",
+    "ALiBi slopes for more than 8 heads repeat the first 8 heads' slopes (head h gets slope h % 8): "
+    "right for 1-8 heads, wrong for MPT-7B's 32",
+    "slopes computed for a fixed group of 8 heads (a kernel's head group, a table sized for small models) "
+    "and tiled; every cached and uncached path shares the table, so only the oracle sees it",
+    ["P0"], model=model_with_alibi(alibi_of_8_head_groups))
+
+
+alibi_bias_max_always_8 = variant(
+    "alibi_bias_max_always_8",
+    "ALiBi built with alibi_bias_max 8 whatever the config says",
+    "transformers' MptModel.forward calls build_mpt_alibi_tensor without the config's alibi_bias_max "
+    "(modeling_mpt.py, 5.24 line 320; 4.55.4 line 377), and optimum-habana's Gaudi MPT inherits it",
+    ["P0"], model=model_with_alibi(alibi_of_config_max_8))
+
+
+class ViewsForLongPromptsConcatCache(ConcatCache):
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.kv[layer] is None and k.shape[2] > 64:
+            self.kv[layer] = (k, v)  # the long-prompt path skips the clone: views of mixed_qkv
+            return self.kv[layer]
+        return super().update(layer, k, v)
+
+
+kv_views_for_prompts_past_64 = variant(
+    "kv_views_for_prompts_past_64",
+    "prefills of more than 64 tokens store k, v as views of mixed_qkv (the seed bug on a path chosen "
+    "by prompt length): the whole fused buffer stays alive",
+    "the seed bug (optimum-habana's MPT before the seed PR) on a chunked or flash prefill path taken "
+    "only for long prompts; short prompts take the fixed path",
+    ["P3"], concat=ViewsForLongPromptsConcatCache)
+
+
+class KeepsAttentionProbabilities(Attention):
+    def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
+        out = attention_forward(self, x, mask, bias, cache, layer, token_idx, cache_idx)
+        # the probabilities, kept for inspection (output_attentions-style), one per layer
+        self.last_probabilities = torch.zeros(x.shape[0], self.cfg.n_heads, x.shape[1], mask.shape[-1], device=x.device)
+        return out
+
+
+attention_probabilities_kept = variant(
+    "attention_probabilities_kept",
+    "each attention module keeps its last attention probabilities (B, H, T, K) as an attribute: the "
+    "model holds per-generation state after the generation and its session are gone",
+    "output_attentions / attention-map hooks that store on the module (self.attn_weights = ...) and are "
+    "never cleared; each generation replaces them, so repeated generations of one shape do not grow",
+    ["memory"], attention=KeepsAttentionProbabilities)

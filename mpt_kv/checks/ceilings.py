@@ -37,6 +37,12 @@ Two kinds of limit, combined like this:
      judge a test). A cache pool allocated once passes; a pool that grows every generation fails.
    - cache with its session: the cache's storages die with its session, unless the target
      declares a pool (`Capabilities(cache_pool=True)`, optimum-habana's reuse_cache).
+   - nothing kept on the model: after every generation ended and its session is gone, the
+     model and runner hold their weights and a declared pool and nothing else, measured from the
+     level before the warm-up generation (exact on cpu; after it for a target that declares graph
+     outputs, whose output buffers are made there on purpose); what they keep (attention
+     probabilities, a logits history, a kept session) is named by attribute path, with its bytes
+     (`model_state_problem`).
 
 2. Stored ceilings (`Baseline`), for the config table `CONFIGS` only: per device kind a JSON
    file (`<project>/mpt_kv_ceilings/ceilings-<kind>.json`) maps a key (target and its implementing package's
@@ -52,6 +58,7 @@ Two kinds of limit, combined like this:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -78,20 +85,27 @@ SHAPE = ModelConfig(d_model=128, n_heads=4, n_layers=2, vocab_size=256, max_seq_
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """One row of the seed PR's table: batch size, max input tokens, max new tokens."""
+    """One row of the seed PR's table: batch size, max input tokens, max new tokens; `padded`: the
+    rows' prompts of unequal lengths (left-padded to max_input), else every row a full prompt."""
 
     batch: int
     max_input: int
     max_new: int
     cfg: ModelConfig = SHAPE
+    padded: bool = False
 
     @property
     def id(self) -> str:
-        return f"B{self.batch}-in{self.max_input}-new{self.max_new}"
+        return f"B{self.batch}-in{self.max_input}-new{self.max_new}" + ("-padded" if self.padded else "")
 
     def case(self) -> Case:
-        # every row a full prompt: the seed's "max input tokens" is the padded length
-        return Case(self.cfg, (self.max_input,) * self.batch, self.max_new, seed=0)
+        # the seed's "max input tokens" is the padded length: memory is that of the padded batch;
+        # padded rows (max_input, then shorter ones down to one token) reach the mask's other values
+        if self.padded:
+            lens = tuple(max(1, self.max_input - (i * self.max_input) // self.batch) for i in range(self.batch))
+        else:
+            lens = (self.max_input,) * self.batch
+        return Case(self.cfg, lens, self.max_new, seed=0)
 
 
 # The seed's rows, scaled down to run in seconds on a CPU: a large batch with short sequences
@@ -101,6 +115,8 @@ CONFIGS = (
     MemoryConfig(16, 8, 8),
     MemoryConfig(2, 8, 24),
     MemoryConfig(4, 32, 8),
+    # a batch of 8 unequally padded rows with prompts past 128 (a path or bucket chosen by length)
+    MemoryConfig(8, 130, 4, dataclasses.replace(SHAPE, max_seq_len=136), padded=True),
 )
 
 # --- limits ---------------------------------------------------------------------------------------------
@@ -489,6 +505,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
     gc.freeze()  # pre-existing objects out of the meter's gc.collect(): 400 ms -> microseconds
     try:
         with torch.inference_mode(), meter:
+            start = meter.allocated()  # before the warm-up: the model holds its weights only
             warm = warm_up(runner, path, case, bucket, ids, mask, tokens)
             meter.reset_peak()
             base = meter.allocated()
@@ -517,12 +534,21 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                         f"[{describe(ctx)}]")
             del session
             returned = meter.allocated() - base
+            last = kept
             for _ in range(LEAK_GENERATIONS - 1):
-                generate(runner, path, case, bucket, ids, mask, tokens)
+                last = generate(runner, path, case, bucket, ids, mask, tokens)
             growth = meter.allocated() - base
+            # declared graph outputs (one buffer per output shape, made in the warm-up) are kept on
+            # purpose, like a pool: such a target is judged from the level after the warm-up
+            graph_outputs = getattr(getattr(runner, "capabilities", None), "graph_outputs", False)
+            held = meter.allocated() - (base if graph_outputs else start)
     finally:
         gc.unfreeze()
         qkv.close()
+    model_state = model_state_problem(runner, held, {**kept, **last} if pool_declared else {}, preexisting,
+                                      slack_per_storage, ctx)
+    if model_state:
+        problems["model-state"] = model_state
     slack = slack_per_storage * 4 * LEAK_GENERATIONS
     if max(abs(returned), abs(growth)) > slack:
         problems["leak"] = (
@@ -543,6 +569,85 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         decode_transient=transient, allocated=allocated, max_allocated=max_allocated, returned=returned,
         kv_bytes=kv_bytes, kv_analytic=analytic.kv_cache_bytes(shape_of(cfg), B, L, s),
         problems=list(problems.values()))
+
+
+def model_state_tensors(runner, preexisting: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors the runner and its model reference that are neither its weights nor tensors that
+    existed before the generations (`preexisting`): module attributes, registered buffers made
+    since, runner attributes, with their paths ('model.transformer.blocks.0.attn.probs')."""
+    out, seen = [], set()
+    parameters = {storage_key(p) for p in runner.model.parameters()}
+
+    def add(where, t):
+        key = storage_key(t)
+        if key not in seen and key not in preexisting and key not in parameters:
+            seen.add(key)
+            out.append((where, t))
+
+    for name, module in runner.model.named_modules():
+        prefix = f"model.{name}." if name else "model."
+        for attr, value in vars(module).items():
+            if attr in ("_parameters", "_modules"):
+                continue
+            items = value.items() if attr == "_buffers" else [(attr, value)]
+            for key, v in items:
+                for where, t in _tensors_in(v, prefix + str(key), 6):
+                    add(where, t)
+    for attr, value in vars(runner).items():
+        if attr != "model":
+            for where, t in _tensors_in(value, f"runner.{attr}", 6):
+                add(where, t)
+    return out
+
+
+def _tensors_in(x, where, depth, seen=None):
+    """Tensors reachable from x through dicts, lists, tuples and plain objects' attributes (a kept
+    session, a history list), not through modules (walked on their own) or runners."""
+    from mpt_kv.targets import Runner
+
+    seen = set() if seen is None else seen
+    if isinstance(x, torch.Tensor):
+        yield where, x
+        return
+    if not depth or id(x) in seen or isinstance(x, (nn.Module, Runner, type, str, bytes, int, float, bool)):
+        return
+    seen.add(id(x))
+    if isinstance(x, dict):
+        items = [(f"{where}[{k!r}]", v) for k, v in x.items()]
+    elif isinstance(x, (list, tuple)):
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(x)]
+    elif hasattr(x, "__dict__") and not callable(x):
+        items = [(f"{where}.{k}", v) for k, v in vars(x).items()]
+    else:
+        return
+    for w, v in items:
+        yield from _tensors_in(v, w, depth - 1, seen)
+
+
+def model_state_problem(runner, held: int, pool: dict, preexisting: set[int], slack_per_storage: int,
+                        ctx: dict) -> str | None:
+    """After every generation ended and its session is gone, the model holds its weights and its
+    declared cache pool (`pool`: the storages of the last generations, kept by a target that
+    declares Capabilities(cache_pool=True)) and nothing else: `held` bytes above the level before
+    the warm-up, less the pool, must be 0 (exact on cpu). Otherwise: what is held, by name."""
+    alive = {key: ref() for key, ref in pool.items() if ref() is not None}
+    pooled = sum(st.nbytes() for st in alive.values())
+    # one-sided: less is fine (a pool made before this measurement, as when a runner serves several
+    # generations, is not counted in `held`; memory freed is not state kept)
+    excess = held - pooled
+    if excess <= slack_per_storage * 4:
+        return None
+    found = [(where, t) for where, t in model_state_tensors(runner, preexisting) if storage_key(t) not in alive]
+    named = "; ".join(f"{where} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} keeps "
+                      f"{t.untyped_storage().nbytes()} bytes" for where, t in found[:6])
+    more = f" and {len(found) - 6} more" if len(found) > 6 else ""
+    rest = excess - sum(t.untyped_storage().nbytes() for _, t in found)
+    return (f"memory: after the generations ended and their sessions were deleted, the model and runner hold {held} "
+            f"bytes above the level before the warm-up generation{f' ({pooled} of them the declared cache pool)' if pooled else ''}"
+            f": {excess} bytes of per-generation state kept on the model or runner. "
+            f"{named + more if named else 'No tensor attribute of the model or runner holds them'}"
+            f"{f'; {rest:+d} bytes held by nothing found there (a hook, a global?)' if found and rest else ''} "
+            f"[{describe(ctx)}]")
 
 
 # Generations measured for leaks, after the warm-up: allocation must not grow from one to the next

@@ -132,7 +132,8 @@ class Case:
         c = self.cfg
         return (f"B={self.batch} prompt_lens={list(self.prompt_lens)} new={self.new_tokens} H={c.n_heads} "
                 f"hd={c.head_dim} L={c.n_layers} clip_qkv={c.clip_qkv} max_seq_len={c.max_seq_len} "
-                f"mask={str(self.mask_dtype).replace('torch.', '')} seed={self.seed}")
+                f"mask={str(self.mask_dtype).replace('torch.', '')} seed={self.seed} alibi_bias_max={c.alibi_bias_max} "
+                f"eps={c.layer_norm_epsilon:g} vocab={c.vocab_size}")
 
 
 def other_padding(pads: list[int], avoid: list[int], length: int) -> list[int]:

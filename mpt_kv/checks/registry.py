@@ -21,7 +21,7 @@ the report (near-ties in greedy decoding) and raises:
 Ids: "P0", "P1/<path>", "P2/<path>", "P3/<path>", "P4/<path>", "static-shape/<path>",
 "memory/<path>/<config>"; <path> is concat, static or static+bucket<N>. Fixed edge cases (long
 sequences to max_seq_len 2048, head dim 128, prompts around the 128 bucket; strategies.EDGE_CASES)
-have their own ids, "P0/<edge>", "P1/<path>/<edge>", "P2/static/<edge>", and P1, P2 and P4 also run
+have their own ids, "P0/<edge>", "P1/<path>/<edge>", "P2/static/<edge>", "P3/<path>/<edge>" (strategies.P3_EDGES), and P1, P2 and P4 also run
 under graphs, "P1/static/graphs" (graphs.py: HPU graphs, CUDA graphs, or on CPU a stand-in that
 returns one buffer per output shape). The shipped tests (mpt_kv/conformance) and a
 project's own tests (`parametrize_with_checks`) run these same functions. The drawn checks (P0-P4)
@@ -48,11 +48,11 @@ import torch
 
 from mpt_kv.checks import ceilings as C
 from mpt_kv.checks import properties as P
-from mpt_kv.checks import static_shape
+from mpt_kv.checks import reach, static_shape
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.graphs import graphed
 from mpt_kv.checks.properties import Case, Context
-from mpt_kv.checks.strategies import EDGE_CASES, edge_cases
+from mpt_kv.checks.strategies import EDGE_CASES, P3_EDGES, edge_cases
 from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
 from mpt_kv.targets import Capabilities, ResolvedTarget, Runner, Target, required_features, resolve_target, target_name
@@ -248,6 +248,7 @@ class Check:
         features = [*self.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
         require(target.name, target.capabilities(device, dtype), features)
         runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
+        record("mpt_kv_reach", {"check": self.id, "knobs": reach.knobs(case, self.path, self.bucket, device, dtype)})
         if self.graphs:
             runner = graphed(runner, device.type)
         c = Context(target.name, device.type, dtype, case, self.path, self.bucket)
@@ -284,7 +285,7 @@ class Check:
         def one_case(case):
             notes.extend(self.run_case(target, device, dtype, case))
 
-        test = given(case=cases(device.type, dtype=dtype, capabilities=caps))(one_case)
+        test = given(case=cases(device.type, dtype=dtype, capabilities=caps, prop=self.property))(one_case)
         profile, name = hypothesis_profile()
         ctx = _context.get()
         shrink = name in SHRINKING_PROFILES and not (ctx and ctx.expected_to_fail)
@@ -301,7 +302,9 @@ class Check:
     def _memory(self, target: ResolvedTarget, device, dtype, ceilings: StoredCeilings | None) -> list[str]:
         name, config = target.name, self.config
         runner = runner_for(target, config.cfg, 0, device, dtype, ())
-        m = C.measure(runner, config.case(), self.path, device, dtype, self.bucket, target=name)
+        case = config.case()
+        record("mpt_kv_reach", {"check": self.id, "knobs": reach.knobs(case, self.path, self.bucket, device, dtype)})
+        m = C.measure(runner, case, self.path, device, dtype, self.bucket, target=name)
         # recorded before any check: the report and --update-ceilings see failing cases too
         record("mpt_kv_memory", {**asdict(m), "problems": len(m.problems), "torch": str(torch.__version__)})
         if m.problems:
@@ -389,6 +392,9 @@ def _build_registry() -> dict[str, Check]:
                              doc="P1 on a fixed edge case"))
         # the static path only: buckets are exercised by the drawn cases
         out.append(Check(f"P2/static/{edge}", "P2", "static", edge=edge, doc="P2 on a fixed edge case"))
+        for path, bucket in paths if edge in P3_EDGES else ():  # prompts past 64 and 128 in every run
+            out.append(Check(f"P3/{path_label(path, bucket)}/{edge}", "P3", path, bucket, edge=edge,
+                             doc="P3 on a fixed edge case"))
     for prop in ("P1", "P2", "P4"):
         out.append(Check(f"{prop}/static/graphs", prop, "static", graphs=True,
                          doc=f"{prop} with the target under HPU or CUDA graphs (on CPU a stand-in: one output "

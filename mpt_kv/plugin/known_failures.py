@@ -45,7 +45,7 @@ def note_case(config, item, params: dict) -> None:
     which entries cover this conformance case, and the one that applies to it."""
     config._mpt_kv_known_cases = True
     for e in config._mpt_kv_known:
-        if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket")):
+        if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket"), params.get("check")):
             config._mpt_kv_known_covered.add(e.index)
     entry = match(params, config._mpt_kv_known)
     if entry is not None:
@@ -68,7 +68,7 @@ def from_worker(node) -> None:
 
 def match(params: dict, entries):
     for e in entries:
-        if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket")) and e.applies():
+        if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket"), params.get("check")) and e.applies():
             return e
     return None
 

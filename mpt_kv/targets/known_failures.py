@@ -8,7 +8,10 @@ with the package versions it applies to (default: `known_failures.json` beside t
 
 required  target, property (one of PROPERTIES), pattern (a regular expression), reason
 optional  path (one of PATHS; absent: any), bucket (true/false; absent: either),
-          when ({distribution: PEP 440 specifier}; absent: every version)
+          when ({distribution: PEP 440 specifier}; absent: every version),
+          check (a registry check id, e.g. "P0/alibi-bias-max-16": that check only; absent: every
+          check of the property. A caller that does not say which check a case is, matches no
+          entry that names one: the case then fails, never xfails by accident)
 
 A matching case is expected to fail with a `PropertyFailure` whose message the pattern finds
 (`re.search`); only that failure xfails. Any other exception, a message the pattern does not
@@ -31,7 +34,7 @@ FILE = Path(__file__).with_name("known_failures.json")
 PROPERTIES = ("P0", "P1", "P2", "P3", "memory", "static-shape", "ops-P1", "ops-P2", "ops-P3", "ops-memory")
 PATHS = ("concat", "static")
 REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}
-OPTIONAL = {"path": str, "bucket": bool, "when": dict}
+OPTIONAL = {"path": str, "bucket": bool, "when": dict, "check": str}
 
 
 class KnownFailuresError(ValueError):
@@ -49,11 +52,12 @@ class Entry:
     bucket: bool | None = None
     when: dict = field(default_factory=dict)  # distribution -> SpecifierSet
     file: str = ""
+    check: str | None = None  # one registry check id only
 
     @property
     def name(self) -> str:
         where = "".join(f" {x}" for x in (self.path, {True: "bucket", False: "no bucket"}.get(self.bucket)) if x)
-        return f"entry {self.index} ({self.target} {self.property}{where})"
+        return f"entry {self.index} ({self.target} {self.check or self.property}{where})"
 
     def applies(self) -> bool:
         """True where every package of `when` is installed in a version it names."""
@@ -65,10 +69,10 @@ class Entry:
                 return False
         return True
 
-    def covers(self, target: str, prop: str, path: str | None, bucket: int | None) -> bool:
-        """This entry is about the case (target, property, path, bucketed or not)."""
+    def covers(self, target: str, prop: str, path: str | None, bucket: int | None, check: str | None = None) -> bool:
+        """This entry is about the case (target, property, path, bucketed or not, check id)."""
         return (self.target == target and self.property == prop and self.path in (None, path)
-                and self.bucket in (None, bucket is not None))
+                and self.bucket in (None, bucket is not None) and self.check in (None, check))
 
     def explains(self, exc: BaseException | None) -> bool:
         """The failure is the known one: a PropertyFailure (every one, when hypothesis reports
@@ -119,8 +123,10 @@ def _entry(raw, index: int, file: str) -> Entry:
             when[package] = SpecifierSet(spec)
         except (InvalidSpecifier, TypeError):
             raise bad(f"'when' {package}: {spec!r} is not a version specifier (e.g. '<4.56')") from None
+    if "check" in raw and raw["check"].split("/", 1)[0] != raw["property"]:
+        raise bad(f"'check' {raw['check']!r} is not a check of property {raw['property']!r}")
     return Entry(index, raw["target"], raw["property"], raw["reason"], pattern, raw.get("path"), raw.get("bucket"),
-                 when, file)
+                 when, file, raw.get("check"))
 
 
 def load(path: str | Path = FILE) -> list[Entry]:
@@ -139,10 +145,10 @@ def load(path: str | Path = FILE) -> list[Entry]:
 
 
 def match(target: str, prop: str, path: str | None, entries: list[Entry] | None = None,
-          bucket: int | None = None) -> Entry | None:
+          bucket: int | None = None, check: str | None = None) -> Entry | None:
     """The entry that applies (installed versions) to the case (target, property, path,
-    bucketed or not), or None."""
+    bucketed or not, check id), or None."""
     for e in load() if entries is None else entries:
-        if e.covers(target, prop, path, bucket) and e.applies():
+        if e.covers(target, prop, path, bucket, check) and e.applies():
             return e
     return None

@@ -1,0 +1,245 @@
+"""Reach: which values of every knob a run's cases took, per check, beside a real model's values.
+
+Like a coverage report for the input space: a bug that shows only past the drawn ranges (a batch
+of 8, 32 heads, prompts past 128, alibi_bias_max 16) passes every check that never gets there, so
+the report says how far each check got.
+
+    knobs(case, path, bucket, device, dtype)  # one case's values (registry.Check records them as
+                                              # "mpt_kv_reach": {"check": id, "knobs": {...}})
+    summary = summarize(records)              # knob -> {"overall": stats, "by_check": {id: stats}}
+    print("\\n".join(table_lines(summary, load_reference_model())))
+
+stats: {"min", "max" (numeric knobs), "values" (the distinct values, sorted, at most
+`MAX_VALUES`), "distinct", "cases"}. The reference model is a JSON file of a real config's values
+(default: mpt-7b's, `mpt_kv/data/mpt-7b.json`); a project names its own with
+`load_reference_model(path)` (the plugin: its ini option `mpt_kv_reference_model`).
+
+Print a run's table: `python -m mpt_kv.checks.reach [--reference-model FILE] reports/conformance.json`
+(the report's "reach" records), or `--draw` for the draws of the default profile without running
+any model (`drawn_records`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+DEFAULT_REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "data" / "mpt-7b.json"
+MAX_VALUES = 8
+
+# The knobs, in table order, with what a real model's config calls them (None: not a config field;
+# the reference model file may still give a value, e.g. a serving batch).
+KNOBS = ("batch", "padding", "n_layers", "n_heads", "head_dim", "d_model", "prompt_len", "new_tokens",
+         "tokens_per_call", "total_len", "max_seq_len", "bucket", "path", "mask_dtype", "dtype", "clip_qkv",
+         "alibi_bias_max", "layer_norm_epsilon", "vocab_size")
+NON_NUMERIC = ("path", "mask_dtype", "dtype", "clip_qkv", "bucket")
+TEXT = {"padding": "left padding (longest - shortest row)", "tokens_per_call": "tokens per cached call"}
+
+
+def knobs(case, path: str | None = None, bucket: int | None = None, device=None, dtype=None) -> dict:
+    """The values one case takes (a `properties.Case`, its cache path, bucket and dtype)."""
+    c = case.cfg
+    out = dict(batch=case.batch, padding=case.prompt_len - min(case.prompt_lens), n_layers=c.n_layers,
+               n_heads=c.n_heads, head_dim=c.head_dim, d_model=c.d_model, prompt_len=case.prompt_len,
+               new_tokens=case.new_tokens, total_len=case.total_len, max_seq_len=c.max_seq_len,
+               bucket=bucket, path=path or "uncached",
+               mask_dtype=str(case.mask_dtype).replace("torch.", ""), clip_qkv=c.clip_qkv,
+               alibi_bias_max=c.alibi_bias_max, layer_norm_epsilon=c.layer_norm_epsilon, vocab_size=c.vocab_size)
+    if dtype is not None:
+        out["dtype"] = str(dtype).replace("torch.", "")
+    tokens = getattr(case, "tokens_per_call", None)  # k-token cached calls, where a Case carries them
+    if tokens is not None:
+        out["tokens_per_call"] = tokens
+    return out
+
+
+def _order(v):
+    """Numbers first (by value), then text, then None."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return (0, v, "")
+    return (2, 0, "") if v is None else (1, 0, str(v))
+
+
+def _stats(values: list) -> dict:
+    distinct = sorted(set(values), key=_order)
+    out = {"cases": len(values), "distinct": len(distinct), "values": distinct[:MAX_VALUES]}
+    numbers = [v for v in values if _order(v)[0] == 0]
+    if numbers:
+        out["min"], out["max"] = min(numbers), max(numbers)
+    return out
+
+
+def summarize(records: Iterable[dict]) -> dict:
+    """{knob: {"overall": stats, "by_check": {check id: stats}}} over "mpt_kv_reach" records
+    ({"check": id, "knobs": {...}}); knobs no record has are left out."""
+    by_knob: dict[str, dict[str, list]] = {}
+    for r in records:
+        if not isinstance(r, dict) or not isinstance(r.get("knobs"), dict) or "check" not in r:
+            raise ValueError(f"reach record {r!r}: expected {{'check': id, 'knobs': {{...}}}}")
+        for knob, value in r["knobs"].items():
+            by_knob.setdefault(knob, {}).setdefault(r["check"], []).append(value)
+    order = {k: i for i, k in enumerate(KNOBS)}
+    out = {}
+    for knob in sorted(by_knob, key=lambda k: (order.get(k, len(order)), k)):
+        checks = by_knob[knob]
+        out[knob] = {"overall": _stats([v for vs in checks.values() for v in vs]),
+                     "by_check": {check: _stats(vs) for check, vs in sorted(checks.items())}}
+    return out
+
+
+def load_reference_model(path: str | Path | None = None) -> dict:
+    """A real model's values ({"name", "source", "values": {knob: value or [values]}}); default mpt-7b's."""
+    path = Path(path or DEFAULT_REFERENCE_MODEL)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"reference model file {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(data.get("values"), dict):
+        raise ValueError(f"reference model file {path}: expected an object with 'name' and 'values' "
+                         "({knob: value or [values]})")
+    unknown = sorted(set(data["values"]) - set(KNOBS))
+    if unknown:
+        raise ValueError(f"reference model file {path}: unknown knobs {unknown}; known: {list(KNOBS)}")
+    return data
+
+
+def _range(stats: dict | None) -> str:
+    if not stats:
+        return "-"
+    numeric = "min" in stats and all(_order(v)[0] == 0 for v in stats["values"])
+    if numeric and stats["distinct"] > 3:
+        text = f"{stats['min']:g}-{stats['max']:g}"
+    else:
+        text = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in stats["values"])
+        if stats["distinct"] > len(stats["values"]):
+            text += ", ..."
+    return f"{text} ({stats['distinct']})"
+
+
+def _real(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def group_of(check: str) -> str:
+    """A check's column in the table: its property ("P1/static/bucket-128" -> "P1"); the path and
+    bucket are knobs of their own."""
+    return check.split("/")[0]
+
+
+def grouped(summary: dict) -> dict:
+    """{knob: {group: stats}}: the summary's checks merged into their groups (`group_of`)."""
+    out = {}
+    for knob, data in summary.items():
+        groups: dict[str, list] = {}
+        for check, stats in data["by_check"].items():
+            groups.setdefault(group_of(check), []).append(stats)
+        out[knob] = {g: _merge(ss) for g, ss in groups.items()}
+    return out
+
+
+def _merge(stats: list[dict]) -> dict:
+    """Stats of several checks as one (distinct: exact while every check listed all its values)."""
+    values = sorted({v for s in stats for v in s["values"]}, key=_order)
+    complete = all(s["distinct"] == len(s["values"]) for s in stats)
+    out = {"cases": sum(s["cases"] for s in stats),
+           "distinct": len(values) if complete else max(len(values), *(s["distinct"] for s in stats)),
+           "values": values[:MAX_VALUES]}
+    mins = [s["min"] for s in stats if "min" in s]
+    if mins:
+        out["min"], out["max"] = min(mins), max(s["max"] for s in stats if "max" in s)
+    return out
+
+
+def table_lines(summary: dict, reference_model: dict | None = None) -> list[str]:
+    """The reach table: a row per knob, the overall range, the real model's value, then per check
+    group (P0, P1/concat, ..., memory) the range reached: 'min-max (distinct values)' or the values."""
+    if not summary:
+        return ["reach: no case recorded its knobs (nothing ran?)"]
+    reference_model = reference_model or {"name": "reference model", "values": {}}
+    groups = sorted({g for knob in grouped(summary).values() for g in knob}, key=_group_order)
+    by_group = grouped(summary)
+    head = ["knob", "this run", reference_model["name"], *groups]
+    rows = [[knob, _range(data["overall"]), _real(reference_model["values"].get(knob)),
+             *(_range(by_group[knob].get(g)) for g in groups)] for knob, data in summary.items()]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    cases = sum(s["cases"] for s in by_group.get("batch", {}).values())
+    lines.append(f"range (distinct values) per knob over {cases} cases; {reference_model['name']}: "
+                 f"{reference_model.get('source', 'its config')}")
+    return lines
+
+
+def _group_order(g: str):
+    order = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory")
+    head = g.split("/")[0]
+    return (order.index(head) if head in order else len(order), g)
+
+
+def drawn_records(profile: str = "ci", device: str = "cpu", dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+    """The reach records of the registry's checks under `profile`, without running a model: each
+    drawn check's strategy run as `Check._drawn` runs it (its property, dtype, the profile's
+    examples), each fixed case (edge cases, static-shape, graphs, memory configs) once."""
+    from hypothesis import given, settings
+
+    from mpt_kv.checks import registry
+    from mpt_kv.checks.strategies import cases, edge_cases
+
+    out = []
+    for check in registry.CHECKS.values():
+        for dtype in dtypes:
+            if check.property == "memory":
+                found = [check.config.case()]
+            elif check.property == "static-shape":
+                found = [registry.STATIC_SHAPE_CASE]
+            elif check.edge:
+                found = [edge_cases(device)[check.edge]]
+            elif check.graphs:
+                found = [edge_cases("hpu")["bucket-128"] if device == "hpu" else registry.GRAPH_CASE]
+            else:
+                found = []
+
+                @settings(settings.get_profile(profile), database=None)
+                @given(case=cases(device, prop=check.property, dtype=dtype))
+                def draw(case):
+                    found.append(case)
+
+                draw.hypothesis.inner_test._hypothesis_internal_add_digest = f"{check.id}|{dtype}".encode()
+                draw()
+            out += [{"check": check.id, "knobs": knobs(c, check.path, check.bucket, device, dtype)} for c in found]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mpt_kv.checks.reach", description=__doc__.split("\n\n")[0])
+    ap.add_argument("report", nargs="?", help="a JSON report with a 'reach' list of records")
+    ap.add_argument("--draw", metavar="PROFILE", help="the draws of a hypothesis profile (ci, dev, thorough), no model run")
+    ap.add_argument("--reference-model", help=f"a real model's values (default {DEFAULT_REFERENCE_MODEL.name})")
+    args = ap.parse_args(argv)
+    if bool(args.report) == bool(args.draw):
+        ap.error("give a report file or --draw PROFILE (one of them)")
+    if args.draw:
+        from mpt_kv.checks.strategies import load_profile
+
+        load_profile()
+        records = drawn_records(args.draw)
+    else:
+        data = json.loads(Path(args.report).read_text())
+        records = data.get("reach") if isinstance(data, dict) else None
+        if not records:
+            print(f"{args.report}: no 'reach' records (a run without reach recording, or nothing ran)", file=sys.stderr)
+            return 1
+    print("\n".join(table_lines(summarize(records), load_reference_model(args.reference_model))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Reach: the knobs the default run's cases take (mpt_kv/checks/reach.py), the state a model keeps
+after its generations (ceilings.model_state_problem), and known failures pinned to one check."""
+
+import json
+
+import pytest
+import torch
+
+from mpt_kv.checks import ceilings as C
+from mpt_kv.checks import reach
+from mpt_kv.checks.strategies import EDGE_CASES
+from mpt_kv.model.config import random_state_dict
+from mpt_kv.targets import build, known_failures
+
+
+@pytest.fixture(scope="module")
+def drawn():
+    """The default CI run's draws (derandomized ci profile, fp32 and bf16), no model run."""
+    return reach.drawn_records("ci")
+
+
+def by_property(records, prop):
+    return [r for r in records if r["check"].split("/")[0] == prop]
+
+
+# knobs each property's drawn and fixed cases must vary (a knob left at one value is a range no
+# bug past it can be seen in); static-shape runs one fixed case by design
+VARIED = {
+    "P0": ("batch", "padding", "n_layers", "n_heads", "head_dim", "d_model", "prompt_len", "new_tokens", "max_seq_len",
+           "mask_dtype", "dtype", "clip_qkv", "alibi_bias_max", "layer_norm_epsilon", "vocab_size"),
+    "P1": ("batch", "padding", "n_layers", "n_heads", "head_dim", "d_model", "prompt_len", "new_tokens", "max_seq_len",
+           "bucket", "path", "mask_dtype", "dtype", "clip_qkv", "alibi_bias_max", "layer_norm_epsilon", "vocab_size"),
+    "P2": ("batch", "padding", "n_layers", "n_heads", "head_dim", "prompt_len", "new_tokens", "bucket", "mask_dtype",
+           "clip_qkv", "alibi_bias_max", "layer_norm_epsilon", "vocab_size"),
+    "P3": ("batch", "padding", "n_layers", "n_heads", "head_dim", "prompt_len", "new_tokens", "bucket", "path",
+           "mask_dtype", "clip_qkv", "alibi_bias_max", "vocab_size"),
+    "P4": ("batch", "n_layers", "n_heads", "prompt_len", "new_tokens", "bucket", "path", "alibi_bias_max"),
+    "memory": ("batch", "padding", "prompt_len", "new_tokens", "bucket", "path", "dtype"),
+}
+
+
+@pytest.mark.parametrize("prop", list(VARIED))
+def test_the_default_run_varies_every_knob(drawn, prop):
+    summary = reach.summarize(by_property(drawn, prop))
+    stuck = {k: summary[k]["overall"]["values"] for k in VARIED[prop] if summary[k]["overall"]["distinct"] < 2}
+    assert not stuck, f"{prop}: the default run leaves these knobs at one value: {stuck}"
+
+
+def test_the_default_run_reaches_the_issue_ranges(drawn):
+    """Issue 17's table: batch 8 with unequal padding, 6 layers, 32 heads, prompts past 64 and 128
+    in P3 and memory, alibi_bias_max other than 8 in P0 (edge case) and drawn in P1-P4."""
+    s = {p: reach.summarize(by_property(drawn, p)) for p in VARIED}
+    for prop in ("P0", "P1", "P2", "P3", "P4"):
+        assert s[prop]["batch"]["overall"]["max"] >= 8 and s[prop]["n_layers"]["overall"]["max"] >= 6, prop
+        assert s[prop]["n_heads"]["overall"]["max"] == 32 or prop == "P4", prop  # P4 (output reuse): no edge cases
+    padded_8 = [r for r in drawn if r["knobs"]["batch"] >= 8 and r["knobs"]["padding"] > 0]
+    assert {r["check"].split("/")[0] for r in padded_8} >= {"P0", "P1", "P2", "P3", "memory"}
+    for prop in ("P3", "memory"):
+        assert s[prop]["prompt_len"]["overall"]["max"] > 128, prop
+    assert any(64 < r["knobs"]["prompt_len"] <= 128 for r in by_property(drawn, "P3"))
+    assert {r["knobs"]["alibi_bias_max"] for r in by_property(drawn, "P0") if "/" not in r["check"]} == {8}
+    assert 16 in s["P0"]["alibi_bias_max"]["overall"]["values"]
+    for prop in ("P1", "P2", "P3", "P4"):
+        drawn_only = {r["knobs"]["alibi_bias_max"] for r in by_property(drawn, prop) if r["check"].count("/") <= 1}
+        assert len(drawn_only) > 1, (prop, drawn_only)
+
+
+def test_summarize_ranges_per_check_and_overall():
+    records = [{"check": "P1/concat", "knobs": {"batch": 2, "clip_qkv": None}},
+               {"check": "P1/concat", "knobs": {"batch": 8, "clip_qkv": 0.5}},
+               {"check": "P3/static", "knobs": {"batch": 3, "mask_dtype": "bool"}}]
+    s = reach.summarize(records)
+    assert s["batch"]["overall"] == {"cases": 3, "distinct": 3, "values": [2, 3, 8], "min": 2, "max": 8}
+    assert s["batch"]["by_check"]["P1/concat"]["max"] == 8 and s["batch"]["by_check"]["P3/static"]["min"] == 3
+    assert s["clip_qkv"]["overall"]["values"] == [0.5, None] and "P3/static" not in s["clip_qkv"]["by_check"]
+    assert list(s) == ["batch", "mask_dtype", "clip_qkv"]  # table order (reach.KNOBS)
+    with pytest.raises(ValueError, match="expected"):
+        reach.summarize([{"knobs": {}}])
+
+
+def test_table_lines_show_the_run_beside_the_reference_model():
+    records = [{"check": "P0", "knobs": {"n_heads": h, "alibi_bias_max": 8}} for h in (1, 2, 3, 4, 32)]
+    records += [{"check": "memory/concat/B2", "knobs": {"n_heads": 4, "alibi_bias_max": 8}}]
+    lines = reach.table_lines(reach.summarize(records), reach.load_reference_model())
+    assert lines[0] == "| knob | this run | mpt-7b | P0 | memory |"
+    assert "| n_heads | 1-32 (5) | 32 | 1-32 (5) | 4 (1) |" in lines
+    assert "| alibi_bias_max | 8 (1) | 8 | 8 (1) | 8 (1) |" in lines
+    assert reach.table_lines({}) == ["reach: no case recorded its knobs (nothing ran?)"]
+
+
+def test_the_reference_model_is_mpt_7b_by_default_and_a_project_can_name_its_own(tmp_path):
+    mpt7b = reach.load_reference_model()
+    assert mpt7b["name"] == "mpt-7b"
+    assert {k: mpt7b["values"][k] for k in ("d_model", "n_heads", "n_layers", "max_seq_len", "vocab_size",
+                                            "alibi_bias_max", "clip_qkv", "layer_norm_epsilon")} == dict(
+        d_model=4096, n_heads=32, n_layers=32, max_seq_len=2048, vocab_size=50432, alibi_bias_max=8, clip_qkv=None,
+        layer_norm_epsilon=1e-5)
+    own = tmp_path / "mine.json"
+    own.write_text(json.dumps({"name": "mine", "values": {"n_heads": 64}}))
+    assert reach.load_reference_model(own)["values"] == {"n_heads": 64}
+    own.write_text(json.dumps({"name": "mine", "values": {"heads": 64}}))
+    with pytest.raises(ValueError, match="unknown knobs"):
+        reach.load_reference_model(own)
+
+
+def test_the_cli_prints_a_reports_reach_and_refuses_an_empty_one(tmp_path, capsys):
+    report = tmp_path / "conformance.json"
+    report.write_text(json.dumps({"reach": [{"check": "P0", "knobs": {"batch": 8}}]}))
+    assert reach.main([str(report)]) == 0
+    assert "| batch | 8 (1) | 2, 16, 128 | 8 (1) |" in capsys.readouterr().out
+    report.write_text(json.dumps({"reach": []}))
+    assert reach.main([str(report)]) == 1
+
+
+# --- the state a model keeps after its generations ------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["mpt_kv.catalogue.variants:attention_probabilities_kept"])
+def test_state_kept_on_the_model_fails_with_its_name_and_bytes(target):
+    case = C.CONFIGS[1].case()
+    runner = build(target, case.cfg, random_state_dict(case.cfg), "cpu", torch.float32)
+    m = C.measure(runner, case, "static", "cpu", torch.float32)
+    kept = [p for p in m.problems if "per-generation state kept on the model" in p]
+    assert kept and "model.transformer.blocks.0.attn.last_probabilities (2, 4, 1, 32) float32 keeps 1024 bytes" in kept[0]
+
+
+def test_the_reference_keeps_nothing_on_the_model():
+    case = C.CONFIGS[1].case()
+    runner = build("reference", case.cfg, random_state_dict(case.cfg), "cpu", torch.float32)
+    assert C.measure(runner, case, "concat", "cpu", torch.float32).problems == []
+    weights = {C.storage_key(t) for t in [*runner.model.parameters(), *runner.model.buffers()]}
+    assert C.model_state_tensors(runner, weights) == []  # weights and registered buffers only
+
+
+# --- known failures pinned to one check -----------------------------------------------------------------
+
+def test_a_known_failure_with_a_check_covers_that_check_only(tmp_path):
+    entries = known_failures.load()
+    alibi = known_failures.match("transformers", "P0", None, entries, None, "P0/alibi-bias-max-16")
+    assert alibi is not None and alibi.check == "P0/alibi-bias-max-16" and "line 320" in alibi.reason
+    assert known_failures.match("transformers", "P0", None, entries, None, "P0") is None
+    assert known_failures.match("transformers", "P0", None, entries, None) is None  # check unknown: no xfail
+    bad = tmp_path / "kf.json"
+    bad.write_text(json.dumps([{"target": "t", "property": "P0", "check": "P1/concat", "pattern": "x", "reason": "r"}]))
+    with pytest.raises(known_failures.KnownFailuresError, match="not a check of property 'P0'"):
+        known_failures.load(bad)
+
+
+def test_the_alibi_edge_case_is_the_only_p0_case_off_8():
+    assert [name for name, c in EDGE_CASES.items() if c.cfg.alibi_bias_max != 8] == ["alibi-bias-max-16"]
