@@ -97,6 +97,11 @@ def main(argv: list[str]) -> int:
         print(line)
     for line in project_lines({"capabilities": merged["capabilities"], "unrecorded": merged["unrecorded"]}):
         print(line)
+    if merged["reach"]:
+        from mpt_kv.checks import reach
+
+        print("=" * 34 + " mpt-kv reach " + "=" * 34)
+        print("\n".join(reach.table_lines(reach.summarize(merged["reach"]), reach.load_reference_model())))
     if merged["memory"]:
         from mpt_kv.checks.ceilings import table
 
@@ -105,7 +110,10 @@ def main(argv: list[str]) -> int:
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({**merged, "unrecorded": list(merged["unrecorded"].values())}, indent=1,
+        from mpt_kv.plugin.report import reach_summary
+
+        out.write_text(json.dumps({**merged, "unrecorded": list(merged["unrecorded"].values()),
+                                   "reach_summary": reach_summary(merged["reach"])}, indent=1,
                                   default=str))
     bad = [r for r in merged["results"] if r.get("outcome") in BAD]
     if not merged["results"]:

@@ -70,6 +70,9 @@ def add_options(parser) -> None:
     parser.addini("mpt_kv_ceilings_dir", default="",
                   help=f"mpt-kv: folder of the stored memory ceilings (relative to the ini file; default "
                        f"<rootdir>/{CEILINGS_FOLDER})")
+    parser.addini("mpt_kv_reference_model", default="",
+                  help="mpt-kv: a JSON file of a real model's values that the reach table prints beside what the "
+                       "run reached (relative to the ini file; default mpt-7b's, mpt_kv/data/mpt-7b.json)")
     parser.addini("mpt_kv_require_ceilings", type="linelist", default=[],
                   help="mpt-kv: targets whose memory cases fail without a stored ceiling ('*': all); a target "
                        "that has any entry must have all of them anyway")
@@ -82,6 +85,20 @@ def check(config) -> None:
     dtype_names(config)
     check_ceilings_dir(config)
     required_ceilings(config)
+    reference_model(config)
+
+
+def reference_model(config) -> dict:
+    """The real model the reach table compares with (ini mpt_kv_reference_model), read once."""
+    if not hasattr(config, "_mpt_kv_reference_model"):
+        from mpt_kv.checks import reach
+
+        ini = config.getini("mpt_kv_reference_model")
+        try:
+            config._mpt_kv_reference_model = reach.load_reference_model(ini_relative(config, ini) if ini else None)
+        except ValueError as e:
+            raise pytest.UsageError(f"ini option mpt_kv_reference_model: {e}") from None
+    return config._mpt_kv_reference_model
 
 
 # --- targets and dtypes --------------------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def write_report(config, path, results: list[dict], memory: list[dict], extras: 
             "written": time.strftime("%Y-%m-%d %H:%M:%S"),
             "allow_missing_device": bool(config.getoption("allow_missing_device")),
             "capabilities": extras["capabilities"], "unrecorded": list(extras["unrecorded"].values()),
-            "reach": extras["reach"]}
+            "reach": extras["reach"], "reach_summary": reach_summary(extras["reach"])}
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
@@ -180,6 +180,15 @@ def write_report(config, path, results: list[dict], memory: list[dict], extras: 
     except OSError as e:
         return f"--mpt-kv-report {path}: the report could not be written: {e}"
     return None
+
+
+def reach_summary(records: list[dict]) -> dict:
+    """What the checks reached, per knob and check (mpt_kv.checks.reach.summarize): in the JSON report."""
+    if not records:
+        return {}
+    from mpt_kv.checks import reach
+
+    return reach.summarize(records)
 
 
 def summary(tw, config, results: list[dict], extras: dict) -> None:
@@ -192,6 +201,13 @@ def summary(tw, config, results: list[dict], extras: dict) -> None:
         tw.write_sep("=", "mpt-kv conformance")
     for line in lines + project_lines(extras, config):
         tw.write_line(line)
+    if extras.get("reach"):
+        from mpt_kv.checks import reach
+        from mpt_kv.plugin.options import reference_model
+
+        tw.write_sep("=", "mpt-kv reach")
+        for line in reach.table_lines(reach.summarize(extras["reach"]), reference_model(config)):
+            tw.write_line(line)
 
 
 def short_traceback_hint(terminalreporter, config) -> str | None:
