@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import sys
 import types
 from pathlib import Path
@@ -200,7 +201,7 @@ def gaudi_classes(module):
 
 def reads_attribute(function, name: str) -> bool:
     """Whether `function`'s code (or code nested in it) reads the attribute or name `name`."""
-    codes = [getattr(function, "__code__", None)]
+    codes = [getattr(inspect.unwrap(function), "__code__", None)]  # under decorators (deprecate_kwarg in 5.x)
     while codes:
         code = codes.pop()
         if code is None:
