@@ -137,3 +137,29 @@ def test_sweep_two_transformers_releases(tmp_path):
     table = (out / "table.md").read_text()
     assert "| 4.55.4 | transformers 4.55.4, tokenizers 0.21.4 | xfail |" in table, table
     assert "| 5.24.0 | transformers 5.24.0, tokenizers 0.23.3 | pass |" in table, table
+
+
+def test_a_target_that_does_not_build_is_the_rows_problem():
+    log = ("target reference       ok\n"
+           "target optimum-habana  does not build on cpu: TargetUnavailable: optimum-habana 1.7.0 has no MPT: "
+           "/x/optimum/habana/transformers/models/mpt/modeling_mpt.py does not exist\n")
+    assert sweep.target_build_problem(log, "optimum-habana") == (
+        "the target does not build: TargetUnavailable: optimum-habana 1.7.0 has no MPT: "
+        "/x/optimum/habana/transformers/models/mpt/modeling_mpt.py does not exist")
+    assert sweep.target_build_problem(log.replace("does not build on cpu: TargetUnavailable", "ok"), "optimum-habana") is None
+
+
+def test_render_makes_the_table_again_from_a_finished_sweep(tmp_path, capsys):
+    rows = releases_with_the_seed_bug(tmp_path)
+    (tmp_path / "optimum-habana-1.7.0.log").write_text(
+        "target optimum-habana  does not build on cpu: TargetUnavailable: optimum-habana 1.7.0 has no MPT\n")
+    (tmp_path / "optimum-habana-1.7.0.json").write_text(json.dumps({"results": [result("P0", "error")]}))
+    listed = [{"package": r.release.package, "version": str(r.release.version), "pins": r.pins, "problem": r.problem,
+               "seconds": 1.0} for r in rows] + [{"package": "optimum-habana", "version": "1.7.0", "pins": "",
+                                                 "problem": None, "seconds": 1.0}]
+    (tmp_path / "rows.json").write_text(json.dumps({"made": "Made by hand.", "rows": listed}))
+    assert sweep.main(["--render", "--out", str(tmp_path)]) == 1  # rows that did not run: exit 1
+    table = (tmp_path / "table.md").read_text()
+    assert table.startswith("Made by hand.\n") and "| F1 | P3/concat | failed | optimum-habana 1.11.1 |" in table
+    assert "| 1.7.0 | - | **not run**: the target does not build: TargetUnavailable: optimum-habana 1.7.0 has no MPT" \
+        in table, table

@@ -331,7 +331,13 @@ def run_conformance(release: Release, venv: Path, row: Row, deadline: float, run
             return f"run: timed out after {remaining:.0f} s (--timeout)"
     if not row.report.is_file():
         return f"run: exit {proc.returncode}, no report written: {last_line(row.log.read_text())}"
-    return None
+    return target_build_problem(row.log.read_text(), PACKAGES[release.package])
+
+
+def target_build_problem(log_text: str, target: str) -> str | None:
+    """Why the target did not build, from the run's first lines (then every case errors with it)."""
+    built = re.search(rf"^target {re.escape(target)}\s+does not build on \w+: (.*)$", log_text, re.M)
+    return f"the target does not build: {built.group(1)[:300]}" if built else None
 
 
 # --- the table --------------------------------------------------------------------------------------
@@ -462,7 +468,7 @@ def default_envs() -> Path:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m mpt_kv sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("specs", nargs="+", type=parse_spec, metavar="SPEC",
+    p.add_argument("specs", nargs="*", type=parse_spec, metavar="SPEC",
                    help="optimum-habana==X, transformers==X, or a range (optimum-habana>=1.7,<=1.21.2)")
     p.add_argument("--per-minor", action="store_true", help="in a range, only the newest patch of each minor")
     p.add_argument("-p", "--parallel", type=int, default=1, help="releases at once (at most the cores; default 1)")
@@ -472,7 +478,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=Path("reports/sweep"), help="reports, logs and table.md (default reports/sweep)")
     p.add_argument("--dtype", action="append", choices=["fp32", "bf16"], help="dtypes to run (default fp32)")
     p.add_argument("-k", dest="keyword", default=DEFAULT_K, help=f"pytest -k of the runs (default: {DEFAULT_K!r})")
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: make the table again from --out's rows.json, reports and logs")
     args = p.parse_args(argv)
+    if args.render:
+        return render(args.out)
+    if not args.specs:
+        p.error("name the releases: optimum-habana==X, transformers==X or a range")
     cores = os.cpu_count() or 1
     if not 1 <= args.parallel <= cores:
         p.error(f"-p {args.parallel}: between 1 and the {cores} cores")
@@ -498,9 +510,36 @@ def main(argv: list[str]) -> int:
             rows.append(row)
             print(f"  {row.release}: {row.problem or 'ran'} ({row.pins or 'no env'}; {row.seconds:.0f} s)", flush=True)
     elapsed = time.monotonic() - started
-    lines = [f"Made by `python -m mpt_kv sweep {' '.join(argv)}` in {elapsed / 60:.1f} min "
-             f"({time.strftime('%Y-%m-%d')}, -p {args.parallel}).", "", *table_lines(rows)]
-    (args.out / "table.md").write_text("\n".join(lines) + "\n")
+    made = (f"Made by `python -m mpt_kv sweep {' '.join(argv)}` in {elapsed / 60:.1f} min "
+            f"({time.strftime('%Y-%m-%d')}, -p {args.parallel}).")
+    (args.out / "rows.json").write_text(json.dumps({"made": made, "rows": [
+        {"package": r.release.package, "version": str(r.release.version), "pins": r.pins, "problem": r.problem,
+         "seconds": round(r.seconds, 1)} for r in rows]}, indent=1))
+    return write_table(args.out, made, rows)
+
+
+def write_table(out: Path, made: str, rows: list[Row]) -> int:
+    lines = [made, "", *table_lines(rows)]
+    (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"table: {args.out / 'table.md'}")
+    print(f"table: {out / 'table.md'}")
     return 1 if any(r.problem for r in rows) else 0
+
+
+def render(out: Path) -> int:
+    """The table again from a finished sweep's folder (rows.json, the reports and the logs)."""
+    try:
+        data = json.loads((out / "rows.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"mpt-kv sweep --render: cannot read {out / 'rows.json'}: {e}")
+    rows = []
+    for r in data["rows"]:
+        row = Row(Release(r["package"], Version(r["version"])), pins=r["pins"], problem=r["problem"],
+                  seconds=r["seconds"])
+        row.report, row.log = out / f"{row.release.slug}.json", out / f"{row.release.slug}.log"
+        if row.problem is None and not row.report.is_file():
+            row.problem = f"no report in {out}"
+        if row.problem is None:
+            row.problem = target_build_problem(row.log.read_text(), PACKAGES[row.release.package])
+        rows.append(row)
+    return write_table(out, data["made"], rows)

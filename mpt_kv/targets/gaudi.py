@@ -51,6 +51,9 @@ def load_gaudi_mpt_module():
     if root is None:
         raise TargetUnavailable("optimum-habana is not installed (pip install --no-deps optimum-habana, "
                                 "or tox -e ohabana)")
+    if not (root / "transformers" / "models" / "mpt" / "modeling_mpt.py").is_file():
+        raise TargetUnavailable(f"{release()} has no MPT: {root / 'transformers' / 'models' / 'mpt' / 'modeling_mpt.py'} "
+                                "does not exist (optimum-habana's MPT came in 1.7.x)")
     if importlib.util.find_spec("habana_frameworks") is not None:
         # an HPU stack is installed: the normal import path, and any failure is the real one
         try:
