@@ -7,6 +7,11 @@ and its models package imports habana_frameworks), but the MPT module itself gua
 HPU import and runs on CPU: `load_gaudi_mpt_module` registers the parent packages as bare
 namespace modules so their `__init__` never runs, then imports just that module (FACTS.md).
 
+Every release with an MPT loads (1.7.3 to 1.21.2): `gaudi_classes` applies what that release's
+`adapt_transformers_to_gaudi` does to transformers' MPT module, parsed from its own
+modeling_utils.py (`mpt_patches`), whether it replaces classes (1.14 and later) or sets
+functions on them (`MptAttention.forward = gaudi_mpt_attention_forward`, 1.7.3 to 1.13.x).
+
 Public API (docs/targets.md): `load_gaudi_mpt_module()` returns optimum-habana's MPT module,
 on CPU too (TargetUnavailable with the reason where it cannot); `gaudi_classes(module)` is the
 context in which `module.GaudiMptForCausalLM(config)` builds Gaudi blocks. A fork of
