@@ -103,7 +103,7 @@ def parse_spec(text: str) -> tuple[str, SpecifierSet]:
 def published(package: str) -> list[Version]:
     """The package's releases as pip lists them (`pip index versions`), oldest first."""
     out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package], capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, env=pip_env())
     m = re.search(r"Available versions: (.*)", out.stdout)
     if not m:
         raise SystemExit(f"mpt-kv sweep: pip index versions {package} listed nothing: {out.stderr.strip()[-500:]}")
@@ -162,7 +162,8 @@ def download(release: Release, folder: Path) -> Path:
     if found:
         return found[0]
     out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder),
-                          f"{release.package}=={release.version}"], capture_output=True, text=True, timeout=600)
+                          f"{release.package}=={release.version}"], capture_output=True, text=True, timeout=600,
+                         env=pip_env())
     found = [p for p in folder.iterdir() if p.name.lower().startswith((f"{stem}-{release.version}", f"{release.package}-{release.version}"))]
     if out.returncode != 0 or not found:
         raise SweepError(f"pip download --no-deps {release.package}=={release.version} failed: "
@@ -199,10 +200,16 @@ def site_packages(venv: Path) -> Path:
     return next((venv / "lib").glob("python*/site-packages"))
 
 
+def pip_env() -> dict:
+    """The environment of the sweep's pip calls: our constraints file pins, not the caller's
+    (tox sets PIP_CONSTRAINT to its own lock, which pins another transformers)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PIP_CONSTRAINT", "PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+
+
 def pip(venv: Path, args: list[str], timeout: float, what: str) -> str:
     try:
         out = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", *args], capture_output=True, text=True,
-                             timeout=max(1.0, timeout))
+                             timeout=max(1.0, timeout), env=pip_env())
     except subprocess.TimeoutExpired as e:
         raise SweepError(f"{what}: timed out after {e.timeout:.0f} s") from e
     if out.returncode != 0:
