@@ -167,3 +167,20 @@ def test_render_makes_the_table_again_from_a_finished_sweep(tmp_path, capsys):
     assert table.startswith("Made by hand.\n") and "| F1 | P3/concat | failed | optimum-habana 1.11.1 |" in table
     assert "| 1.7.0 | - | **not run**: the target does not build: TargetUnavailable: optimum-habana 1.7.0 has no MPT" \
         in table, table
+
+
+def test_another_message_in_the_same_check_is_another_finding(tmp_path):
+    """1.7.3 and 1.9.0 error on transformers 4.3x's ALiBi for 6 heads, 1.14.0 on its own bf16
+    softmax: P0 errors in all three, as two findings; sizes differ within one finding."""
+    rows = []
+    for version, message in [("1.7.3", "RuntimeError: shape '[1, 6, 1, 1]' is invalid for input of size 8"),
+                             ("1.9.0", "RuntimeError: shape '[1, 3, 1, 1]' is invalid for input of size 4"),
+                             ("1.14.0", "RuntimeError: expected scalar type BFloat16 but found Float")]:
+        rows.append(row(tmp_path, release("optimum-habana", version), [result("P0", "error", nodeid="p0")],
+                        [("p0", message)]))
+    text = "\n".join(sweep.table_lines(rows))
+    assert ("| F1 | P0 | error | optimum-habana 1.7.3 | optimum-habana 1.9.0 | 2 | shape '[1, 6, 1, 1]' is invalid "
+            "for input of size 8 |") in text, text
+    assert ("| F2 | P0 | error | optimum-habana 1.14.0 | optimum-habana 1.14.0 | 1 | expected scalar type BFloat16 "
+            "but found Float |") in text, text
+    assert "| 1.9.0 | transformers 4.40.2 | error F1 |" in text and "| 1.14.0 | transformers 4.40.2 | error F2 |" in text

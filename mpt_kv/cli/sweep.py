@@ -408,14 +408,24 @@ class Finding:
     releases: list[Release]
 
 
+def signature(summary: str) -> str:
+    """What makes two releases' failures one finding: the message with its numbers left out (the
+    same bug names other sizes and shapes in another release's run)."""
+    return re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", summary)
+
+
+def finding_key(package: str, column: str, outcome: str, summary: str) -> tuple:
+    return package, column, outcome, signature(summary)
+
+
 def findings_of(rows: list[Row], cells: dict) -> list[Finding]:
-    """A finding: a column with the same bad outcome; its releases in order (first and last)."""
+    """A finding: a column with the same bad outcome and message; its releases in order (first and last)."""
     found: dict[tuple, Finding] = {}
     for row in rows:
         for col, (outcome, summary) in sorted(cells.get(row.release, {}).items(), key=lambda kv: column_order(kv[0])):
             if outcome not in FINDINGS:
                 continue
-            key = (row.release.package, col, outcome)
+            key = finding_key(row.release.package, col, outcome, summary)
             if key not in found:
                 found[key] = Finding("", col, outcome, summary, [])
             found[key].releases.append(row.release)
@@ -434,7 +444,7 @@ def table_lines(rows: list[Row]) -> list[str]:
     rows = sorted(rows, key=lambda r: r.release)
     cells = {r.release: cells_of(r) for r in rows if r.problem is None}
     findings = findings_of(rows, cells)
-    ident = {(f.releases[0].package, f.column, f.outcome): f.ident for f in findings}
+    ident = {finding_key(f.releases[0].package, f.column, f.outcome, f.summary): f.ident for f in findings}
     columns = sorted({c for cs in cells.values() for c in cs}, key=column_order)
     lines = []
     for package in sorted({r.release.package for r in rows}):
@@ -449,10 +459,10 @@ def table_lines(rows: list[Row]) -> list[str]:
             cs = cells[row.release]
             out = []
             for col in columns:
-                outcome, _ = cs.get(col, ("", ""))
+                outcome, summary = cs.get(col, ("", ""))
                 word = WORD.get(outcome, "-")
                 if outcome in FINDINGS:
-                    word += f" {ident[(package, col, outcome)]}"
+                    word += f" {ident[finding_key(package, col, outcome, summary)]}"
                 out.append(word)
             lines.append(f"| {row.release.version} | {row.pins} | " + " | ".join(out) + " |")
         lines.append("")
