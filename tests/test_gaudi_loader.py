@@ -11,6 +11,8 @@ import types
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 import transformers.models.mpt.modeling_mpt as hf
 from mpt_kv.errors import TargetUnavailable
@@ -97,8 +99,9 @@ def test_a_release_whose_attention_never_reads_clip_qkv_declares_it(tmp_path):
     with gaudi.gaudi_classes(module):
         model = module.GaudiMptForCausalLM(cfg.to_hf())
     assert "clip_qkv" in gaudi.release_capabilities(model).unsupported  # the fake forward only delegates
-    plain = hf.MptForCausalLM(cfg.to_hf())
-    assert gaudi.release_capabilities(plain).unsupported == {}  # transformers' MptAttention clamps
+    if Version(transformers.__version__) >= Version("4.43"):  # 4.40.2 does not clamp, 4.43.4 does
+        plain = hf.MptForCausalLM(cfg.to_hf())
+        assert gaudi.release_capabilities(plain).unsupported == {}  # transformers' MptAttention clamps
 
 
 @pytest.mark.parametrize("source, message", [
