@@ -184,3 +184,28 @@ def test_another_message_in_the_same_check_is_another_finding(tmp_path):
     assert ("| F2 | P0 | error | optimum-habana 1.14.0 | optimum-habana 1.14.0 | 1 | expected scalar type BFloat16 "
             "but found Float |") in text, text
     assert "| 1.9.0 | transformers 4.40.2 | error F1 |" in text and "| 1.14.0 | transformers 4.40.2 | error F2 |" in text
+
+
+def test_main_runs_the_releases_in_parallel_and_writes_the_table(tmp_path, monkeypatch, capsys):
+    """The command's own flow with the env and run steps replaced: -p 2 runs two releases at once,
+    every row lands in rows.json and table.md, and a row that did not run makes the exit status 1."""
+    import threading
+
+    both_running = threading.Barrier(2, timeout=10)  # a -p 1 sweep would stop here: BrokenBarrierError
+
+    def fake_run_release(rel, envs, out, base, timeout, run_args, listing=None):
+        both_running.wait()
+        if rel.version == Version("4.40.2"):
+            return sweep.Row(rel, problem="install: pip install transformers==4.40.2 failed: ERROR: offline")
+        return row(out, rel, [result("P3/concat", "passed")])
+
+    monkeypatch.setattr(sweep, "base_env", lambda envs, timeout: (envs / "_base" / "venv", "digest"))
+    monkeypatch.setattr(sweep, "run_release", fake_run_release)
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 2)
+    out = tmp_path / "out"
+    code = sweep.main(["transformers==4.40.2", "transformers==5.24.0", "-p", "2", "--envs", str(tmp_path / "e"),
+                       "--out", str(out)])
+    assert code == 1
+    table = (out / "table.md").read_text()
+    assert "| 5.24.0 | transformers 4.40.2 | pass |" in table and "| 4.40.2 | - | **not run**: install: pip" in table
+    assert sorted(r["version"] for r in json.loads((out / "rows.json").read_text())["rows"]) == ["4.40.2", "5.24.0"]
