@@ -50,7 +50,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 PACKAGES = {"optimum-habana": "optimum-habana", "transformers": "transformers"}  # package -> its target
 TORCH = "torch==2.13.0"  # the CPU build in the local store; never unpinned (a CUDA build is GBs)
@@ -320,7 +320,9 @@ def run_conformance(release: Release, venv: Path, row: Row, deadline: float, run
     cmd = [str(venv / "bin" / "python"), "-m", "mpt_kv", "run", "--target", PACKAGES[release.package],
            "--only-targets", "--report", str(row.report), "--no-mpt-kv-matrix", "-p", "mpt_kv.plugin",
            "-rfE", *run_args]
-    env = {k: v for k, v in os.environ.items() if k not in ("MPT_KV_CEILINGS_DIR", "PYTEST_ADDOPTS", "PYTHONPATH")}
+    # not the caller's: its ceilings folder, pytest options, path, or xdist worker (a sweep run from a test)
+    env = {k: v for k, v in os.environ.items() if k not in ("MPT_KV_CEILINGS_DIR", "PYTEST_ADDOPTS", "PYTHONPATH")
+           and not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
     env["CI"] = "true"  # the small derandomized hypothesis profile: the same cases in every release
     remaining = deadline - time.monotonic()
     if remaining <= 0:
