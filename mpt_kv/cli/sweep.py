@@ -156,15 +156,18 @@ def requirement_of(metadata: str, name: str) -> Requirement | None:
 def download(release: Release, folder: Path) -> Path:
     """The release's wheel (or sdist), fetched once with pip download --no-deps."""
     folder.mkdir(parents=True, exist_ok=True)
-    stem = release.package.replace("-", "_")
-    found = [p for p in folder.iterdir() if p.name.startswith(f"{stem}-{release.version}-")
-             or p.name == f"{stem}-{release.version}.tar.gz" or p.name == f"{release.package}-{release.version}.tar.gz"]
-    if found:
-        return found[0]
+    names = [f"{stem}-{release.version}{end}" for stem in {release.package, release.package.replace("-", "_")}
+             for end in ("-", ".tar.gz")]
+
+    def fetched():
+        return [p for p in folder.iterdir() if p.name.lower().startswith(tuple(names))]
+
+    if fetched():
+        return fetched()[0]
     out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder),
                           f"{release.package}=={release.version}"], capture_output=True, text=True, timeout=600,
                          env=pip_env())
-    found = [p for p in folder.iterdir() if p.name.lower().startswith((f"{stem}-{release.version}", f"{release.package}-{release.version}"))]
+    found = fetched()
     if out.returncode != 0 or not found:
         raise SweepError(f"pip download --no-deps {release.package}=={release.version} failed: "
                          f"{last_line(out.stderr or out.stdout)}")
