@@ -18,6 +18,7 @@ COMMANDS = {
     "bench": "mpt_kv.cli.bench",
     "killmatrix": "mpt_kv.cli.killmatrix",
     "report": "mpt_kv.cli.report",
+    "sweep": "mpt_kv.cli.sweep",
 }
 
 

@@ -7,6 +7,11 @@ and its models package imports habana_frameworks), but the MPT module itself gua
 HPU import and runs on CPU: `load_gaudi_mpt_module` registers the parent packages as bare
 namespace modules so their `__init__` never runs, then imports just that module (measured on 1.21.2).
 
+Every release with an MPT loads (1.7.3 to 1.21.2): `gaudi_classes` applies what that release's
+`adapt_transformers_to_gaudi` does to transformers' MPT module, parsed from its own
+modeling_utils.py (`mpt_patches`), whether it replaces classes (1.14 and later) or sets
+functions on them (`MptAttention.forward = gaudi_mpt_attention_forward`, 1.7.3 to 1.13.x).
+
 Public API (docs/targets.md): `load_gaudi_mpt_module()` returns optimum-habana's MPT module,
 on CPU too (TargetUnavailable with the reason where it cannot); `gaudi_classes(module)` is the
 context in which `module.GaudiMptForCausalLM(config)` builds Gaudi blocks. A fork of
@@ -16,14 +21,19 @@ optimum-habana installed in its place loads the same way. `GaudiStyleRunner` (de
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
+import inspect
 import sys
 import types
 from pathlib import Path
 
 from mpt_kv.errors import TargetUnavailable
+from mpt_kv.targets import Capabilities
 from mpt_kv.targets.wrappers import GaudiStyleRunner, GaudiStyleSession  # noqa: F401  (public here too)
 
 __all__ = ["load_gaudi_mpt_module", "gaudi_classes", "GaudiStyleRunner", "GaudiStyleSession", "build"]
@@ -46,6 +56,9 @@ def load_gaudi_mpt_module():
     if root is None:
         raise TargetUnavailable("optimum-habana is not installed (pip install --no-deps optimum-habana, "
                                 "or tox -e ohabana)")
+    if not (root / "transformers" / "models" / "mpt" / "modeling_mpt.py").is_file():
+        raise TargetUnavailable(f"{release()} has no MPT: {root / 'transformers' / 'models' / 'mpt' / 'modeling_mpt.py'} "
+                                "does not exist (optimum-habana's MPT came in 1.7.x)")
     if importlib.util.find_spec("habana_frameworks") is not None:
         # an HPU stack is installed: the normal import path, and any failure is the real one
         try:
@@ -74,21 +87,147 @@ def load_gaudi_mpt_module():
                                     f"packages bypassed, see mpt_kv/targets/gaudi.py): {type(e).__name__}: {e}") from e
 
 
+# where adapt_transformers_to_gaudi writes into transformers' MPT module
+HF_MPT = "transformers.models.mpt.modeling_mpt"
+
+
+def release() -> str:
+    """The installed optimum-habana's version, for messages ("optimum-habana 1.12.1")."""
+    try:
+        return f"optimum-habana {importlib.metadata.version('optimum-habana')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "optimum-habana (no distribution metadata)"
+
+
+@dataclasses.dataclass(frozen=True)
+class MptPatch:
+    """One line of `adapt_transformers_to_gaudi` that writes into transformers' MPT module:
+    `transformers.models.mpt.modeling_mpt.<name>[.<attribute>] = <value>`."""
+
+    line: int
+    name: str            # MptModel, MptBlock, MptAttention, MptForCausalLM, ...
+    attribute: str | None  # forward (function style) or None (the class itself is replaced)
+    value: str           # the name assigned, looked up in optimum-habana's MPT module
+
+    def __str__(self):
+        target = f"{self.name}.{self.attribute}" if self.attribute else self.name
+        return f"modeling_utils.py:{self.line}: {HF_MPT}.{target} = {self.value}"
+
+
+def mpt_patches(module) -> list[MptPatch]:
+    """What this release's `adapt_transformers_to_gaudi` does for MPT, read from its own
+    `optimum/habana/transformers/modeling_utils.py` (parsed, not imported: importing it pulls in
+    every other model's code and habana_frameworks). TargetUnavailable, naming the release, where
+    the file or its MPT lines cannot be read or applied."""
+    path = Path(module.__file__).resolve().parents[2] / "modeling_utils.py"
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except (OSError, SyntaxError) as e:
+        raise TargetUnavailable(f"{release()}: cannot read adapt_transformers_to_gaudi from {path} "
+                                f"({type(e).__name__}: {e}), so its MPT patches are unknown") from e
+    adapt = next((node for node in ast.walk(tree)
+                  if isinstance(node, ast.FunctionDef) and node.name == "adapt_transformers_to_gaudi"), None)
+    if adapt is None:
+        raise TargetUnavailable(f"{release()}: {path} defines no adapt_transformers_to_gaudi")
+    patches = []
+    for node in ast.walk(adapt):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            dotted = ast.unparse(target)
+            if not dotted.startswith(HF_MPT + "."):
+                continue
+            parts = dotted[len(HF_MPT) + 1:].split(".")
+            if len(parts) > 2 or not isinstance(node.value, (ast.Name, ast.Attribute)):
+                raise TargetUnavailable(f"{release()}: modeling_utils.py:{node.lineno}: the loader cannot apply "
+                                        f"'{dotted} = {ast.unparse(node.value)}' (it applies a class or a "
+                                        f"class attribute set to a name of the MPT module)")
+            value = ast.unparse(node.value).rsplit(".", 1)[-1]
+            patches.append(MptPatch(node.lineno, parts[0], parts[1] if len(parts) == 2 else None, value))
+    if not patches:
+        raise TargetUnavailable(f"{release()}: adapt_transformers_to_gaudi in {path} patches nothing of "
+                                f"{HF_MPT}: this release has no Gaudi MPT")
+    patches.sort(key=lambda p: p.line)
+    for p in patches:
+        if not hasattr(module, p.value):
+            raise TargetUnavailable(f"{release()}: {p}: {module.__name__} has no {p.value!r}")
+    return patches
+
+
+_patched: dict[tuple, dict] = {}  # (module, patches) -> {name: class}: the same classes for every build
+
+
+def patched_classes(module, patches: list[MptPatch]) -> dict:
+    """transformers MPT name -> what it is while a model is built. A replaced class is the Gaudi
+    class; a patched attribute (`MptBlock.forward = gaudi_mpt_block_forward`) goes on a subclass
+    of transformers' class, so transformers' own classes stay untouched for other targets."""
+    key = (module.__name__, getattr(module, "__file__", None), tuple(patches))
+    if key in _patched:
+        return _patched[key]
+    hf = importlib.import_module(HF_MPT)
+    classes = {}
+    for p in patches:
+        value = getattr(module, p.value)
+        if p.attribute is None:
+            classes[p.name] = value
+            continue
+        base = classes.get(p.name, getattr(hf, p.name, None))
+        if not isinstance(base, type):
+            raise TargetUnavailable(f"{release()}: {p}: transformers {hf_version()} has no class {p.name} in {HF_MPT}")
+        classes[p.name] = type(f"Gaudi{base.__name__}" if not base.__name__.startswith("Gaudi") else base.__name__,
+                               (base,), {p.attribute: value, "__module__": module.__name__})
+    _patched[key] = classes
+    return classes
+
+
+def hf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 @contextlib.contextmanager
 def gaudi_classes(module):
-    """Swap transformers' MPT classes for the Gaudi ones while constructing, as
-    `adapt_transformers_to_gaudi` does, so the inherited __init__ builds Gaudi blocks."""
-    import transformers.models.mpt.modeling_mpt as hf
-
-    names = {"MptModel": module.GaudiMptModel, "MptBlock": module.GaudiMptBlock, "MptAttention": module.GaudiMptAttention}
-    saved = {n: getattr(hf, n) for n in names}
+    """The context in which `module.GaudiMptForCausalLM(config)` builds Gaudi blocks: what this
+    release's `adapt_transformers_to_gaudi` does to transformers' MPT module (`mpt_patches`:
+    class-style releases replace MptModel, MptBlock and MptAttention, function-style ones such as
+    1.12.1 set `MptAttention.forward` and `MptBlock.forward`), undone on exit."""
+    hf = importlib.import_module(HF_MPT)
+    classes = patched_classes(module, mpt_patches(module))
+    saved = {n: getattr(hf, n) for n in classes if hasattr(hf, n)}
     try:
-        for n, cls in names.items():
+        for n, cls in classes.items():
             setattr(hf, n, cls)
         yield
     finally:
-        for n, cls in saved.items():
-            setattr(hf, n, cls)
+        for n in classes:
+            if n in saved:
+                setattr(hf, n, saved[n])
+            else:
+                delattr(hf, n)
+
+
+def reads_attribute(function, name: str) -> bool:
+    """Whether `function`'s code (or code nested in it) reads the attribute or name `name`."""
+    codes = [getattr(inspect.unwrap(function), "__code__", None)]  # under decorators (deprecate_kwarg in 5.x)
+    while codes:
+        code = codes.pop()
+        if code is None:
+            continue
+        if name in code.co_names or name in code.co_consts:
+            return True
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return False
+
+
+def release_capabilities(model) -> Capabilities:
+    """What this release's attention lacks that its forward signature does not show: a release
+    whose attention forward never reads `clip_qkv` (1.12.1 and older) does not implement it."""
+    attn = type(model.transformer.blocks[0].attn)
+    if reads_attribute(attn.forward, "clip_qkv"):
+        return Capabilities()
+    return Capabilities({"clip_qkv": f"{release()}: {attn.__name__}.forward never reads clip_qkv (mixed_qkv is "
+                                     "not clamped)"})
 
 
 def build(cfg, state_dict, device, dtype):
@@ -97,4 +236,6 @@ def build(cfg, state_dict, device, dtype):
         model = module.GaudiMptForCausalLM(cfg.to_hf())
     model.load_state_dict(state_dict, strict=True)
     model.to(device=device, dtype=dtype).eval()
-    return GaudiStyleRunner(model, device)
+    runner = GaudiStyleRunner(model, device, capabilities=release_capabilities(model))
+    runner.version = release()
+    return runner

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mpt_kv.errors import TargetUnavailable
 from mpt_kv.targets import Capabilities
+from mpt_kv.targets.gaudi import reads_attribute
 from mpt_kv.targets.wrappers import TransformersRunner, TransformersSession
 
 HFSession = TransformersSession  # the names this module had before the wrappers
@@ -39,6 +40,10 @@ class HFRunner(TransformersRunner):
             unsupported["static"] = (
                 f"transformers {self.version}: MptForCausalLM has no static-cache path "
                 "(generate(cache_implementation='static') raises for MPT before 5.0)")
+        from transformers.models.mpt.modeling_mpt import MptAttention
+
+        if not reads_attribute(MptAttention.forward, "clip_qkv"):  # older releases (4.40) ignore it
+            unsupported["clip_qkv"] = f"transformers {self.version}: MptAttention.forward never reads clip_qkv"
         super().__init__(model, device, capabilities=Capabilities(unsupported), sync=sync)
 
 

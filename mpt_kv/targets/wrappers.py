@@ -176,14 +176,18 @@ class TransformersSession(Session):
     The keyword is `cache` in transformers 5.x and `past_key_values` before."""
 
     def __init__(self, runner: "TransformersRunner", path: str, max_len: int):
-        from transformers import DynamicCache, StaticCache
-
         cfg = runner.model.config
         super().__init__(path, max_len, runner.max_seq_len, runner.vocab_size)
         self.runner = runner
-        if path == "concat":
+        if path == "concat" and getattr(type(runner.model), "_supports_cache_class", None) is False:
+            self.cache = None  # transformers <4.4x MPT: legacy tuples, None before the prefill
+        elif path == "concat":
+            from transformers import DynamicCache
+
             self.cache = DynamicCache(config=cfg) if transformers_major() >= 5 else DynamicCache()
         else:
+            from transformers import StaticCache
+
             self.cache = StaticCache(config=cfg, max_cache_len=max_len)
 
     def _forward(self, input_ids, mask):
