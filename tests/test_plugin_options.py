@@ -200,7 +200,7 @@ def build(cfg, state_dict, device, dtype):
 
 @mpt_kv.parametrize_with_checks([build], checks=[mpt_kv.CHECKS["P0"], mpt_kv.CHECKS["P1/concat"]])
 def test_mine(check, target, device, dtype):
-    record("mpt_kv_reach", {"check": check.id, "layers": 2})  # what a check reached goes into the report
+    record("mpt_kv_reach", {"check": check.id, "knobs": {"n_layers": 2}})  # what a check reached goes into the report
     check(target, device, dtype)
 """
 BREAKS_THE_REPORT = """
@@ -241,7 +241,7 @@ def test_a_run_whose_conformance_cases_all_skipped_fails_and_so_does_its_report(
     from mpt_kv.cli import report as report_cli
 
     assert report_cli.main([str(path)]) == 1
-    assert json.loads(path.read_text())["reach"] == [{"check": "P0", "layers": 2}, {"check": "P1/concat", "layers": 2}]
+    assert json.loads(path.read_text())["reach"] == [{"check": "P0", "knobs": {"n_layers": 2}}, {"check": "P1/concat", "knobs": {"n_layers": 2}}]
 
 
 def test_only_conformance_cases_are_judged_and_the_opt_out_is_allowed():

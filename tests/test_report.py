@@ -115,10 +115,10 @@ def test_a_report_whose_conformance_cases_all_skipped_fails_unless_every_run_all
 
 def test_reach_is_concatenated_across_reports(two_envs, tmp_path):
     cpu, oh = two_envs
-    for path, reach in ((cpu, [{"check": "P1/static", "layers": 2}]), (oh, [{"check": "P2/static", "layers": 1}])):
+    for path, reach in ((cpu, [{"check": "P1/static", "knobs": {"n_layers": 2}}]), (oh, [{"check": "P2/static", "knobs": {"n_layers": 1}}])):
         data = json.loads(path.read_text())
         path.write_text(json.dumps({**data, "reach": reach}))
     merged = tmp_path / "merged.json"
     assert report.main([str(cpu), str(oh), "--json", str(merged)]) == 0
-    assert json.loads(merged.read_text())["reach"] == [{"check": "P1/static", "layers": 2},
-                                                       {"check": "P2/static", "layers": 1}]
+    assert json.loads(merged.read_text())["reach"] == [{"check": "P1/static", "knobs": {"n_layers": 2}},
+                                                       {"check": "P2/static", "knobs": {"n_layers": 1}}]

@@ -206,7 +206,11 @@ def summary(tw, config, results: list[dict], extras: dict) -> None:
         from mpt_kv.plugin.options import reference_model
 
         tw.write_sep("=", "mpt-kv reach")
-        for line in reach.table_lines(reach.summarize(extras["reach"]), reference_model(config)):
+        try:
+            lines = reach.table_lines(reach.summarize(extras["reach"]), reference_model(config))
+        except ValueError as e:  # a project's own check recording a malformed knob: say so, keep the summary
+            lines = [f"reach: {e}"]
+        for line in lines:
             tw.write_line(line)
 
 
