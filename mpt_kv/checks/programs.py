@@ -373,7 +373,7 @@ def check_program_static_concat(runner, c: Context, program: Program, fed: Fed |
         oracle = None if twin is None else twin.session("concat", L)
         fed.add("prefill", ids)
         outs = [concat.prefill(ids, mask), static.prefill(ids, mask)]
-        poison_unwritten(static.live)
+        poison_unwritten(static.live, concat.live)  # a paged pool may be shared: the concat path's blocks are its own
         o = None if oracle is None else oracle.prefill(ids, mask)
         compare_paths(c, program, "prefill", concat, outs[0], static, outs[1], oracle, o, where=mask.bool()[:, :, None])
         for step, op in enumerate(program.ops):
@@ -382,7 +382,7 @@ def check_program_static_concat(runner, c: Context, program: Program, fed: Fed |
             b = run_op(static, op, tokens, step, "ops-P2 (static)", c, fed)
             o = None if oracle is None else run_op(oracle, op, tokens, step, "ops-P2 (fp32 twin)", c, Fed())
             if op.kind == "crop":
-                poison_unwritten(static.live)  # the cropped slots [n, old written) must be masked again
+                poison_unwritten(static.live, concat.live)  # the cropped slots [n, old written) must be masked again
             compare_paths(c, program, f"{step} ({op.describe()})", concat, a, static, b, oracle, o)
     return c.notes
 
