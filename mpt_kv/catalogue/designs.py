@@ -504,6 +504,30 @@ class BlockGrowthConcatCache(ConcatCache):
         self.kv[layer] = (buf[0][:, :, :T + n], buf[1][:, :, :T + n])
         return self.kv[layer]
 
+    def crop(self, n: int) -> None:
+        """Keep positions [0, n): per layer, new buffers of the capacity n positions round up to (as
+        `update` grows them) holding copies of them, the old ones freed before the next layer's are
+        made. Keeping the old buffer would pin the cropped tail (ops-P3), up to a whole buffer beyond
+        the one block declared."""
+        capacity = (-(-n // self.block_size) + self.blocks_ahead - 1) * self.block_size
+        for layer, pair in enumerate(self.kv):
+            if pair is None:
+                continue
+            self.kv[layer] = self.buffers[layer] = None
+            new = tuple(torch.empty(t.shape[0], t.shape[1], capacity, t.shape[3], dtype=t.dtype, device=t.device)
+                        for t in pair)
+            new[0][:, :, :n], new[1][:, :, :n] = pair[0][:, :, :n], pair[1][:, :, :n]
+            del pair
+            self.buffers[layer] = new
+            self.kv[layer] = (new[0][:, :, :n], new[1][:, :, :n])
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row b becomes row index[b] in place, layer by layer, tensor by tensor: the buffers stay
+        where they are (the views in kv() with them) and the transient is one cached tensor."""
+        for k, v in (pair for pair in self.kv if pair is not None):
+            k.copy_(k.index_select(0, index))  # the gather is read whole before a row is written
+            v.copy_(v.index_select(0, index))
+
 
 class BlockGrowthSession(ReferenceSession):
     def cache_layout(self):
