@@ -436,9 +436,9 @@ def gathered(pool: torch.Tensor, table: torch.Tensor, T: int) -> torch.Tensor:
     """(B, H, T, hd): a copy of each row's first T positions, gathered through the block table."""
     blocks = pool[table.clamp(min=0)]  # (B, max_blocks, H, bs, hd)
     B, nb, H, bs, hd = blocks.shape
-    # contiguous: a copy of T positions exactly (a slice of the gathered blocks would hold the
+    # a copy of T positions exactly (a slice of the gathered blocks would hold the
     # last block's unwritten slots beyond them, which ops-P3 reads as a tail pinned by a crop)
-    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, hd)[:, :, :T].contiguous()
+    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, hd)[:, :, :T].clone()
 
 
 class PagedSession(ReferenceSession):
