@@ -257,6 +257,8 @@ def test_an_object_without_the_cache_interface_is_refused(cache):
     with pytest.raises(InputError, match=rf"cache is a {type(cache).__name__}: expected a ConcatCache or StaticCache "
                                          r".*a callable update\(layer, k, v, token_idx, cache_idx\)"):
         model()(*prompt(2, 3), cache)
+    with pytest.raises(InputError, match=rf"cache is a {type(cache).__name__}: expected"):  # a cached call's token_idx
+        model()(*prompt(2, 3), cache, torch.tensor([3]))
 
 
 # --- accepted on purpose (documented in the README's "Bad input") ---------------------------------------------

@@ -296,7 +296,7 @@ def check_positions(token_idx, cache_idx, device, cache=None) -> None:
     that writes its decode steps itself (a StaticCache subclass overriding `update`): the
     reference's own StaticCache.update needs a tensor."""
     if token_idx is not None:
-        own_writes = cache is not None and type(cache).update is not StaticCache.update
+        own_writes = cache is not None and getattr(type(cache), "update", None) is not StaticCache.update
         check_index("token_idx", token_idx, device, python_int=own_writes)
     if cache_idx is not None:
         check_index("cache_idx", cache_idx, device, python_int=True)
