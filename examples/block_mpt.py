@@ -39,6 +39,26 @@ class BlockCache(cache.ConcatCache):
         self.kv[layer] = (keys[:, :, :held + n], values[:, :, :held + n])
         return self.kv[layer]
 
+    def crop(self, n):
+        """Keep positions [0, n) in new buffers of n rounded up to a block (copies; the old buffer would
+        pin the cropped tail, more than the one block declared), one layer at a time."""
+        capacity = -(-n // BLOCK) * BLOCK
+        for layer, pair in enumerate(self.kv):
+            if pair is None:
+                continue
+            self.kv[layer] = self.buffers[layer] = None
+            grown = [torch.zeros(*t.shape[:2], capacity, t.shape[3], dtype=t.dtype, device=t.device) for t in pair]
+            grown[0][:, :, :n], grown[1][:, :, :n] = pair[0][:, :, :n], pair[1][:, :, :n]
+            del pair
+            self.buffers[layer] = grown
+            self.kv[layer] = (grown[0][:, :, :n], grown[1][:, :, :n])
+
+    def reorder(self, index):
+        """Rows from `index` in place, one tensor at a time: the buffers (and kv()'s views) stay put."""
+        for keys, values in (pair for pair in self.kv if pair is not None):
+            keys.copy_(keys.index_select(0, index))  # the gathered copy is read whole before a row is written
+            values.copy_(values.index_select(0, index))
+
 
 class BlockMPT(reference.ReferenceMPT):
     def new_cache(self, path, batch, max_len=None, fill=None):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mpt_kv import Capabilities, PagedLayout, ReferenceRunner
-from mpt_kv.model import cache, reference
+from mpt_kv.model import reference
 from mpt_kv.targets.reference import ReferenceSession
 
 BLOCK = 8
@@ -39,21 +39,19 @@ class Pool:
 
 
 class PagedBlocks:
-    """One generation's blocks: the reference's cache protocol (`update` at prefill returns the
-    prompt's own k, v to attend over) plus a decode step that reads the pool in place."""
+    """One generation's blocks, a cache object of its own (docs/targets.md, "Building one from the
+    reference's pieces"): `update` writes the new positions into their blocks and returns the
+    prefill's own k, v to attend over; a cached call (a decode step, an extend of k tokens) reads
+    the pool in place (`attend`). `crop` gives whole blocks back, `reorder` permutes the table."""
 
-    def setup(self, pool, n_layers, batch, max_len, device):
-        self.pool, self.max_len = pool, max_len
+    def setup(self, pool, n_layers, batch, max_len, static, device):
+        self.pool, self.max_len, self.static = pool, max_len, static
         self.table = torch.full((batch, -(-max_len // BLOCK)), -1, dtype=torch.long, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.held: list[int] = []
         self.n_blocks, self.filled = 0, 0
-        self.kv = [None] * n_layers  # no contiguous K/V (the reference's input checks read this)
         self.prefilled = [False] * n_layers
         weakref.finalize(self, pool.free.extend, self.held)  # the blocks go back with the cache
-
-    def length(self, layer=0):
-        return self.filled
 
     def reserve(self, positions: int):
         """Blocks for positions [0, positions) in every row, handed out before the forward."""
@@ -66,42 +64,61 @@ class PagedBlocks:
 
     def update(self, layer, k, v, token_idx=None, cache_idx=None):
         keys, values = self.pool.kv[layer]
-        T = k.shape[2]
-        for j in range(-(-T // BLOCK)):  # the prompt, block by block
-            n = min(BLOCK, T - j * BLOCK)
-            keys[self.table[:, j], :, :n] = k[:, :, j * BLOCK:j * BLOCK + n]
-            values[self.table[:, j], :, :n] = v[:, :, j * BLOCK:j * BLOCK + n]
+        if not self.prefilled[layer]:
+            start = 0  # the prompt, from slot 0
+        elif self.static:  # the position stays a tensor: the same ops every step
+            start = token_idx.reshape(1).to(self.table.device) - 1
+        else:
+            start = self.filled
+        positions = start + torch.arange(k.shape[2], device=self.table.device)
+        blocks, slots = self.table[:, positions // BLOCK], positions % BLOCK  # (B, T), (T,)
+        keys[blocks, :, slots] = k.transpose(1, 2)  # (B, T, H, hd)
+        values[blocks, :, slots] = v.transpose(1, 2)
         self.prefilled[layer] = True
         return k, v
 
-    def decode(self, layer, q, k, v, token_idx, bias, mask):
+    def attend(self, layer, q, bias, mask):
         keys, values = self.pool.kv[layer]
-        if token_idx is not None:  # static: the position stays a tensor, the same ops every step
-            pos = token_idx.reshape(1) - 1
-            block = self.table.gather(1, (pos // BLOCK).expand(self.table.shape[0], 1)).squeeze(1)
-            slot = pos % BLOCK
-        else:
-            block, slot = self.table[:, self.filled // BLOCK], self.filled % BLOCK
-        keys[block, :, slot] = k[:, :, 0]
-        values[block, :, slot] = v[:, :, 0]
         K = mask.shape[-1]
-        blocks = [self.table[:, j].clamp(min=0) for j in range(-(-K // BLOCK))]  # -1: no block yet (masked)
+        blocks = [self.table[:, j].clamp(min=0) for j in range(-(-K // BLOCK))]  # -1: no block (masked)
         scores = torch.cat([q @ keys[b].transpose(-1, -2) for b in blocks], dim=-1)[..., :K] / math.sqrt(q.shape[-1])
         scores = (scores + bias[:, :, -K:]).masked_fill(mask, torch.finfo(q.dtype).min)
         weights = F.softmax(scores.float(), dim=-1)
         del scores
         # each block's share in the model dtype (as one matmul would compute it), summed in fp32
-        out = sum((weights[..., j * BLOCK:(j + 1) * BLOCK].to(v.dtype) @ values[b][:, :, :min(BLOCK, K - j * BLOCK)])
+        out = sum((weights[..., j * BLOCK:(j + 1) * BLOCK].to(values.dtype) @ values[b][:, :, :min(BLOCK, K - j * BLOCK)])
                   .float() for j, b in enumerate(blocks))
         return out.to(q.dtype)
 
+    def crop(self, n: int):
+        """Keep positions [0, n): the blocks past them go back to the pool (the session masks again)."""
+        keep = -(-n // BLOCK)
+        self.give_back([b for b in self.table[:, keep:].flatten().tolist() if b >= 0])
+        self.table[:, keep:] = -1
+        self.n_blocks, self.filled = min(self.n_blocks, keep), n
+        self.lengths.fill_(n)
 
-class PagedConcat(PagedBlocks, cache.ConcatCache):
-    pass
+    def reorder(self, index: torch.Tensor):
+        """Row b takes row index[b]'s blocks (a permutation of the table, no K/V moved); a row taken
+        twice gets copies in fresh blocks (a block is never in two places), after the blocks of the
+        rows no one takes went back."""
+        old, sources = self.table.clone(), index.tolist()
+        self.give_back([b for r in range(len(sources)) if r not in sources for b in old[r].tolist() if b >= 0])
+        for row, src in enumerate(sources):
+            self.table[row] = old[src]
+            if src in sources[:row]:
+                for j, block in enumerate(old[src].tolist()):
+                    if block >= 0:
+                        fresh = self.pool.take()
+                        self.held.append(fresh)
+                        self.table[row, j] = fresh
+                        for keys, values in self.pool.kv:  # one block of one layer at a time
+                            keys[fresh], values[fresh] = keys[block], values[block]
 
-
-class PagedStatic(PagedBlocks, cache.StaticCache):
-    pass
+    def give_back(self, blocks):
+        for block in blocks:
+            self.held.remove(block)  # in place: the finalizer gives back what the list holds then
+        self.pool.free.extend(blocks)
 
 
 class PagedAttention(reference.Attention):
@@ -114,7 +131,8 @@ class PagedAttention(reference.Attention):
         if self.cfg.clip_qkv:
             mixed_qkv = mixed_qkv.clamp(-self.cfg.clip_qkv, self.cfg.clip_qkv)
         q, k, v = (t.reshape(B, T, H, hd).transpose(1, 2) for t in mixed_qkv.chunk(3, dim=2))
-        out = cache.decode(layer, q, k, v, token_idx, bias, mask)
+        cache.update(layer, k, v, token_idx, cache_idx)
+        out = cache.attend(layer, q, bias, mask)
         return self.out_proj(out.transpose(1, 2).reshape(B, T, D))
 
 
@@ -131,15 +149,24 @@ class PagedMPT(reference.ReferenceMPT):
         if self.pool is None or (len(self.pool.free) == self.pool.kv[0][0].shape[0] < need):
             w = self.transformer.wte.weight  # grown only while no generation holds a block
             self.pool = Pool(self.cfg, need, w.dtype, w.device)
-        paged = PagedConcat.__new__(PagedConcat) if path == "concat" else PagedStatic.__new__(PagedStatic)
-        paged.setup(self.pool, self.cfg.n_layers, batch, max_len, self.transformer.wte.weight.device)
+        paged = PagedBlocks()
+        paged.setup(self.pool, self.cfg.n_layers, batch, max_len, path == "static", self.transformer.wte.weight.device)
         return paged
+
+    def _positions(self, T, cache, token_idx, cache_idx):
+        if not isinstance(cache, PagedBlocks):
+            return super()._positions(T, cache, token_idx, cache_idx)
+        if cache.static and cache.prefilled[0]:  # as the reference's StaticCache: from token_idx, over the buffer
+            start = token_idx.reshape(-1)[0] - 1
+            return start, int(cache_idx) if cache_idx is not None else cache.max_len
+        return cache.filled, cache.filled + T
 
 
 def gathered(pool, table, T):
     blocks = pool[table.clamp(min=0)]  # (B, max_blocks, H, BLOCK, hd)
     B, nb, H, _, hd = blocks.shape
-    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * BLOCK, hd)[:, :, :T]
+    # a copy of exactly T positions (a slice would keep the last block's unwritten slots with it)
+    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * BLOCK, hd)[:, :, :T].clone()
 
 
 class PagedSession(ReferenceSession):
@@ -150,7 +177,7 @@ class PagedSession(ReferenceSession):
             writes = input_ids.shape[1]  # the static prefill writes the prompt padded to max_len
             holds = int(token_idx.reshape(-1)[0]) if token_idx is not None else writes
         else:
-            writes = holds = self.written + 1
+            writes = holds = self.written + input_ids.shape[1]  # a decode step, or an extend of k tokens
         self.cache.reserve(writes)
         logits = self.model(input_ids, mask, self.cache, token_idx, cache_idx)
         self.cache.filled = max(self.cache.filled, writes)
@@ -159,7 +186,7 @@ class PagedSession(ReferenceSession):
 
     def kv(self):  # gathered copies, for the value checks
         c = self.cache
-        T = c.max_len if isinstance(c, PagedStatic) else c.filled
+        T = c.max_len if c.static else c.filled
         return [(gathered(k, c.table, T), gathered(v, c.table, T)) for k, v in c.pool.kv]
 
     def cache_layout(self):

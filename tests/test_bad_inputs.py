@@ -230,6 +230,37 @@ def test_every_runner_names_the_known_paths(runner):
         runner.session("paged", 6)
 
 
+class DesignCache:
+    """A design's own cache (docs/targets.md, "Building one from the reference's pieces"): no
+    ConcatCache or StaticCache, just the `update` attention calls; here the prompt attends over its
+    own k, v, as the reference's static prefill does."""
+
+    def __init__(self):
+        self.layers = []
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        self.layers.append(layer)
+        return k, v
+
+
+def test_a_design_cache_with_update_is_accepted_and_used():
+    ids, mask = prompt(2, 3)
+    cache = DesignCache()
+    torch.testing.assert_close(model()(ids, mask, cache), model()(ids, mask), rtol=0, atol=0)
+    assert cache.layers == list(range(CFG.n_layers))
+
+
+@pytest.mark.parametrize("cache", [pytest.param([], id="list"), pytest.param({}, id="dict"),
+                                   pytest.param((None, None), id="tuple")])
+def test_an_object_without_the_cache_interface_is_refused(cache):
+    """A dict's builtin update is not the interface: it is refused like a list, before any layer runs."""
+    with pytest.raises(InputError, match=rf"cache is a {type(cache).__name__}: expected a ConcatCache or StaticCache "
+                                         r".*a callable update\(layer, k, v, token_idx, cache_idx\)"):
+        model()(*prompt(2, 3), cache)
+    with pytest.raises(InputError, match=rf"cache is a {type(cache).__name__}: expected"):  # a cached call's token_idx
+        model()(*prompt(2, 3), cache, torch.tensor([3]))
+
+
 # --- accepted on purpose (documented in the README's "Bad input") ---------------------------------------------
 def test_accepted_on_purpose():
     """int32 ids and masks and a bool mask are legitimate (optimum-habana and transformers pass

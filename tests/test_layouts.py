@@ -121,6 +121,38 @@ def test_p3_fails_block_slack_beyond_the_declared_block_naming_layer_and_bytes()
     assert f"{pinned} bytes pinned beyond the cache (the layout declares up to {declared} of block slack)" in msg, msg
 
 
+# --- ops-P3: a crop of a block-grown cache within the declared block, and beyond it ---------------------
+
+def ops_p3(build, name):
+    """6 positions (capacity 8), an extend of 8 (14: grown to 16), a crop of 6 back to 8, a decode."""
+    from mpt_kv.checks import programs
+
+    program = programs.Program(P.Case(CFG, (6, 2), 10, seed=22),
+                               (programs.Op("extend", 8), programs.Op("crop", 6), programs.Op("decode")))
+    runner = build(CFG, random_state_dict(CFG, seed=22), CPU, F32)
+    programs.check_program_aliasing(runner, P.Context(name, "cpu", F32, program.case, "concat"), program)
+
+
+class SliceCropBlockCache(BlockGrowthConcatCache):
+    def crop(self, n):
+        for layer, (k, v) in enumerate(self.kv):
+            self.kv[layer] = (k[:, :, :n], v[:, :, :n])  # the 16-position buffer kept: 8 positions of tail
+
+
+def test_ops_p3_accepts_a_block_grown_crop_within_the_declared_block_and_fails_a_tail_beyond_it():
+    """The design's crop copies into block-rounded buffers: the buffer the extend grew (made at one
+    step, replaced at the next) and the crop's block of slack are declared; a crop by slicing keeps
+    8 positions of tail where one block (4) is declared."""
+    ops_p3(DESIGNS["cache_growing_in_blocks"].build, "cache_growing_in_blocks")
+    build = runner_factory("slice_crop_blocks", model_with(concat=SliceCropBlockCache), BlockGrowthSession)
+    B, H, hd = 2, CFG.n_heads, CFG.head_dim
+    tail, before = B * H * 8 * hd * 4, B * H * 2 * hd * 4  # 16 - 8 positions after the crop, 16 - 14 before it
+    with pytest.raises(PropertyFailure, match=rf"after crop -6, layer 0 key \(2, 3, 8, 8\) pins {tail - before} bytes "
+                                              rf"beyond the cache \(its storage holds {4 * tail // 2} bytes, {tail} of them "
+                                              rf"unreached .*; {before} before the crop\): a crop by slicing"):
+        ops_p3(build, "slice_crop_blocks")
+
+
 # --- memory: handed-out blocks, one block of slack per row; declared block slack -----------------------
 
 MEMORY_CASE = P.Case(CFG, (5, 5), 3, seed=0)

@@ -311,25 +311,60 @@ class PagedCache:
     def hand_out(self, row, j, block) -> int:
         return block
 
-    def write(self, layer, k, v, token_idx):
-        """Prefill: the T new positions from slot 0; decode: the one at `filled` (concat) or at
-        token_idx - 1 (static), into each row's block."""
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        """The reference's cache interface: write the T new positions into each row's blocks (the
+        prefill from slot 0; a cached call, a decode step or an extend of k tokens, from `filled`
+        (concat) or token_idx - 1 (static)) and return the prefill's own k, v; a cached call's
+        attention then reads the pool in place (PagedAttention)."""
         kp, vp = self.pool.kv[layer]
         bs, T = self.block_size, k.shape[2]
         if not self.prefilled:
-            for j in range(-(-T // bs)):
-                n = min(bs, T - j * bs)
-                kp[self.table[:, j], :, :n] = k[:, :, j * bs:j * bs + n]
-                vp[self.table[:, j], :, :n] = v[:, :, j * bs:j * bs + n]
-            return
-        if self.static:  # a tensor position: no host sync, the same ops every step
-            pos = (token_idx.reshape(1) - 1).to(self.table.device)
-            block = self.table.gather(1, (pos // bs).expand(self.table.shape[0], 1)).squeeze(1)
-            slot = pos % bs
+            start = 0
+        elif self.static:  # a tensor position: no host sync, the same ops every step
+            start = (token_idx.reshape(1) - 1).to(self.table.device)
         else:
-            block, slot = self.table[:, self.filled // bs], self.filled % bs
-        kp[block, :, slot] = k[:, :, 0]
-        vp[block, :, slot] = v[:, :, 0]
+            start = self.filled
+        positions = start + torch.arange(T, device=self.table.device)
+        blocks, slots = self.table[:, positions // bs], positions % bs  # (B, T), (T,)
+        kp[blocks, :, slots] = k.transpose(1, 2)  # (B, T, H, hd) into block, head, slot
+        vp[blocks, :, slots] = v.transpose(1, 2)
+        return k, v
+
+    def crop(self, n: int) -> None:
+        """Keep positions [0, n): the blocks past the ones n positions need go back to the pool (the
+        session masks the cropped slots again; the next call is handed blocks as it needs them)."""
+        keep = min(-(-n // self.block_size) + self.lookahead, self.table.shape[1])
+        gone = [int(b) for b in self.table[:, keep:].flatten().tolist() if b >= 0]
+        self.table[:, keep:] = -1
+        self.release(gone)
+        self.n_blocks, self.filled = min(self.n_blocks, keep), n
+        self.lengths.fill_(n)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row b takes row index[b]'s blocks: a permutation of the block table's rows, no K/V moved.
+        A row taken twice (two beams from one) gives its blocks to the first row that takes it and a
+        copy in fresh blocks to each other one (copy-on-write done at once: a block is never in two
+        places); the blocks of a row no one takes go back to the pool first, one block at a time."""
+        old = self.table.clone()
+        sources = index.tolist()
+        self.release([int(b) for r in range(len(sources)) if r not in sources for b in old[r].tolist() if b >= 0])
+        taken = set()
+        for row, src in enumerate(sources):
+            self.table[row] = old[src]
+            if src in taken:
+                for j, block in enumerate(old[src].tolist()):
+                    if block >= 0:
+                        fresh = self.pool.take()
+                        self.blocks.append(fresh)
+                        self.table[row, j] = fresh
+                        for kp, vp in self.pool.kv:  # one block of one layer at a time
+                            kp[fresh], vp[fresh] = kp[block], vp[block]
+            taken.add(src)
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.blocks.remove(block)  # in place: the finalizer gives back what this list holds then
+        self.pool.give_back(blocks)
 
 
 def paged_attention(q, kp, vp, table, K, bs, bias, mask):
@@ -362,10 +397,10 @@ class PagedAttention(Attention):
             mixed_qkv = mixed_qkv.clamp(min=-self.cfg.clip_qkv, max=self.cfg.clip_qkv)
         q, k, v = (t.reshape(B, T, H, hd).transpose(1, 2) for t in mixed_qkv.chunk(3, dim=2))
         prefill = not cache.prefilled
-        cache.write(layer, k, v, token_idx)
+        cache.update(layer, k, v, token_idx, cache_idx)
         if prefill:  # the prompt attends over its own k, v (as the reference's static prefill)
             return super().forward(x, mask, bias, None, layer, token_idx, cache_idx)
-        K = (int(cache_idx) if cache_idx is not None else cache.max_len) if cache.static else cache.filled + 1
+        K = (int(cache_idx) if cache_idx is not None else cache.max_len) if cache.static else cache.filled + T
         kp, vp = cache.pool.kv[layer]
         out = paged_attention(q, kp, vp, cache.table, K, cache.block_size, bias, mask)
         return self.out_proj(out.transpose(1, 2).reshape(B, T, D))
@@ -401,7 +436,9 @@ def gathered(pool: torch.Tensor, table: torch.Tensor, T: int) -> torch.Tensor:
     """(B, H, T, hd): a copy of each row's first T positions, gathered through the block table."""
     blocks = pool[table.clamp(min=0)]  # (B, max_blocks, H, bs, hd)
     B, nb, H, bs, hd = blocks.shape
-    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, hd)[:, :, :T]
+    # a copy of T positions exactly (a slice of the gathered blocks would hold the
+    # last block's unwritten slots beyond them, which ops-P3 reads as a tail pinned by a crop)
+    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, hd)[:, :, :T].clone()
 
 
 class PagedSession(ReferenceSession):
@@ -410,8 +447,9 @@ class PagedSession(ReferenceSession):
         if first:
             self.cache = self.model.new_cache(self.path, input_ids.shape[0], self.max_len)
             cache_idx = None  # the prefill attends over its own tokens
-        # positions this call writes (the static prefill: the prompt padded to max_len) and holds
-        writes = input_ids.shape[1] if first else self.written + 1
+        # positions this call writes (the static prefill: the prompt padded to max_len; a cached call
+        # of T tokens, a decode step or an extend: written + T) and holds
+        writes = input_ids.shape[1] if first else self.written + input_ids.shape[1]
         holds = (int(token_idx.reshape(-1)[0]) if token_idx is not None else writes) if first else writes
         self.cache.reserve(writes)
         logits = self.model(input_ids, mask, self.cache, token_idx, cache_idx)
@@ -465,6 +503,30 @@ class BlockGrowthConcatCache(ConcatCache):
         buf[0][:, :, T:T + n], buf[1][:, :, T:T + n] = k, v
         self.kv[layer] = (buf[0][:, :, :T + n], buf[1][:, :, :T + n])
         return self.kv[layer]
+
+    def crop(self, n: int) -> None:
+        """Keep positions [0, n): per layer, new buffers of the capacity n positions round up to (as
+        `update` grows them) holding copies of them, the old ones freed before the next layer's are
+        made. Keeping the old buffer would pin the cropped tail (ops-P3), up to a whole buffer beyond
+        the one block declared."""
+        capacity = (-(-n // self.block_size) + self.blocks_ahead - 1) * self.block_size
+        for layer, pair in enumerate(self.kv):
+            if pair is None:
+                continue
+            self.kv[layer] = self.buffers[layer] = None
+            new = tuple(torch.empty(t.shape[0], t.shape[1], capacity, t.shape[3], dtype=t.dtype, device=t.device)
+                        for t in pair)
+            new[0][:, :, :n], new[1][:, :, :n] = pair[0][:, :, :n], pair[1][:, :, :n]
+            del pair
+            self.buffers[layer] = new
+            self.kv[layer] = (new[0][:, :, :n], new[1][:, :, :n])
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row b becomes row index[b] in place, layer by layer, tensor by tensor: the buffers stay
+        where they are (the views in kv() with them) and the transient is one cached tensor."""
+        for k, v in (pair for pair in self.kv if pair is not None):
+            k.copy_(k.index_select(0, index))  # the gather is read whole before a row is written
+            v.copy_(v.index_select(0, index))
 
 
 class BlockGrowthSession(ReferenceSession):

@@ -487,7 +487,7 @@ def aliasing_problems(kv, captured, previous: dict[int, CacheStorage] | None = N
             problems.append(f"the paged cache's pool of {st.names()} moved after step {st.made_at}: its storage of "
                             f"{st.storage.nbytes()} bytes is no longer the pool (a pool stays where it is: the block "
                             "table and a captured graph point into it)")
-        elif st.pinned and not st.persisted and key not in now:
+        elif st.pinned > st.declared and not st.persisted and key not in now:
             problems.append(f"{st.names()} {'were views' if len(st.tensors) > 1 else 'was a view'} of a per-step "
                             f"temporary, made at step {st.made_at} and gone after the next: {st.sizes()}")
     return problems, now

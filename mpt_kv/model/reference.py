@@ -8,6 +8,7 @@ runs the same weights. The forward signature mirrors optimum-habana's GaudiMptFo
 
 from __future__ import annotations
 
+import inspect
 import math
 from numbers import Integral
 
@@ -295,10 +296,22 @@ def check_positions(token_idx, cache_idx, device, cache=None) -> None:
     that writes its decode steps itself (a StaticCache subclass overriding `update`): the
     reference's own StaticCache.update needs a tensor."""
     if token_idx is not None:
-        own_writes = cache is not None and type(cache).update is not StaticCache.update
+        own_writes = cache is not None and getattr(type(cache), "update", None) is not StaticCache.update
         check_index("token_idx", token_idx, device, python_int=own_writes)
     if cache_idx is not None:
         check_index("cache_idx", cache_idx, device, python_int=True)
+
+
+def takes_update(update) -> bool:
+    """A callable that takes (layer, k, v, token_idx, cache_idx): the cache interface attention calls.
+    A dict's or a set's builtin `update` has no such signature and is not one."""
+    if not callable(update):
+        return False
+    try:
+        inspect.signature(update).bind(0, None, None, None, None)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
@@ -306,8 +319,13 @@ def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
     shorter would give wrong logits, not an error); token_idx/cache_idx are well formed."""
     B, T = input_ids.shape
     if not isinstance(cache, (ConcatCache, StaticCache)):
-        raise InputError(f"cache is a {type(cache).__name__}: expected a ConcatCache or StaticCache "
-                         "(ReferenceMPT.new_cache)")
+        # a design's own cache (docs/targets.md, "Building one from the reference's pieces"): attention
+        # only calls `cache.update(layer, k, v, token_idx, cache_idx)`, and the cache checks its own state
+        if not takes_update(getattr(cache, "update", None)):
+            raise InputError(f"cache is a {type(cache).__name__}: expected a ConcatCache or StaticCache "
+                             "(ReferenceMPT.new_cache), or a cache object with a callable "
+                             "update(layer, k, v, token_idx, cache_idx)")
+        return
     if len(cache.kv) != cfg.n_layers:
         raise InputError(f"cache has {len(cache.kv)} layers, the model {cfg.n_layers}")
     want = (B, cfg.n_heads, cfg.head_dim)
