@@ -34,6 +34,11 @@ def variant_params():
         yield pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"waits for {why}") if why else ())
 
 
+# The next two run the kill matrix's own cells per entry, in pytest: the same work as `python -m
+# mpt_kv killmatrix` (exit 1 for a survivor, 2 for a false positive), which .ci/run runs as its
+# first step. Marked `killmatrix` so tox's default run does not do that work twice (about 280 s of
+# CPU); `pytest -m killmatrix tests/test_variants.py` runs them.
+@pytest.mark.killmatrix
 @pytest.mark.parametrize("name", list(variant_params()))
 def test_variant_is_killed_by_its_expected_checks(name):
     v = VARIANTS[name]
@@ -43,6 +48,7 @@ def test_variant_is_killed_by_its_expected_checks(name):
                              f"test (cases: {[mc.case.describe() for mc in KM.CASES]}) [{cell.result}: {cell.detail}]")
 
 
+@pytest.mark.killmatrix
 @pytest.mark.parametrize("name", ["reference", *DESIGNS])
 def test_must_pass_design_passes_every_check(name):
     design = KM.must_pass()[name]
