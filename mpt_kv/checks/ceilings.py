@@ -204,32 +204,9 @@ def storage_key(t: torch.Tensor) -> int:
 
 def session_tensors(session) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the session references through attributes, lists, tuples and dicts, with its
-    path ('session.cache.kv[0][1]'); models and runners are not entered (they hold the weights)."""
-    from mpt_kv.targets import Runner
-
-    out, seen = [], set()
-    skip = (nn.Module, Runner, type, str, bytes, int, float, bool, torch.device, torch.dtype)
-
-    def walk(x, where, depth):
-        if isinstance(x, torch.Tensor):
-            out.append((where, x))
-            return
-        if x is None or isinstance(x, skip) or depth == 0 or id(x) in seen:
-            return
-        seen.add(id(x))
-        if isinstance(x, dict):
-            items = [(f"{where}[{k!r}]", v) for k, v in x.items()]
-        elif isinstance(x, (list, tuple)):
-            items = [(f"{where}[{i}]", v) for i, v in enumerate(x)]
-        elif hasattr(x, "__dict__") and not callable(x):
-            items = [(f"{where}.{k}", v) for k, v in vars(x).items()]
-        else:
-            return
-        for w, v in items:
-            walk(v, w, depth - 1)
-
-    walk(session, "session", 8)
-    return out
+    path ('session.cache.kv[0][1]'); models and runners are not entered (they hold the weights).
+    The same walk as the model-state check's (`_tensors_in`)."""
+    return list(_tensors_in(session, "session", 8))
 
 
 def span_bytes(t: torch.Tensor) -> int:
