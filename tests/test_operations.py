@@ -204,3 +204,35 @@ def test_the_packaged_known_failures_name_the_operations_findings():
                    ("optimum-habana", "ops-P2", None, None), ("optimum-habana", "ops-P3", None, None),
                    ("optimum-habana", "ops-memory", None, None), ("transformers", "ops-P3", "concat", None),
                    ("transformers", "ops-P3", "concat", None)]
+
+
+def crop_raising(exc: BaseException):
+    """The reference, except that its session's crop raises `exc`."""
+    assembled = runner_factory(f"crop_raises_{type(exc).__name__}")
+
+    def build_(cfg, state_dict, device, dtype):
+        runner = assembled(cfg, state_dict, device, dtype)
+        open_session = runner.session
+
+        def session(*args, **kwargs):
+            s = open_session(*args, **kwargs)
+
+            def crop(n):
+                raise exc
+            s._crop = crop
+            return s
+        runner.session = session
+        return runner
+    return build_
+
+
+def test_a_crashing_operation_fails_the_property_with_the_exception_named():
+    with pytest.raises(PropertyFailure, match=r"the target's crop raised RuntimeError: boom at step \d+"):
+        CHECKS["ops-P1/concat"](crop_raising(RuntimeError("boom")), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("exc", [ImportError("cannot import name 'DynamicLayer'"),
+                                 NotImplementedError("AdapterSession has no _crop_cache")])
+def test_an_adapters_import_error_or_missing_operation_is_an_error_not_a_property_failure(exc):
+    with pytest.raises(type(exc), match=str(exc)):
+        CHECKS["ops-P1/concat"](crop_raising(exc), "cpu", torch.float32)

@@ -28,6 +28,10 @@ each check notes how many distinct input shapes it fed the target (`shapes fed`)
 
 A target whose operation raises (not an `InputError` of mpt-kv's own Session checks) fails the
 property with the exception named: beam search or assisted decoding would crash at that step.
+Two exceptions are not the target's verdict but its environment's or its adapter's, and stay
+errors: an `ImportError` (an adapter reaching for what the installed release lacks) and a
+`NotImplementedError` (a session that neither implements an operation nor declares it
+unsupported in its Capabilities).
 """
 
 from __future__ import annotations
@@ -280,7 +284,8 @@ class History:
 
 def run_op(session, op: Op, tokens, step, what: str, c: Context, fed: Fed):
     """One operation on the target's live session; logits (B, k, V) copied at once, or None. A
-    target that raises fails the property, the exception named (module doc)."""
+    target that raises fails the property, the exception named, unless it is an ImportError or
+    NotImplementedError (module doc)."""
     from mpt_kv.errors import InputError
 
     live = getattr(session, "live", session)
@@ -296,8 +301,8 @@ def run_op(session, op: Op, tokens, step, what: str, c: Context, fed: Fed):
         else:
             live.reorder(torch.tensor(op.index, device=live.device))
         return None
-    except (PropertyFailure, Unsupported, InputError):
-        raise
+    except (PropertyFailure, Unsupported, InputError, ImportError, NotImplementedError):
+        raise  # ImportError, NotImplementedError: the environment's or the adapter's, an error (module doc)
     except Exception as e:  # noqa: BLE001  the target's own operation crashed
         raise PropertyFailure(f"{what}: the target's {op.kind} raised {type(e).__name__}: {e} at step {step} "
                               f"({op.describe()}) [{describe(c.ctx(step=step, operation=op.kind))}]") from e
