@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -33,6 +34,14 @@ pytestmark = [
 ]
 
 
+def workflow_wheel() -> str:
+    """The wheel path the example's Gaudi workflow installs (its `pip install --no-deps ci/wheels/...` line)."""
+    text = (EXAMPLE / ".github" / "workflows" / "mpt-kv-gaudi.yml").read_text()
+    found = re.findall(r"pip install --no-deps (ci/wheels/mpt_kv-\S+\.whl)", text)
+    assert len(found) == 1, f"the workflow installs mpt-kv from {found or 'nowhere'}: expected one ci/wheels/ wheel"
+    return found[0]
+
+
 def sh(*cmd, **kw) -> subprocess.CompletedProcess:
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
     assert done.returncode == 0, f"{' '.join(map(str, cmd))} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
@@ -47,16 +56,17 @@ def installed(tmp_path_factory):
     shutil.copytree(REPO / "mpt_kv", source / "mpt_kv", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    sh(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", root / "wheels", source)
-    wheel = next((root / "wheels").glob("mpt_kv-*.whl"))
+    project = shutil.copytree(EXAMPLE, root / "tinympt")
+    # as its Gaudi workflow does: the wheel built from mpt-kv, committed under ci/wheels/, installed
+    # by the path the workflow names (so a version bump that leaves the workflow behind fails here)
+    sh(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", project / "ci" / "wheels", source)
     venv = root / "venv"
     sh(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
-    sh(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel)
+    sh(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", project / workflow_wheel())
     purelib = Path(sh(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     # this environment's packages after the venv's own: torch, pytest, hypothesis, transformers
     (purelib / "reuse-parent-env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    project = shutil.copytree(EXAMPLE, root / "tinympt")
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID")
            and not k.startswith(("MPT_KV_", "PYTEST_PLUGINS"))}
