@@ -154,6 +154,47 @@ def test_optimum_habanas_own_reorder_is_what_the_gaudi_session_calls():
         G.temporary_reorder_cache(NoReorderModel(), past, torch.tensor([1, 0]))
 
 
+# the two lines of a release before 1.20 that the cache operations go through (1.18.1 generation/utils.py)
+BEFORE_1_20 = """
+class GaudiGenerationMixin:
+    def _beam_search(self, model_kwargs, beam_idx):
+        model_kwargs["past_key_values"] = self._temporary_reorder_cache(model_kwargs["past_key_values"], beam_idx)
+
+    def _assisted_decoding(self, outputs, new_cache_size):
+        outputs.past_key_values = _crop_past_key_values(self, outputs.past_key_values, new_cache_size)
+"""
+
+
+def test_a_release_before_1_20_is_driven_by_its_own_generation_code(tmp_path, monkeypatch):
+    """Before 1.20 beam search calls the model's own _temporary_reorder_cache and assisted decoding
+    crops with transformers' _crop_past_key_values: the Gaudi session follows the installed file."""
+    pytest.importorskip("transformers")
+    from mpt_kv.targets import gaudi_generation as G
+
+    import transformers.generation.candidate_generator as candidate_generator
+
+    (tmp_path / "utils.py").write_text(BEFORE_1_20)
+    monkeypatch.setattr(G, "generation_utils_path", lambda: tmp_path / "utils.py")
+    crops = []  # transformers <4.4x's function, gone from the installed one: a stand-in that records its call
+    monkeypatch.setattr(candidate_generator, "_crop_past_key_values",
+                        lambda model, past, max_length: crops.append((model, past, max_length)) or "cropped",
+                        raising=False)
+    past = tuple((torch.arange(6.0).reshape(1, 1, 3, 2) + layer, torch.zeros(1, 1, 3, 2)) for layer in range(2))
+
+    class Model:  # a GenerationMixin-style reorder
+        calls = []
+
+        def _temporary_reorder_cache(self, past_key_values, beam_idx):
+            self.calls.append(beam_idx.tolist())
+            return past_key_values
+
+    model = Model()
+    assert G.assisted_crop(past, 2, model=model) == "cropped" and crops == [(model, past, 2)]
+    with pytest.raises(TypeError, match="pass model="):
+        G.assisted_crop(past, 2)
+    assert G.temporary_reorder_cache(model, past, torch.tensor([0])) is past and model.calls == [[0]]
+
+
 HPU_SCRIPT = """
 import json, torch
 from mpt_kv.checks.registry import CHECKS

@@ -13,6 +13,13 @@ What optimum-habana 1.21.2 does (docs/operations.md cites the lines):
   a tuple/list cache that calls `self._reorder_cache`, which GaudiMptForCausalLM does not define;
 - assisted decoding (`_assisted_decoding`) crops with `outputs.past_key_values.crop(new_cur_len - 1)`,
   a `Cache` method: MPT's cache is a tuple of [key, value] lists.
+
+Releases before 1.20 do it otherwise, and each release is driven by its own code (read from its
+file, so the release sweep runs what each one runs): their `_beam_search` calls the model's
+`self._temporary_reorder_cache(...)` (transformers' GenerationMixin method; 1.18.1
+generation/utils.py:3368) and their `_assisted_decoding` crops with transformers'
+`_crop_past_key_values(self, outputs.past_key_values, new_cache_size)` (1.18.1 :4088), which
+slices tuple caches.
 """
 
 from __future__ import annotations
@@ -37,12 +44,25 @@ def generation_utils_path() -> Path:
     raise TargetUnavailable("optimum-habana is not installed: its generation functions cannot be loaded")
 
 
+def installed_generation_source() -> str | None:
+    """The text of the installed optimum-habana's generation/utils.py, None if not installed."""
+    try:
+        return generation_utils_path().read_text()
+    except TargetUnavailable:
+        return None
+
+
+def has_module_function(source: str, name: str) -> bool:
+    return any(isinstance(node, ast.FunctionDef) and node.name == name for node in ast.parse(source).body)
+
+
 @functools.lru_cache(maxsize=None)
 def optimum_habana_function(name: str):
     """The module-level function `name` of optimum-habana's generation/utils.py, compiled from its
-    source with the names it reads from transformers (`DynamicCache`, `EncoderDecoderCache`)."""
+    source with the names it reads from transformers (`DynamicCache`, `EncoderDecoderCache`,
+    where the installed transformers has them: 4.40 has no EncoderDecoderCache)."""
     import torch
-    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+    import transformers.cache_utils as cache_utils
 
     path = generation_utils_path()
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -50,7 +70,8 @@ def optimum_habana_function(name: str):
     if not found:
         raise TargetUnavailable(f"{path} has no module-level function {name!r}")
     module = ast.Module(body=found, type_ignores=[])
-    namespace = {"torch": torch, "DynamicCache": DynamicCache, "EncoderDecoderCache": EncoderDecoderCache}
+    namespace = {"torch": torch, **{n: getattr(cache_utils, n) for n in ("DynamicCache", "EncoderDecoderCache")
+                                    if hasattr(cache_utils, n)}}
     exec(compile(module, str(path), "exec"), namespace)  # line numbers are the file's own
     fn = namespace[name]
     fn.source = f"{path}:{found[0].lineno}"
@@ -58,25 +79,42 @@ def optimum_habana_function(name: str):
 
 
 def temporary_reorder_cache(model, past_key_values, beam_idx):
-    """optimum-habana's `_temporary_reorder_cache(model, past_key_values, beam_idx)`: what its
-    `_beam_search` calls after every step with reuse_cache off. Without optimum-habana installed,
-    the same three branches (a tuple/list cache: `model._reorder_cache`; else `Cache.reorder_cache`)."""
-    try:
-        fn = optimum_habana_function("_temporary_reorder_cache")
-    except TargetUnavailable:
-        fn = None
-    if fn is not None:
-        return fn(model, past_key_values, beam_idx)
+    """What the installed optimum-habana's `_beam_search` calls after every step with reuse_cache
+    off: its module-level `_temporary_reorder_cache(model, past_key_values, beam_idx)` (1.20 and
+    later), or before 1.20 the model's own `_temporary_reorder_cache(past_key_values, beam_idx)`
+    (transformers' GenerationMixin; a model without it raises AttributeError, as there). Without
+    optimum-habana installed, 1.21.2's three branches (a tuple/list cache: `model._reorder_cache`;
+    else `Cache.reorder_cache`)."""
+    source = installed_generation_source()
+    if source is not None and has_module_function(source, "_temporary_reorder_cache"):
+        return optimum_habana_function("_temporary_reorder_cache")(model, past_key_values, beam_idx)
+    if source is not None:
+        return model._temporary_reorder_cache(past_key_values, beam_idx)
     if isinstance(past_key_values, (tuple, list)):
         return model._reorder_cache(past_key_values, beam_idx)
     past_key_values.reorder_cache(beam_idx)
     return past_key_values
 
 
-def assisted_crop(past_key_values, length: int):
-    """What optimum-habana's `_assisted_decoding` does to the cache after the candidates are
-    checked: `outputs.past_key_values.crop(new_cur_len - 1)` (a `Cache` method; transformers 4.x
-    takes the length to keep, 5.x the number of tokens to remove, as a negative int)."""
+def crops_with_transformers_function(source: str | None) -> bool:
+    """Whether the installed `_assisted_decoding` crops with transformers' `_crop_past_key_values`
+    (releases before 1.20) rather than the cache's own `crop` method."""
+    return source is not None and "_crop_past_key_values(self, outputs.past_key_values" in source
+
+
+def assisted_crop(past_key_values, length: int, model=None):
+    """What the installed optimum-habana's `_assisted_decoding` does to the cache after the
+    candidates are checked: `outputs.past_key_values.crop(new_cur_len - 1)` (a `Cache` method;
+    transformers 4.x takes the length to keep, 5.x the number of tokens to remove, as a negative
+    int), or before 1.20 `_crop_past_key_values(self, outputs.past_key_values, new_cache_size)`
+    (transformers' function, which needs the model: pass `model`)."""
+    if crops_with_transformers_function(installed_generation_source()):
+        if model is None:
+            raise TypeError("this optimum-habana release crops with transformers' _crop_past_key_values(model, ...): "
+                            "pass model= to assisted_crop")
+        from transformers.generation.candidate_generator import _crop_past_key_values
+
+        return _crop_past_key_values(model, past_key_values, length)
     crop = past_key_values.crop  # a tuple/list cache: AttributeError, as in _assisted_decoding
     from mpt_kv.targets.wrappers import transformers_major
 

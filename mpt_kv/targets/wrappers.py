@@ -117,7 +117,7 @@ class GaudiStyleSession(TokenIdxSession):
         token_idx and the mask back."""
         from mpt_kv.targets.gaudi_generation import assisted_crop
 
-        self.past = assisted_crop(self.past, n)
+        self.past = assisted_crop(self.past, n, model=self.runner.model)
 
     def _reorder_cache(self, index):
         """As optimum-habana's `_beam_search` with reuse_cache off: its own
