@@ -236,11 +236,11 @@ class TransformersSession(Session):
         """transformers' own `Cache.crop`: 5.x takes the number of tokens to remove as a negative
         int (`DynamicLayer.crop` slices, `StaticLayer.crop` moves `cumulative_length` back),
         4.x the length to keep (`DynamicCache.crop(max_length)`)."""
-        if not hasattr(self.cache, "crop"):  # 4.x StaticCache: generate's assisted decoding needs a DynamicCache
+        if self.path == "static" and transformers_major() < 5:
             from mpt_kv.errors import Unsupported
 
-            raise Unsupported(f"{self.runner.name}: transformers {transformers_version()} "
-                              f"{type(self.cache).__name__} has no crop")
+            raise Unsupported(f"{self.runner.name}: transformers {transformers_version()}: StaticCache cannot crop "
+                              "(Cache.crop calls StaticLayer.crop, which 4.x does not have: AttributeError)")
         self.mask = self.mask[:, :n].clone()
         self.cache.crop(n - self.written if transformers_major() >= 5 else n)
         self.runner.sync()
