@@ -630,8 +630,8 @@ def check_memory(implementation, family, variant: str, path: str = "concat", dty
         kv = named_kv(session.kv())
         tokens = cache_tokens(c, session)
         total, analytic, why = storage_report(c, kv, capture.outputs, tokens)
-        for layer, n, t in kv:
-            storages.setdefault(storage_key(t), (weakref.ref(t.untyped_storage()), f"layer {layer} {n}"))
+        for layer, n, t in kv:  # the latest storage at an address (a freed one's address is reused)
+            storages[storage_key(t)] = (weakref.ref(t.untyped_storage()), f"layer {layer} {n}")
         if total != analytic:
             raise PropertyFailure(f"family-memory after {step.name}: the cache's distinct storages hold {total} "
                                   f"bytes, the family's analytic K/V for {c.batch} x {tokens} tokens {analytic}: "
@@ -656,8 +656,8 @@ def check_memory(implementation, family, variant: str, path: str = "concat", dty
         found = "; ".join(f"{where} {tuple(t.shape)} keeps {t.untyped_storage().nbytes()} bytes" for where, t in kept[:6])
         lost = sum(st.nbytes() for st, _ in alive.values())
         raise PropertyFailure(
-            f"family-memory after the session was deleted: {len(alive)} of the cache's {len(storages)} storages "
-            f"({lost} bytes: {', '.join(w for _, w in list(alive.values())[:4])}) are still alive"
+            f"family-memory after the session was deleted: {len(alive)} storages the cache held "
+            f"({lost} bytes: {', '.join(sorted(w for _, w in alive.values())[:4])}) are still alive"
             f"{'; ' if alive and kept else ''}{'the model or runner keeps ' + found if kept else ''}"
             + ("" if kept or not alive else "; no tensor attribute of the model or runner holds them")
             + f" [{describe(c.ctx(step='after the session'))}]")
