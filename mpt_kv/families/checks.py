@@ -5,7 +5,7 @@ model of the same weights, uncached (the oracle).
 
 family-P0      the implementation's uncached logits = transformers' uncached logits (not a check
                of transformers itself: its cell is not drawn)
-family-P1      a left-padded batch of 2: prefill, 3 greedy decode steps, a 3-token cached call
+family-P1      a left-padded batch of 2: prefill, 2 greedy decode steps, a 3-token cached call
                (extend) and a decode: after each, the logits = one uncached forward of
                transformers' model over each row's tokens
 family-P2      static = concat (implementations with both): the same calls on both paths, their
@@ -17,9 +17,10 @@ family-P3      after the prefill and every call, the storages of the cached tens
 family-P4      outputs are not reused: the logits a call returned are not overwritten by later
                calls (a copy kept, compared after the generation), and no cached K/V tensor
                shares memory with returned logits
-family-ops     a fixed beam program (reorder after every step, with repeats) and a fixed assisted
-               program (extend 3, crop back 2, decode), batch 3: P1 after every operation, the
-               oracle following each row's token history through the crops and reorders
+family-ops     a fixed beam program (a reorder after each decode: a permutation, then one with a
+               repeat) and a fixed assisted program (extend 3, crop back 2, decode, extend 3),
+               batch 3: P1 after every operation, the oracle following each row's token history
+               through the crops and reorders
 family-memory  after the prefill and every call, the bytes of the distinct storages the cache
                reaches = the family's analytic K/V bytes for the tokens written (concat: batch x
                written, static: batch x cache length; MQA/GQA aware), the excess named (with the
