@@ -220,3 +220,18 @@ def test_the_run_selects_the_implementations(options, expected):
     ids = [line for line in out.stdout.splitlines() if "::test_family[" in line]
     assert ids, out.stdout[-2000:] + out.stderr[-2000:]
     assert {i.split("-cpu-", 1)[1].split("-")[0] for i in ids} == {e.split("-")[0] for e in expected}
+
+
+@pytest.mark.parametrize("implementation, prop, path", [
+    ("transformers", "family-P0", None), ("transformers", "family-P1", "static+reuse"),
+    ("optimum-habana", "family-P2", "concat"), ("optimum-habana", "family-P0", "static")])
+def test_an_entry_about_a_cell_the_matrix_lacks_is_an_error(implementation, prop, path):
+    import re
+
+    from mpt_kv.conformance.test_families import check_entries_cover_cells
+
+    entry = kf.Known("mpt", "alibi", prop, re.compile("x"), "r", "u", {}, implementation, path)
+    with pytest.raises(ValueError, match=rf"family known failure {implementation} mpt/alibi {prop} path "
+                                         rf"{re.escape(path or 'any')}: the matrix has no such cell"):
+        check_entries_cover_cells([entry])
+    check_entries_cover_cells([dataclasses.replace(entry, property="family-P3", path=None)])
