@@ -92,6 +92,16 @@ class MasklessExtend(WrappedSession):
             self.inner.mask = torch.cat([saved, torch.ones_like(tokens)], 1)
 
 
+class MasklessDecode(WrappedSession):
+    def decode(self, tokens):  # the step sees the padding
+        saved = self.inner.mask
+        self.inner.mask = torch.ones_like(saved)
+        try:
+            return self.inner.decode(tokens)
+        finally:
+            self.inner.mask = torch.cat([saved, torch.ones_like(tokens)], 1)
+
+
 class StaticKvOffByOne(WrappedSession):
     def kv(self):  # the static path reports its buffers one position late; its logits are right
         pairs = self.inner.kv()
@@ -226,9 +236,18 @@ def test_ops_without_reorder_is_unsupported_after_the_assisted_program_ran(monke
 @needs_5x
 def test_memory_kills_a_cache_kept_on_the_model():
     with pytest.raises(PropertyFailure, match=r"family-memory after the session was deleted: 4 storages the cache "
-                                              r"held \(6144 bytes: layer 0 key, .*\) are still alive; the model or runner keeps "
-                                              r"model\.last_cache\.layers\[0\]\.keys \(2, 2, 12, 8\)"):
+                                              r"held \(4608 bytes: layer 0 key, layer 0 value, layer 1 key, layer 1 value\) are still alive; the model or runner keeps "
+                                              r"model\.last_cache\.layers\[0\]\.keys \(2, 2, 9, 8\)"):
         checks.check_memory(wrapped(KeptOnTheModel), FAMILY, VARIANT, "concat")
+
+
+def test_p1_without_extend_is_unsupported_after_the_decode_steps_held():
+    caps = Capabilities({"extend": "no k-token calls here"})
+    with pytest.raises(Unsupported, match=r"wrapped/llama concat: the k-token cached call: no k-token calls here "
+                                          r"\(the prefill and the decode steps held\)"):
+        checks.check_cached(wrapped(capabilities=caps), FAMILY, VARIANT, "concat")
+    with pytest.raises(PropertyFailure, match="family-P1 decode step 1"):  # the decode steps are still checked
+        checks.check_cached(wrapped(MasklessDecode, capabilities=caps), FAMILY, VARIANT, "concat")
 
 
 def test_a_call_that_raises_is_a_failure_naming_it():

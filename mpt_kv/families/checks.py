@@ -7,7 +7,8 @@ family-P0      the implementation's uncached logits = transformers' uncached log
                of transformers itself: its cell is not drawn)
 family-P1      a left-padded batch of 2: prefill, 2 greedy decode steps, a 3-token cached call
                (extend) and a decode: after each, the logits = one uncached forward of
-               transformers' model over each row's tokens
+               transformers' model over each row's tokens (P3, P4 and memory drive the prefill
+               and 3 decode steps: an extend that crashes is P1's finding)
 family-P2      static = concat (implementations with both): the same calls on both paths, their
                logits and, where both layouts are readable, K/V at every written position
 family-P3      after the prefill and every call, the storages of the cached tensors (`kv()`) hold
@@ -247,15 +248,17 @@ class Step:
     logits: torch.Tensor  # as returned: (B, S, V), (B, V) or (B, k, V)
 
 
-def drive(c: Case, session, on_step, tokens_from=None) -> list[Step]:
-    """Prefill the left-padded prompt, STEPS greedy decodes, an EXTEND-token cached call and a
-    decode; `on_step(step, session, seq, mask)` after each (seq, mask: every row's tokens so far).
-    `tokens_from(step)`: the next greedy token (default: this session's last logits)."""
+def drive(c: Case, session, on_step, tokens_from=None, extend: bool = False) -> list[Step]:
+    """Prefill the left-padded prompt, then STEPS greedy decodes, an EXTEND-token cached call and
+    a decode (extend=True: P1, P2), or STEPS + 1 greedy decodes (P3, P4, memory: a target's extend
+    failing is P1's finding, not theirs); `on_step(step, session, seq, mask)` after each (seq,
+    mask: every row's tokens so far). `tokens_from(step)`: the logits the next greedy token comes
+    from (default: this session's last)."""
     ids, mask = prompt(c.config)
     steps = [Step("prefill", "prefill", call(c, "prefill", "prefill", "prefill", session.prefill, ids, mask))]
     seq = ids
     on_step(steps[-1], session, seq, mask)
-    plan = [("decode", 1)] * STEPS + [("extend", EXTEND), ("decode", 1)]
+    plan = [("decode", 1)] * STEPS + ([("extend", EXTEND), ("decode", 1)] if extend else [("decode", 1)])
     for i, (op, k) in enumerate(plan, 1):
         if op == "decode":
             last = steps[-1].logits if tokens_from is None else tokens_from(i)
@@ -307,8 +310,9 @@ def check_cached(implementation, family, variant: str, path: str = "concat", dty
         got.append((step, last_positions(copy_of(step.logits)), seq.shape[1]))
         final.update(seq=seq, mask=mask)
 
+    lacks_extend = c.runner.capabilities.reason("extend")
     with torch.inference_mode():
-        drive(c, c.session(), keep)
+        drive(c, c.session(), keep, extend=lacks_extend is None)
     mask = final["mask"]
     full = c.oracle(final["seq"], mask)  # causal: one uncached forward over the final tokens is every step's oracle
     for step, logits, end in got:
@@ -317,6 +321,9 @@ def check_cached(implementation, family, variant: str, path: str = "concat", dty
         assert_close(logits, full[:, end - k:end], tol,
                      f"family-P1 {step.name}: cached logits vs transformers' uncached forward over each row's tokens",
                      c.ctx(step=step.name, operation=step.operation), where=where)
+    if lacks_extend:
+        raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: the k-token cached call: {lacks_extend} "
+                          "(the prefill and the decode steps held)")
 
 
 # --- family-P2 ----------------------------------------------------------------------------------------------
@@ -386,12 +393,17 @@ def check_static_concat(implementation, family, variant: str, path: str = "stati
                          f"{n} of layer {layer} at the written token positions vs the concat path's",
                          {**ctx, "layer": layer}, where=real)
 
+    lacks_extend = c.runner.capabilities.reason("extend")
     with torch.inference_mode():
-        drive(c, c.session("concat"), record)
+        drive(c, c.session("concat"), record, extend=lacks_extend is None)
         names = list(concat_steps)  # the static path is fed the concat path's greedy tokens
-        drive(c, c.session("static"), compare, tokens_from=lambda i: concat_steps[names[i - 1]][0].logits)
+        drive(c, c.session("static"), compare, tokens_from=lambda i: concat_steps[names[i - 1]][0].logits,
+              extend=lacks_extend is None)
     if not compared:
         c.notes.append("family-P2: the static and concat K/V layouts do not line up: logits compared only")
+    if lacks_extend:
+        raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: the k-token cached call: {lacks_extend} "
+                          "(the prefill and the decode steps held)")
 
 
 # --- family-P3 ----------------------------------------------------------------------------------------------
