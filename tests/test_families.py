@@ -205,11 +205,11 @@ def test_the_matrix_cells_follow_the_implementations():
 
 
 @pytest.mark.parametrize("options, expected", [
-    ([], {"transformers", "optimum-habana"}),
     (["--only-targets", "--target", "transformers"], {"transformers"}),
 ])
 def test_the_run_selects_the_implementations(options, expected):
-    """As for MPT: the built-in targets, or with --only-targets only those named."""
+    """As for MPT: the built-in targets (both: test_the_matrix_cells_follow_the_implementations),
+    or with --only-targets only those named."""
     import subprocess
     import sys
 
