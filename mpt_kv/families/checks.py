@@ -7,8 +7,8 @@ family-P0      the implementation's uncached logits = transformers' uncached log
                of transformers itself: its cell is not drawn)
 family-P1      a left-padded batch of 2: prefill, 2 greedy decode steps, a 3-token cached call
                (extend) and a decode: after each, the logits = one uncached forward of
-               transformers' model over each row's tokens (P3, P4 and memory drive the prefill
-               and 3 decode steps: an extend that crashes is P1's finding)
+               transformers' model over each row's tokens (P2, P3, P4 and memory drive the same
+               calls)
 family-P2      static = concat (implementations with both): the same calls on both paths, their
                logits and, where both layouts are readable, K/V at every written position
 family-P3      after the prefill and every call, the storages of the cached tensors (`kv()`) hold
@@ -184,6 +184,7 @@ class Case:
     config: object
     batch: int = BATCH
     notes: list = field(default_factory=list)
+    check: str = ""     # the check id, first in a failed call's message
 
     @property
     def session_path(self) -> str:
@@ -213,24 +214,26 @@ class Case:
         return own() if callable(own) else self.family.fused_modules(self.runner.model)
 
 
-def case_of(implementation, family, variant: str, path: str, dtype=torch.float32) -> Case:
+def case_of(implementation, family, variant: str, path: str, dtype=torch.float32, check: str = "") -> Case:
     if path not in PATHS:
         raise InputError(f"unknown path {path!r}: the family paths are {PATHS}")
     family = family_of(family)
     options = {"reuse_cache": True} if path == "static+reuse" else {}
     runner = runner_for(implementation, family, variant, dtype, options)
-    return Case(implementation_name(implementation), family, variant, path, dtype, runner, family.config(variant))
+    return Case(implementation_name(implementation), family, variant, path, dtype, runner, family.config(variant),
+                check=check)
 
 
 def call(c: Case, what: str, step, operation: str, fn, *args):
-    """One session call of the implementation: logits copied at once; a call that raises fails
-    the property with its exception named (mpt-kv's own InputError and Unsupported pass through)."""
+    """One call of the implementation; one that raises fails the property with its exception named
+    (mpt-kv's own InputError and Unsupported pass through)."""
     try:
         out = fn(*args)
     except (PropertyFailure, Unsupported, InputError):
         raise
     except Exception as e:  # noqa: BLE001  the implementation's own call crashed
-        raise PropertyFailure(f"{what}: the implementation's {operation} raised {type(e).__name__}: {e} "
+        prefix = "" if what.startswith("family-") else f"{c.check} "
+        raise PropertyFailure(f"{prefix}{what}: the implementation's {operation} raised {type(e).__name__}: {e} "
                               f"[{describe(c.ctx(step=step, operation=operation))}]") from e
     return out
 
@@ -248,12 +251,13 @@ class Step:
     logits: torch.Tensor  # as returned: (B, S, V), (B, V) or (B, k, V)
 
 
-def drive(c: Case, session, on_step, tokens_from=None, extend: bool = False) -> list[Step]:
+def drive(c: Case, session, on_step, tokens_from=None) -> list[Step]:
     """Prefill the left-padded prompt, then STEPS greedy decodes, an EXTEND-token cached call and
-    a decode (extend=True: P1, P2), or STEPS + 1 greedy decodes (P3, P4, memory: a target's extend
-    failing is P1's finding, not theirs); `on_step(step, session, seq, mask)` after each (seq,
-    mask: every row's tokens so far). `tokens_from(step)`: the logits the next greedy token comes
-    from (default: this session's last)."""
+    a decode; where the implementation declares no extend, STEPS + 1 greedy decodes (P1 and P2
+    then say so: `lacks_extend`). `on_step(step, session, seq, mask)` after each (seq, mask: every
+    row's tokens so far). `tokens_from(step)`: the logits the next greedy token comes from
+    (default: this session's last)."""
+    extend = c.runner.capabilities.reason("extend") is None
     ids, mask = prompt(c.config)
     steps = [Step("prefill", "prefill", call(c, "prefill", "prefill", "prefill", session.prefill, ids, mask))]
     seq = ids
@@ -288,7 +292,7 @@ def check_uncached(implementation, family, variant: str, path: str = "concat", d
     if implementation_name(implementation) == "transformers":
         raise InputError("family-P0 compares an implementation with transformers' own model: transformers "
                          "itself is its oracle, not a case")
-    c = case_of(implementation, family, variant, path, dtype)
+    c = case_of(implementation, family, variant, path, dtype, "family-P0")
     ids, mask = prompt(c.config)
     with torch.inference_mode():
         got = copy_of(call(c, "family-P0", "uncached", "logits", c.runner.logits, ids, mask))
@@ -301,7 +305,7 @@ def check_uncached(implementation, family, variant: str, path: str = "concat", d
 
 def check_cached(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
     """family-P1 (module doc)."""
-    c = case_of(implementation, family, variant, path, dtype)
+    c = case_of(implementation, family, variant, path, dtype, "family-P1")
     tol = c.tol(f"logits:{c.session_path}")
     got: list[tuple[Step, torch.Tensor, int]] = []  # (step, its logits copied, positions written after it)
     final = {}
@@ -312,7 +316,7 @@ def check_cached(implementation, family, variant: str, path: str = "concat", dty
 
     lacks_extend = c.runner.capabilities.reason("extend")
     with torch.inference_mode():
-        drive(c, c.session(), keep, extend=lacks_extend is None)
+        drive(c, c.session(), keep)
     mask = final["mask"]
     full = c.oracle(final["seq"], mask)  # causal: one uncached forward over the final tokens is every step's oracle
     for step, logits, end in got:
@@ -358,7 +362,7 @@ def token_positions(t: torch.Tensor, axis: int, mask: torch.Tensor) -> torch.Ten
 
 def check_static_concat(implementation, family, variant: str, path: str = "static", dtype=torch.float32) -> None:
     """family-P2 (module doc): greedy tokens from the concat path, fed to both."""
-    c = case_of(implementation, family, variant, path, dtype)
+    c = case_of(implementation, family, variant, path, dtype, "family-P2")
     if c.session_path != "static":
         raise InputError(f"family-P2 compares the static path with the concat path: give path static or "
                          f"static+reuse, not {path!r}")
@@ -395,10 +399,9 @@ def check_static_concat(implementation, family, variant: str, path: str = "stati
 
     lacks_extend = c.runner.capabilities.reason("extend")
     with torch.inference_mode():
-        drive(c, c.session("concat"), record, extend=lacks_extend is None)
+        drive(c, c.session("concat"), record)
         names = list(concat_steps)  # the static path is fed the concat path's greedy tokens
-        drive(c, c.session("static"), compare, tokens_from=lambda i: concat_steps[names[i - 1]][0].logits,
-              extend=lacks_extend is None)
+        drive(c, c.session("static"), compare, tokens_from=lambda i: concat_steps[names[i - 1]][0].logits)
     if not compared:
         c.notes.append("family-P2: the static and concat K/V layouts do not line up: logits compared only")
     if lacks_extend:
@@ -483,7 +486,7 @@ def check_entry_bytes(c: Case, session, kv) -> None:
 def check_no_pinned_storage(implementation, family, variant: str, path: str = "concat",
                             dtype=torch.float32) -> None:
     """family-P3 (module doc)."""
-    c = case_of(implementation, family, variant, path, dtype)
+    c = case_of(implementation, family, variant, path, dtype, "family-P3")
     modules = c.fused_modules()
     check_fused_modules(c, modules)
     capture = FusedCapture(modules)
@@ -509,7 +512,7 @@ def check_outputs_not_reused(implementation, family, variant: str, path: str = "
                              dtype=torch.float32) -> None:
     """family-P4 (module doc). A runner that declares Capabilities(graph_outputs=True) returns
     buffers a later call overwrites on purpose (graph replays): only the K/V aliasing is checked."""
-    c = case_of(implementation, family, variant, path, dtype)
+    c = case_of(implementation, family, variant, path, dtype, "family-P4")
     returned: list[tuple[Step, torch.Tensor]] = []
 
     def keep(step: Step, session, seq, mask):
@@ -587,7 +590,7 @@ def run_program(c: Case, name: str, ops) -> None:
 def check_operations(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
     """family-ops (module doc). A program whose operation the implementation lacks is Unsupported
     with its reason, after the other program ran: never a pass."""
-    c = case_of(implementation, family, variant, path, dtype)
+    c = case_of(implementation, family, variant, path, dtype, "family-ops")
     c.batch = len(OPS_PADS)
     unsupported = []
     for name, needs, ops in (beam_program(), assisted_program()):
@@ -644,7 +647,7 @@ def check_memory(implementation, family, variant: str, path: str = "concat", dty
     """family-memory (module doc)."""
     from mpt_kv.checks.ceilings import model_state_tensors
 
-    c = case_of(implementation, family, variant, path, dtype)
+    c = case_of(implementation, family, variant, path, dtype, "family-memory")
     modules = c.fused_modules()
     check_fused_modules(c, modules)
     warm_up(c)
@@ -679,7 +682,8 @@ def check_memory(implementation, family, variant: str, path: str = "concat", dty
         c.notes.append(f"family-memory: cache_pool declared: {len(alive)} cache storages kept for the next generation")
         alive = {}
     if alive or kept:
-        found = "; ".join(f"{where} {tuple(t.shape)} keeps {t.untyped_storage().nbytes()} bytes" for where, t in kept[:6])
+        found = "; ".join(f"{where} {tuple(t.shape)} keeps {t.untyped_storage().nbytes()} bytes"
+                          for where, t in kept[:6])
         lost = sum(st.nbytes() for st, _ in alive.values())
         raise PropertyFailure(
             f"family-memory after the session was deleted: {len(alive)} storages the cache held "

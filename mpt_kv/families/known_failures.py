@@ -55,7 +55,8 @@ class Known:
         return installed_versions_match(self.when)
 
     def covers(self, implementation: str, family: str, variant: str, prop: str, path: str) -> bool:
-        return ((self.implementation, self.family, self.variant, self.property) == (implementation, family, variant, prop)
+        case = (implementation, family, variant, prop)
+        return ((self.implementation, self.family, self.variant, self.property) == case
                 and self.path in (None, path))
 
 
@@ -103,7 +104,8 @@ def load(path: str | Path = FILE) -> list[Known]:
     return [_entry(raw, i, path) for i, raw in enumerate(data)]
 
 
-def applying(implementation: str, family: str, variant: str, prop: str, path: str, entries: list[Known]) -> Known | None:
+def applying(implementation: str, family: str, variant: str, prop: str, path: str,
+             entries: list[Known]) -> Known | None:
     """The entry that applies to the case here (its versions installed), if any."""
     for e in entries:
         if e.covers(implementation, family, variant, prop, path) and e.applies():
