@@ -159,6 +159,8 @@ def test_known_failures_file_is_checked(tmp_path, change, message):
     assert kf.applying("optimum-habana", "mpt", "alibi", "family-P3", "static", [known, port]) is port
     assert kf.applying("optimum-habana", "mpt", "alibi", "family-P3", "concat", [known, port]) is None
     assert port.views == ("key", "value")
+    path.write_text(json.dumps([{**entry, "cost_config": "mpt-7b"}]))  # the seed's config, mpt_kv/data/mpt-7b.json
+    assert kf.load(path)[0].cost_config == "mpt-7b"
 
 
 def test_the_packaged_known_failures_load_and_the_views_are_on_the_concat_path():

@@ -13,7 +13,7 @@ required  family, variant (a variant of the registry), property (a check id of
 optional  implementation ("transformers", the default, or "optimum-habana"); path ("concat",
           "static", "static+reuse"; absent: every path); views (a list of "key", "value",
           "key_value": which cached tensors view the fused output, for the cost); cost_config (the
-          name of a real config in mpt_kv/data/families/, for the cost)
+          name of a real config in mpt_kv/data/families/, or mpt-7b: mpt_kv/data/mpt-7b.json)
 
 Any other field is an error naming it (a typo must not pass silently). A case an entry applies to
 (the installed versions match `when`) is a strict xfail that only a `PropertyFailure` whose message
@@ -61,8 +61,10 @@ class Known:
 
 
 def cost_configs() -> set[str]:
-    """The names of the real configs kept as data (mpt_kv/data/families/<name>.json)."""
-    return {p.stem for p in COST_CONFIGS.glob("*.json")} if COST_CONFIGS.is_dir() else set()
+    """The names of the real configs kept as data: mpt_kv/data/families/<name>.json, and the seed's
+    MPT config mpt_kv/data/mpt-7b.json."""
+    names = {p.stem for p in COST_CONFIGS.glob("*.json")} if COST_CONFIGS.is_dir() else set()
+    return names | ({"mpt-7b"} if (COST_CONFIGS.parent / "mpt-7b.json").is_file() else set())
 
 
 def _entry(raw, i: int, path) -> Known:
