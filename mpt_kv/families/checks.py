@@ -7,8 +7,8 @@ family-P0      the implementation's uncached logits = transformers' uncached log
                of transformers itself: its cell is not drawn)
 family-P1      a left-padded batch of 2: prefill, 2 greedy decode steps, a 3-token cached call
                (extend) and a decode: after each, the logits = one uncached forward of
-               transformers' model over each row's tokens (P2, P3, P4 and memory drive the same
-               calls)
+               transformers' model over each row's tokens (P2 drives the same calls; P3, P4
+               and memory the prefill and 3 decode steps: an extend that crashes is P1's finding)
 family-P2      static = concat (implementations with both): the same calls on both paths, their
                logits and, where both layouts are readable, K/V at every written position
 family-P3      after the prefill and every call, the storages of the cached tensors (`kv()`) hold
@@ -251,13 +251,13 @@ class Step:
     logits: torch.Tensor  # as returned: (B, S, V), (B, V) or (B, k, V)
 
 
-def drive(c: Case, session, on_step, tokens_from=None) -> list[Step]:
+def drive(c: Case, session, on_step, tokens_from=None, extend: bool = False) -> list[Step]:
     """Prefill the left-padded prompt, then STEPS greedy decodes, an EXTEND-token cached call and
-    a decode; where the implementation declares no extend, STEPS + 1 greedy decodes (P1 and P2
-    then say so: `lacks_extend`). `on_step(step, session, seq, mask)` after each (seq, mask: every
-    row's tokens so far). `tokens_from(step)`: the logits the next greedy token comes from
-    (default: this session's last)."""
-    extend = c.runner.capabilities.reason("extend") is None
+    a decode (extend=True: P1 and P2, where the implementation declares extend), or STEPS + 1
+    greedy decodes (P3, P4, memory: an extend that crashes is P1's finding, not three more).
+    `on_step(step, session, seq, mask)` after each (seq, mask: every row's tokens so far).
+    `tokens_from(step)`: the logits the next greedy token comes from (default: this session's last)."""
+    extend = extend and c.runner.capabilities.reason("extend") is None
     ids, mask = prompt(c.config)
     steps = [Step("prefill", "prefill", call(c, "prefill", "prefill", "prefill", session.prefill, ids, mask))]
     seq = ids
@@ -316,7 +316,7 @@ def check_cached(implementation, family, variant: str, path: str = "concat", dty
 
     lacks_extend = c.runner.capabilities.reason("extend")
     with torch.inference_mode():
-        drive(c, c.session(), keep)
+        drive(c, c.session(), keep, extend=True)
     mask = final["mask"]
     full = c.oracle(final["seq"], mask)  # causal: one uncached forward over the final tokens is every step's oracle
     for step, logits, end in got:
@@ -399,9 +399,10 @@ def check_static_concat(implementation, family, variant: str, path: str = "stati
 
     lacks_extend = c.runner.capabilities.reason("extend")
     with torch.inference_mode():
-        drive(c, c.session("concat"), record)
+        drive(c, c.session("concat"), record, extend=True)
         names = list(concat_steps)  # the static path is fed the concat path's greedy tokens
-        drive(c, c.session("static"), compare, tokens_from=lambda i: concat_steps[names[i - 1]][0].logits)
+        drive(c, c.session("static"), compare, tokens_from=lambda i: concat_steps[names[i - 1]][0].logits,
+              extend=True)
     if not compared:
         c.notes.append("family-P2: the static and concat K/V layouts do not line up: logits compared only")
     if lacks_extend:
