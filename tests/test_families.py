@@ -1,8 +1,10 @@
-"""The family checks catch what they are for: a cache that stores views of the fused projection's
-output (the transformers <4.56 bug, put back by patching DynamicLayer.update) fails family-P3
-naming the module, the layer and the bytes; a cache that loses the new token's value fails
-family-P1; a family entry that misdescribes its cache is an error, not a verdict; legitimate
-layouts (K and V stacked in one buffer, a tensor of its own) pin nothing.
+"""The family checks catch what they are for on transformers' real implementation: a cache that
+stores views of the fused projection's output (the transformers <4.56 bug, put back by patching
+DynamicLayer.update) fails family-P3 and family-memory naming the module, the layer and the bytes;
+a cache that loses the new token's value fails family-P1; a family entry that misdescribes its
+cache is an error, not a verdict; legitimate layouts (K and V stacked in one buffer, a tensor of
+its own) pin nothing. The known-failures file is checked field by field; the matrix follows the
+run's targets. (tests/test_family_checks.py: each check against a broken wrapper of a runner.)
 """
 
 import dataclasses
@@ -14,7 +16,7 @@ import torch
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.families import FAMILIES, variants
 from mpt_kv.families import known_failures as kf
-from mpt_kv.families.checks import check_cached_equals_uncached, check_no_pinned_storage, pinning_problems
+from mpt_kv.families.checks import check_cached, check_memory, check_no_pinned_storage, pinning_problems
 
 transformers = pytest.importorskip("transformers")
 cache_utils = pytest.importorskip("transformers.cache_utils")
@@ -57,25 +59,31 @@ def lossy_update(self, key_states, value_states, *args, **kwargs):
                         "output (2, 6, 96): its storage holds 4608 bytes, the cached tensors in it 1536: 3072 bytes "
                         "pinned beyond the cache"),
 ])
-def test_p3_catches_views_of_the_fused_output(monkeypatch, family, variant, expected):
-    check_no_pinned_storage(family, variant)  # the real 5.x cache copies: nothing pinned
+def test_p3_and_memory_catch_views_of_the_fused_output(monkeypatch, family, variant, expected):
+    check_no_pinned_storage("transformers", family, variant)  # the real 5.x cache copies: nothing pinned
+    check_memory("transformers", family, variant)
     monkeypatch.setattr(cache_utils.DynamicLayer, "update", views_update)
-    with pytest.raises(PropertyFailure) as e:
-        check_no_pinned_storage(family, variant)
-    msg = str(e.value)
-    assert msg.startswith("family-P3 cache pins storage after prefill: ")
-    assert expected in msg and expected.replace("layer 0", "layer 1").replace(".0.", ".1.") in msg
-    assert f"[target=transformers/{family}, variant={variant}, dtype=float32, batch=2, step=prefill" in msg
+    context = (f"[target=transformers/{family}, implementation=transformers, family={family}, variant={variant}, "
+               "path=concat, dtype=float32, batch=2, step=prefill, operation=prefill]")
+    for check, start in ((check_no_pinned_storage, "family-P3 cache pins storage after prefill: "),
+                         (check_memory, "family-memory after prefill: the cache's distinct storages hold ")):
+        with pytest.raises(PropertyFailure) as e:
+            check("transformers", family, variant)
+        msg = str(e.value)
+        assert msg.startswith(start)
+        assert expected in msg and expected.replace("layer 0", "layer 1").replace(".0.", ".1.") in msg
+        assert msg.endswith(context)
 
 
 @needs_5x
 def test_p3_passes_the_real_cache_and_p1_catches_a_lossy_one(monkeypatch):
-    check_no_pinned_storage("llama", "gqa")
-    check_cached_equals_uncached("llama", "gqa")
+    check_no_pinned_storage("transformers", "llama", "gqa")
+    check_cached("transformers", "llama", "gqa")
     monkeypatch.setattr(cache_utils.DynamicLayer, "update", lossy_update)
-    with pytest.raises(PropertyFailure, match=r"family-P1 decode step 1: cached logits vs the uncached forward "
-                                              r"differ .*target=transformers/llama, variant=gqa"):
-        check_cached_equals_uncached("llama", "gqa")
+    with pytest.raises(PropertyFailure, match=r"family-P1 decode step 1: cached logits vs transformers' uncached "
+                                              r"forward over each row's tokens differ .*target=transformers/llama, "
+                                              r"implementation=transformers, family=llama, variant=gqa"):
+        check_cached("transformers", "llama", "gqa")
 
 
 def test_a_family_entry_that_misdescribes_its_cache_is_an_error(monkeypatch):
@@ -83,7 +91,7 @@ def test_a_family_entry_that_misdescribes_its_cache_is_an_error(monkeypatch):
     monkeypatch.setitem(FAMILIES, "llama", wrong)
     with pytest.raises(RuntimeError, match=r"family llama: the cache holds 3072 bytes of K/V, the family entry "
                                            r"says 6144 \(2 x 6 tokens\)"):
-        check_no_pinned_storage("llama", "gqa")
+        check_no_pinned_storage("transformers", "llama", "gqa")
 
 
 def test_pinning_problems_legitimate_layouts_and_a_view():
@@ -125,19 +133,41 @@ def test_registry_has_the_families_and_fused_names():
     ({"property": "P3"}, r"unknown property 'P3'"),
     ({"pattern": ".*"}, r"matches the empty string"),
     ({"when": {"transformers": "four"}}, r"not a version specifier"),
-    ({"extra": 1}, r"exactly the fields"),
+    ({"extra": 1}, r"unknown field\(s\) \['extra'\]"),
+    ({"viewz": ["key"]}, r"unknown field\(s\) \['viewz'\]"),  # a typo of an optional field
+    ({"implementation": "vllm"}, r"unknown implementation 'vllm'"),
+    ({"path": "paged"}, r"unknown path 'paged'"),
+    ({"views": ["query"]}, r"'views' \['query'\]: a non-empty list of distinct names"),
+    ({"views": []}, r"'views' \[\]: a non-empty list"),
+    ({"views": "key"}, r"'views' must be a list"),
+    ({"cost_config": "no-such-model"}, r"'cost_config' 'no-such-model' is no real config of"),
+    ({"reason": " "}, r"'reason' is empty"),
 ])
 def test_known_failures_file_is_checked(tmp_path, change, message):
     entry = {"family": "mpt", "variant": "alibi", "property": "family-P3", "pattern": "Wqkv's output",
              "reason": "r", "upstream": "u", "when": {}}
     path = tmp_path / "k.json"
     path.write_text(json.dumps([{**entry, **change}]))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"family known failures .*k\.json: entry 0: .*" + message):
         kf.load(path)
-    path.write_text(json.dumps([entry]))
-    [known] = kf.load(path)
-    assert kf.applying("mpt", "alibi", "family-P3", [known]) is known
-    assert kf.applying("mpt", "alibi", "family-P1", [known]) is None
+    path.write_text(json.dumps([entry, {**entry, "implementation": "optimum-habana", "path": "static",
+                                        "views": ["key", "value"]}]))
+    known, port = kf.load(path)
+    assert (known.implementation, known.path, known.views) == ("transformers", None, ())
+    assert kf.applying("transformers", "mpt", "alibi", "family-P3", "static", [known]) is known  # every path
+    assert kf.applying("transformers", "mpt", "alibi", "family-P1", "concat", [known]) is None
+    assert kf.applying("optimum-habana", "mpt", "alibi", "family-P3", "static", [known, port]) is port
+    assert kf.applying("optimum-habana", "mpt", "alibi", "family-P3", "concat", [known, port]) is None
+    assert port.views == ("key", "value")
+    path.write_text(json.dumps([{**entry, "cost_config": "mpt-7b"}]))  # the seed's config, mpt_kv/data/mpt-7b.json
+    assert kf.load(path)[0].cost_config == "mpt-7b"
+
+
+def test_the_packaged_known_failures_load_and_the_views_are_on_the_concat_path():
+    entries = kf.load()
+    views = [e for e in entries if e.implementation == "transformers" and "view" in e.pattern.pattern]
+    assert {e.property for e in views} == {"family-P3", "family-memory"}
+    assert all(e.path == "concat" for e in views)  # transformers' StaticCache copies: no views there
 
 
 @needs_5x
@@ -146,16 +176,64 @@ def test_a_known_failure_absorbs_only_its_own_message(monkeypatch):
     find into NotTheKnownFailure, which the strict xfail(raises=PropertyFailure) does not take."""
     import re
 
-    from mpt_kv.conformance.test_families import NotTheKnownFailure, test_family
+    from mpt_kv.conformance.test_families import NotTheKnownFailure, run_case
 
     monkeypatch.setattr(cache_utils.DynamicLayer, "update", views_update)
     known = kf.Known("mpt", "alibi", "family-P3", re.compile(r"layer 0 key .* are views of \S+Wqkv's output"), "r",
                      "u", {})
+    args = ("transformers/mpt", "family-P3/alibi", "transformers", "mpt", "alibi", "concat", "family-P3")
     with pytest.raises(PropertyFailure, match="Wqkv's output"):  # the known failure: the xfail takes it
-        test_family("transformers/mpt", "family-P3/alibi", "mpt", "alibi", "family-P3", known, "cpu", "float32",
-                    "concat")
+        run_case(None, *args, known)
     other = dataclasses.replace(known, pattern=re.compile(r"query_key_value's output"))
-    with pytest.raises(NotTheKnownFailure, match=r"transformers/mpt family-P3/alibi failed, but not as its known "
-                                                 r"failure says \(pattern \"query_key_value's output\""):
-        test_family("transformers/mpt", "family-P3/alibi", "mpt", "alibi", "family-P3", other, "cpu", "float32",
-                    "concat")
+    with pytest.raises(NotTheKnownFailure, match=r"transformers/mpt family-P3/alibi concat failed, but not as its "
+                                                 r"known failure says \(pattern \"query_key_value's output\""):
+        run_case(None, *args, other)
+
+
+def test_the_matrix_cells_follow_the_implementations():
+    from mpt_kv.conformance.test_families import cases
+
+    transformers_cells = [p.values for p in cases(["transformers"])]
+    port_cells = [p.values for p in cases(["optimum-habana"])]
+    assert {v[2] for v in transformers_cells} == {"transformers"} and {v[2] for v in port_cells} == {"optimum-habana"}
+    # P0 is not drawn for transformers itself; P2 only on static paths; static+reuse only for the ports
+    assert not [v for v in transformers_cells if v[6] == "family-P0" or v[5] == "static+reuse"]
+    assert {v[5] for v in port_cells if v[6] == "family-P0"} == {"concat"}
+    assert {v[5] for v in port_cells if v[6] == "family-P2"} == {"static", "static+reuse"}
+    assert len(port_cells) == len(variants()) * 3 * 6  # concat: P0 and 5 more; each static path: P2 and 5 more
+    assert len(transformers_cells) == len(variants()) * (5 + 6)
+    names = {(v[0], v[1]) for v in transformers_cells}
+    assert ("transformers/falcon", "family-memory/new-arch-gqa") in names
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--only-targets", "--target", "transformers"], {"transformers"}),
+])
+def test_the_run_selects_the_implementations(options, expected):
+    """As for MPT: the built-in targets (both: test_the_matrix_cells_follow_the_implementations),
+    or with --only-targets only those named."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-n", "0",
+                          "mpt_kv/conformance/test_families.py", *options], capture_output=True, text=True,
+                         cwd=__import__("pathlib").Path(__file__).parents[1], env={**__import__("os").environ,
+                                                                                  "CI": "true"})
+    ids = [line for line in out.stdout.splitlines() if "::test_family[" in line]
+    assert ids, out.stdout[-2000:] + out.stderr[-2000:]
+    assert {i.split("-cpu-", 1)[1].split("-")[0] for i in ids} == {e.split("-")[0] for e in expected}
+
+
+@pytest.mark.parametrize("implementation, prop, path", [
+    ("transformers", "family-P0", None), ("transformers", "family-P1", "static+reuse"),
+    ("optimum-habana", "family-P2", "concat"), ("optimum-habana", "family-P0", "static")])
+def test_an_entry_about_a_cell_the_matrix_lacks_is_an_error(implementation, prop, path):
+    import re
+
+    from mpt_kv.conformance.test_families import check_entries_cover_cells
+
+    entry = kf.Known("mpt", "alibi", prop, re.compile("x"), "r", "u", {}, implementation, path)
+    with pytest.raises(ValueError, match=rf"family known failure {implementation} mpt/alibi {prop} path "
+                                         rf"{re.escape(path or 'any')}: the matrix has no such cell"):
+        check_entries_cover_cells([entry])
+    check_entries_cover_cells([dataclasses.replace(entry, property="family-P3", path=None)])

@@ -1,30 +1,66 @@
-"""family-P1 and family-P3 on transformers' implementation of each family, with the cache the
-model makes itself (`DynamicCache`: the concat path), in fp32, on CPU.
+"""The family checks, on any implementation of a family (`mpt_kv.families.implementations`):
+each drives the implementation's Runner and Session (prefill, decode, extend, crop, reorder,
+kv()) on a tiny model of the family, fp32 by default, CPU, and compares with transformers' own
+model of the same weights, uncached (the oracle).
 
-- family-P1: a left-padded batch of 2, prefilled and decoded a few greedy steps with the cache,
-  gives the logits of one uncached forward over the same tokens.
-- family-P3: after the prefill and every step, the storages of the cached keys and values hold
-  nothing but them: their bytes equal the bytes the cached tensors in them reach
-  (`covered_bytes`). A view of the fused projection's output (`mixed_qkv`) pins the q part and the
-  rest of the step's projection; the failure names the module, the layer and the bytes.
+family-P0      the implementation's uncached logits = transformers' uncached logits (not a check
+               of transformers itself: its cell is not drawn)
+family-P1      a left-padded batch of 2: prefill, 2 greedy decode steps, a 3-token cached call
+               (extend) and a decode: after each, the logits = one uncached forward of
+               transformers' model over each row's tokens (P2 drives the same calls; P3, P4
+               and memory the prefill and 3 decode steps: an extend that crashes is P1's finding)
+family-P2      static = concat (implementations with both): the same calls on both paths, their
+               logits and, where both layouts are readable, K/V at every written position
+family-P3      after the prefill and every call, the storages of the cached tensors (`kv()`) hold
+               nothing but them (`covered_bytes`): a view of the fused projection's output pins
+               the rest of it; the failure names the module, the layer and the bytes. On the
+               static path the preallocated buffers are the cache.
+family-P4      outputs are not reused: the logits a call returned are not overwritten by later
+               calls (a copy kept, compared after the generation), and no cached K/V tensor
+               shares memory with returned logits
+family-ops     a fixed beam program (a reorder after each decode: a permutation, then one with a
+               repeat) and a fixed assisted program (extend 3, crop back 2, decode, extend 3),
+               batch 3: P1 after every operation, the oracle following each row's token history
+               through the crops and reorders
+family-memory  after the prefill and every call, the bytes of the distinct storages the cache
+               reaches = the family's analytic K/V bytes for the tokens written (concat: batch x
+               written, static: batch x cache length; MQA/GQA aware), the excess named (with the
+               module where a storage is a fused projection's output); after the session is
+               deleted, nothing of it stays reachable and the model and runner keep no new tensor
 
-Both raise `PropertyFailure`; anything else (a model that does not build, a cache that does not
-hold what the family says) is an error of the family entry or the target.
+A property that does not hold raises `PropertyFailure` (its message: target, implementation,
+family, variant, path, dtype, batch, step, operation, layer, error or bytes). A session call of
+the implementation that raises is a PropertyFailure too (generation would crash there), its
+exception named; a feature the implementation does not have is `Unsupported` with its reason;
+anything else (a model that does not build, a family entry that misdescribes its model) is an
+error.
 """
 
 from __future__ import annotations
 
+import copy
+import gc
+import weakref
+from dataclasses import dataclass, field
+
 import torch
 
-from mpt_kv.checks.compare import PropertyFailure, assert_close, describe, tolerance
+from mpt_kv.checks.compare import PropertyFailure, assert_close, describe, shares_memory, tolerance
 from mpt_kv.checks.storages import covered_bytes, storage_key
+from mpt_kv.errors import InputError, Unsupported
 from mpt_kv.families import FAMILIES
 from mpt_kv.families.base import Family
 
-BATCH, PROMPT, PAD, STEPS = 2, 6, 2, 3  # row 0 has PAD left-padding tokens
+BATCH, PROMPT, PAD, STEPS, EXTEND = 2, 6, 2, 2, 3  # row 0 has PAD left-padding tokens
+MAX_LEN = 16          # every session's cache length: prompt + steps + extend + decode fit
+OPS_PADS = (2, 0, 1)  # family-ops: batch 3, each row's left padding
+OPS_PROMPT = 8
+PATHS = ("concat", "static", "static+reuse")  # the matrix's paths; static+reuse = static, runner reuse_cache=True
 
 
-def family_of(name: str) -> Family:
+def family_of(name) -> Family:
+    if isinstance(name, Family):
+        return name
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}: families {sorted(FAMILIES)}")
     return FAMILIES[name]
@@ -35,25 +71,39 @@ def build(family: Family, variant: str, seed: int = 0):
     padded query row gives uniform weights there, not the NaN of an all -inf softmax)."""
     from transformers import AutoModelForCausalLM
 
-    config = family.config(variant)
+    config = family_of(family).config(variant)
+    key = (family_of(family).name, variant, seed)
+    if key in _built:  # a copy of the model built once per process: the same weights, its own modules
+        return copy.deepcopy(_built[key]), config
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # no dtype: 4.x does not take it
-    return model.to(torch.float32).eval(), config
+    _built[key] = model.to(torch.float32).eval()
+    return copy.deepcopy(model), config
 
 
-def prompt(config, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) of a left-padded batch: row 0 starts with PAD padding tokens, row 1 has none."""
+_built: dict = {}  # (family, variant, seed) -> transformers' model, per process (build copies it)
+
+
+def prompt(config, seed: int = 0, pads=(PAD, 0), length: int = PROMPT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of a left-padded batch: row b starts with pads[b] padding tokens."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, config.vocab_size, (BATCH, PROMPT), generator=g)
-    mask = torch.ones(BATCH, PROMPT, dtype=torch.long)
-    mask[0, :PAD] = 0
+    ids = torch.randint(1, config.vocab_size, (len(pads), length), generator=g)
+    mask = torch.ones(len(pads), length, dtype=torch.long)
+    for row, n in enumerate(pads):
+        mask[row, :n] = 0
     return ids, mask
 
 
+def teacher_tokens(config, batch: int, k: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1009 + step)
+    return torch.randint(1, config.vocab_size, (batch, k), generator=g)
+
+
 def cached_kv(past) -> list[tuple[int, str, torch.Tensor]]:
-    """(layer, "key"/"value", tensor) of every cached tensor, as the cache stores it: a 5.x Cache's
-    `layers[i].keys/.values`, a 4.x DynamicCache's `key_cache/value_cache`, legacy tuples (a
-    layer's single tensor, as GPT-BigCode's fused key_value in 4.x, is named "key_value")."""
+    """(layer, "key"/"value", tensor) of every cached tensor of a transformers cache, as it stores
+    them: a 5.x Cache's `layers[i].keys/.values`, a 4.x DynamicCache's `key_cache/value_cache`,
+    legacy tuples (a layer's single tensor, as GPT-BigCode's fused key_value in 4.x, is named
+    "key_value")."""
     if hasattr(past, "layers"):
         pairs = [(layer.keys, layer.values) for layer in past.layers]
     elif hasattr(past, "key_cache"):
@@ -62,41 +112,305 @@ def cached_kv(past) -> list[tuple[int, str, torch.Tensor]]:
         pairs = [tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in past]
     else:
         raise TypeError(f"unknown cache type {type(past).__name__}: expected a transformers Cache or legacy tuples")
+    return named_kv(pairs)
+
+
+def named_kv(pairs) -> list[tuple[int, str, torch.Tensor]]:
+    """`Session.kv()`'s per-layer tuples -> (layer, "key"/"value"/"key_value", tensor)."""
     out = []
     for layer, pair in enumerate(pairs):
+        pair = tuple(pair) if isinstance(pair, (tuple, list)) else (pair,)
+        if len(pair) not in (1, 2):
+            raise TypeError(f"kv() layer {layer}: {len(pair)} tensors, expected (key, value) or (key_value,)")
         names = ("key", "value") if len(pair) == 2 else ("key_value",)
         out += [(layer, n, t) for n, t in zip(names, pair) if t is not None]
     return out
 
 
-def _step(model, ids, mask, past=None):
+# --- what a check runs on ----------------------------------------------------------------------------------
+
+_runners: dict = {}   # (implementation, family, variant, dtype, seed, options) -> Runner, per process
+_oracles: dict = {}   # (family, variant, seed, dtype) -> transformers' model (fp32)
+
+
+def clear_caches() -> None:
+    _runners.clear()
+    _oracles.clear()
+    _built.clear()
+
+
+def implementation_name(implementation) -> str:
+    if isinstance(implementation, str):
+        return implementation
+    return getattr(implementation, "implementation_name", None) or getattr(implementation, "__name__", "custom")
+
+
+def runner_for(implementation, family: Family, variant: str, dtype: torch.dtype, options: dict):
+    """The implementation's runner, built once per process for a named one (a callable, as the
+    tests' broken wrappers, is built every time)."""
+    from mpt_kv.families.implementations import IMPLEMENTATIONS
+
+    if not isinstance(implementation, str):
+        return implementation(family, variant, dtype, seed=0, **options)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r}: implementations {sorted(IMPLEMENTATIONS)}")
+    key = (implementation, family.name, variant, dtype, tuple(sorted(options.items())))
+    if key not in _runners:
+        _runners[key] = IMPLEMENTATIONS[implementation](family, variant, dtype, seed=0, **options)
+    return _runners[key]
+
+
+def oracle_model(family: Family, variant: str, dtype: torch.dtype):
+    """transformers' model with the same weights, in fp32 (bf16: from the bf16-rounded weights)."""
+    key = (family.name, variant, dtype)
+    if key not in _oracles:
+        model, _ = build(family, variant)
+        if dtype != torch.float32:
+            model.to(dtype).to(torch.float32)
+        _oracles[key] = model
+    return _oracles[key]
+
+
+@dataclass
+class Case:
+    """One check of one implementation of one family variant on one path."""
+
+    implementation: str
+    family: Family
+    variant: str
+    path: str           # the matrix's path: concat, static, static+reuse
+    dtype: torch.dtype
+    runner: object
+    config: object
+    batch: int = BATCH
+    notes: list = field(default_factory=list)
+    check: str = ""     # the check id, first in a failed call's message
+
+    @property
+    def session_path(self) -> str:
+        return "static" if self.path.startswith("static") else "concat"
+
+    def ctx(self, **more) -> dict:
+        return dict(target=f"{self.implementation}/{self.family.name}", implementation=self.implementation,
+                    family=self.family.name, variant=self.variant, path=self.path,
+                    dtype=str(self.dtype).replace("torch.", ""), batch=self.batch, **more)
+
+    def tol(self, quantity: str):
+        return tolerance(self.dtype, quantity)
+
+    def oracle(self, ids, mask) -> torch.Tensor:
+        """transformers' uncached forward (fp32) over the tokens."""
+        model = oracle_model(self.family, self.variant, self.dtype)
+        with torch.inference_mode():
+            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+
+    def session(self, path: str | None = None, max_len: int = MAX_LEN):
+        path = path or self.session_path
+        self.runner.require(path)
+        return self.runner.session(path, max_len)
+
+    def fused_modules(self):
+        own = getattr(self.runner, "fused_modules", None)
+        return own() if callable(own) else self.family.fused_modules(self.runner.model)
+
+
+def case_of(implementation, family, variant: str, path: str, dtype=torch.float32, check: str = "") -> Case:
+    if path not in PATHS:
+        raise InputError(f"unknown path {path!r}: the family paths are {PATHS}")
+    family = family_of(family)
+    options = {"reuse_cache": True} if path == "static+reuse" else {}
+    runner = runner_for(implementation, family, variant, dtype, options)
+    return Case(implementation_name(implementation), family, variant, path, dtype, runner, family.config(variant),
+                check=check)
+
+
+def call(c: Case, what: str, step, operation: str, fn, *args):
+    """One call of the implementation; one that raises fails the property with its exception named
+    (mpt-kv's own InputError and Unsupported pass through)."""
+    try:
+        out = fn(*args)
+    except (PropertyFailure, Unsupported, InputError):
+        raise
+    except Exception as e:  # noqa: BLE001  the implementation's own call crashed
+        prefix = "" if what.startswith("family-") else f"{c.check} "
+        raise PropertyFailure(f"{prefix}{what}: the implementation's {operation} raised {type(e).__name__}: {e} "
+                              f"[{describe(c.ctx(step=step, operation=operation))}]") from e
+    return out
+
+
+def copy_of(logits):
+    return None if logits is None else logits.detach().clone()
+
+
+# --- the program P1, P2, P3, P4 and memory drive -------------------------------------------------------------
+
+@dataclass
+class Step:
+    name: str           # "prefill", "decode step 1", "extend 3", ...
+    operation: str      # prefill | decode | extend
+    logits: torch.Tensor  # as returned: (B, S, V), (B, V) or (B, k, V)
+
+
+def drive(c: Case, session, on_step, tokens_from=None, extend: bool = False) -> list[Step]:
+    """Prefill the left-padded prompt, then STEPS greedy decodes, an EXTEND-token cached call and
+    a decode (extend=True: P1 and P2, where the implementation declares extend), or STEPS + 1
+    greedy decodes (P3, P4, memory: an extend that crashes is P1's finding, not three more).
+    `on_step(step, session, seq, mask)` after each (seq, mask: every row's tokens so far).
+    `tokens_from(step)`: the logits the next greedy token comes from (default: this session's last)."""
+    extend = extend and c.runner.capabilities.reason("extend") is None
+    ids, mask = prompt(c.config)
+    steps = [Step("prefill", "prefill", call(c, "prefill", "prefill", "prefill", session.prefill, ids, mask))]
+    seq = ids
+    on_step(steps[-1], session, seq, mask)
+    plan = [("decode", 1)] * STEPS + ([("extend", EXTEND), ("decode", 1)] if extend else [("decode", 1)])
+    for i, (op, k) in enumerate(plan, 1):
+        if op == "decode":
+            last = steps[-1].logits if tokens_from is None else tokens_from(i)
+            last = last[:, -1] if last.dim() == 3 else last
+            tokens = last.argmax(-1, keepdim=True)
+            name = f"decode step {i}"
+            logits = call(c, name, name, "decode", session.decode, tokens)
+        else:
+            tokens = teacher_tokens(c.config, c.batch, k, i)
+            name = f"extend {k} (step {i})"
+            logits = call(c, name, name, "extend", session.extend, tokens)
+        seq = torch.cat([seq, tokens], 1)
+        mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+        steps.append(Step(name, op, logits))
+        on_step(steps[-1], session, seq, mask)
+    return steps
+
+
+def last_positions(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, None] if logits.dim() == 2 else logits
+
+
+# --- family-P0 ----------------------------------------------------------------------------------------------
+
+def check_uncached(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
+    """family-P0: the implementation's uncached forward = transformers' over the same weights."""
+    if implementation_name(implementation) == "transformers":
+        raise InputError("family-P0 compares an implementation with transformers' own model: transformers "
+                         "itself is its oracle, not a case")
+    c = case_of(implementation, family, variant, path, dtype, "family-P0")
+    ids, mask = prompt(c.config)
     with torch.inference_mode():
-        return model(input_ids=ids, attention_mask=mask, past_key_values=past, use_cache=True)
+        got = copy_of(call(c, "family-P0", "uncached", "logits", c.runner.logits, ids, mask))
+    assert_close(got, c.oracle(ids, mask), c.tol("logits:uncached"),
+                 "family-P0 uncached logits vs transformers' uncached forward (same weights)",
+                 c.ctx(step="uncached", operation="logits"), where=mask.bool()[:, :, None])
 
 
-def check_cached_equals_uncached(name: str, variant: str, steps: int = STEPS) -> None:
-    """family-P1 (see the module docstring)."""
-    family = family_of(name)
-    model, config = build(family, variant)
-    ids, mask = prompt(config)
-    tol = tolerance(torch.float32, "logits:concat")
-    out = _step(model, ids, mask)
-    cached, past, seq = [out.logits[:, -1].clone()], out.past_key_values, ids
-    for _ in range(steps):
-        token = cached[-1].argmax(-1, keepdim=True)
-        seq, mask = torch.cat([seq, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
-        out = _step(model, token, mask, past)
-        cached.append(out.logits[:, -1].clone())
-        past = out.past_key_values
+# --- family-P1 ----------------------------------------------------------------------------------------------
+
+def check_cached(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
+    """family-P1 (module doc)."""
+    c = case_of(implementation, family, variant, path, dtype, "family-P1")
+    tol = c.tol(f"logits:{c.session_path}")
+    got: list[tuple[Step, torch.Tensor, int]] = []  # (step, its logits copied, positions written after it)
+    final = {}
+
+    def keep(step: Step, session, seq, mask):
+        got.append((step, last_positions(copy_of(step.logits)), seq.shape[1]))
+        final.update(seq=seq, mask=mask)
+
+    lacks_extend = c.runner.capabilities.reason("extend")
     with torch.inference_mode():
-        full = model(input_ids=seq, attention_mask=mask, use_cache=False).logits
-    for step, logits in enumerate(cached):
-        where = "prefill" if step == 0 else f"decode step {step}"
-        assert_close(logits, full[:, PROMPT - 1 + step], tol,
-                     f"family-P1 {where}: cached logits vs the uncached forward",
-                     dict(target=f"transformers/{name}", variant=variant, dtype="float32", batch=BATCH,
-                          prompt=PROMPT, pad=PAD, step=where, cache=type(past).__name__))
+        drive(c, c.session(), keep, extend=True)
+    mask = final["mask"]
+    full = c.oracle(final["seq"], mask)  # causal: one uncached forward over the final tokens is every step's oracle
+    for step, logits, end in got:
+        k = logits.shape[1]
+        where = mask.bool()[:, end - k:end, None] if step.operation == "prefill" else None
+        assert_close(logits, full[:, end - k:end], tol,
+                     f"family-P1 {step.name}: cached logits vs transformers' uncached forward over each row's tokens",
+                     c.ctx(step=step.name, operation=step.operation), where=where)
+    if lacks_extend:
+        raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: the k-token cached call: {lacks_extend} "
+                          "(the prefill and the decode steps held)")
 
+
+# --- family-P2 ----------------------------------------------------------------------------------------------
+
+def aligned_written(static: torch.Tensor, concat: torch.Tensor, written: int) -> tuple[torch.Tensor, int] | None:
+    """(the static tensor's written positions in the concat tensor's layout, the position axis):
+    the one axis where the static buffer has the cache length and the concat tensor `written`
+    (or, same shapes, the last axis of size `written` but the head dim); None where the layouts do
+    not line up that way (then only the logits are compared)."""
+    if static.dim() != concat.dim():
+        return None
+    if static.shape == concat.shape:
+        axes = [i for i in range(concat.dim() - 1) if concat.shape[i] == written]
+        return (static, axes[-1]) if axes else None
+    axes = [i for i, (a, b) in enumerate(zip(static.shape, concat.shape)) if a != b]
+    if len(axes) != 1 or concat.shape[axes[0]] != written:
+        return None
+    return static.narrow(axes[0], 0, written), axes[0]
+
+
+def token_positions(t: torch.Tensor, axis: int, mask: torch.Tensor) -> torch.Tensor | None:
+    """A bool mask broadcastable to `t` that is True at real tokens (not padding): its first axis
+    is the batch (or batch x heads, as Bloom's (B*H, hd, T) keys), `axis` the positions."""
+    batch = mask.shape[0]
+    if axis == 0 or t.shape[0] % batch:
+        return None
+    rows = mask.bool().repeat_interleave(t.shape[0] // batch, 0)  # (t.shape[0], written)
+    shape = [1] * t.dim()
+    shape[0], shape[axis] = t.shape[0], t.shape[axis]
+    return rows.reshape(shape)
+
+
+def check_static_concat(implementation, family, variant: str, path: str = "static", dtype=torch.float32) -> None:
+    """family-P2 (module doc): greedy tokens from the concat path, fed to both."""
+    c = case_of(implementation, family, variant, path, dtype, "family-P2")
+    if c.session_path != "static":
+        raise InputError(f"family-P2 compares the static path with the concat path: give path static or "
+                         f"static+reuse, not {path!r}")
+    c.runner.require("concat", "static")
+    concat_steps: dict[str, tuple[Step, list]] = {}  # step name -> (its logits copied, its K/V copied)
+
+    def record(step: Step, session, seq, mask):
+        kv = [(layer, n, t.clone()) for layer, n, t in named_kv(session.kv())]
+        concat_steps[step.name] = (Step(step.name, step.operation, copy_of(step.logits)), kv)
+
+    compared = []
+
+    def compare(step: Step, session, seq, mask):
+        ref, theirs = concat_steps[step.name]
+        ctx = c.ctx(step=step.name, operation=step.operation)
+        got, want = last_positions(copy_of(step.logits)), last_positions(ref.logits)
+        where = mask.bool()[:, -got.shape[1]:, None] if step.operation == "prefill" else None
+        assert_close(got, want, c.tol("logits:static"), f"family-P2 {step.name}: static-path logits vs the concat "
+                     "path's", ctx, where=where)
+        ours = named_kv(session.kv())
+        if len(ours) != len(theirs):
+            return
+        for (layer, n, t), (_, n2, ref_t) in zip(ours, theirs):
+            aligned = aligned_written(t, ref_t, seq.shape[1]) if n == n2 else None
+            real = None if aligned is None else token_positions(ref_t, aligned[1], mask)
+            if real is None:
+                continue
+            compared.append((layer, n))
+            # padding positions are not compared: their K/V beyond layer 0 come from fully masked
+            # queries, which each path may treat its own way
+            assert_close(aligned[0].clone(), ref_t, c.tol("kv:static"), f"family-P2 {step.name}: static-path cached "
+                         f"{n} of layer {layer} at the written token positions vs the concat path's",
+                         {**ctx, "layer": layer}, where=real)
+
+    lacks_extend = c.runner.capabilities.reason("extend")
+    with torch.inference_mode():
+        drive(c, c.session("concat"), record, extend=True)
+        names = list(concat_steps)  # the static path is fed the concat path's greedy tokens
+        drive(c, c.session("static"), compare, tokens_from=lambda i: concat_steps[names[i - 1]][0].logits,
+              extend=True)
+    if not compared:
+        c.notes.append("family-P2: the static and concat K/V layouts do not line up: logits compared only")
+    if lacks_extend:
+        raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: the k-token cached call: {lacks_extend} "
+                          "(the prefill and the decode steps held)")
+
+
+# --- family-P3 ----------------------------------------------------------------------------------------------
 
 class FusedCapture:
     """Holds each fused projection's latest output, so its storage stays alive (and its identity
@@ -143,41 +457,249 @@ def pinning_problems(kv: list[tuple[int, str, torch.Tensor]], fused: dict[str, t
     return problems
 
 
-def check_no_pinned_storage(name: str, variant: str, steps: int = STEPS) -> None:
-    """family-P3 (see the module docstring). Before any verdict it checks that the family entry
-    describes the model: its fused projection exists once per layer, and the cache holds the
-    analytic K/V bytes (MQA/GQA aware) for the tokens seen."""
-    family = family_of(name)
-    model, config = build(family, variant)
-    modules = family.fused_modules(model)
-    if family.fused is not None and len(modules) != family.layers(config):
-        raise RuntimeError(f"family {name}: expected one `{family.fused}` module per layer ({family.layers(config)}), "
-                           f"found {len(modules)}: {[n for n, _ in modules]}")
-    ids, mask = prompt(config)
+def check_fused_modules(c: Case, modules) -> None:
+    """The family entry describes the model: its fused projection exists once per layer."""
+    layers = c.family.layers(c.config)
+    if c.family.fused is not None and len(modules) != layers:
+        raise RuntimeError(f"family {c.family.name}: expected one `{c.family.fused}` module per layer ({layers}) in "
+                           f"{c.implementation}'s model, found {len(modules)}: {[n for n, _ in modules]}")
+
+
+def cache_tokens(c: Case, session) -> int:
+    """Positions per row the cache holds: written (concat) or the whole preallocated length (static)."""
+    return session.max_len if c.session_path == "static" else session.written
+
+
+def check_entry_bytes(c: Case, session, kv) -> None:
+    """On transformers' implementation, the cache holds the K/V bytes the family entry says
+    (`stored_kv_bytes_per_token`): a wrong entry is an error, never a verdict."""
+    if c.implementation != "transformers":
+        return
+    tokens = cache_tokens(c, session)
+    held = sum(t.numel() * t.element_size() for _, _, t in kv)
+    expected = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+    if held != expected:
+        raise RuntimeError(f"family {c.family.name}: the cache holds {held} bytes of K/V, the family entry says "
+                           f"{expected} ({c.batch} x {tokens} tokens): fix its kv_heads/head_dim/layers or "
+                           f"declare stored_kv_heads [{describe(c.ctx())}]")
+
+
+def check_no_pinned_storage(implementation, family, variant: str, path: str = "concat",
+                            dtype=torch.float32) -> None:
+    """family-P3 (module doc)."""
+    c = case_of(implementation, family, variant, path, dtype, "family-P3")
+    modules = c.fused_modules()
+    check_fused_modules(c, modules)
     capture = FusedCapture(modules)
+
+    def inspect(step: Step, session, seq, mask):
+        kv = named_kv(session.kv())
+        check_entry_bytes(c, session, kv)
+        problems = pinning_problems(kv, capture.outputs)
+        if problems:
+            raise PropertyFailure(f"family-P3 cache pins storage after {step.name}: " + "; ".join(problems)
+                                  + f" [{describe(c.ctx(step=step.name, operation=step.operation))}]")
+
     try:
-        out, seq_len = _step(model, ids, mask), PROMPT
-        for step in range(steps + 1):
-            if step:
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-                mask, seq_len = torch.cat([mask, torch.ones_like(token)], 1), seq_len + 1
-                out = _step(model, token, mask, out.past_key_values)
-            where = "prefill" if step == 0 else f"decode step {step}"
-            kv = cached_kv(out.past_key_values)
-            ctx = dict(target=f"transformers/{name}", variant=variant, dtype="float32", batch=BATCH, step=where,
-                       cache=type(out.past_key_values).__name__)
-            held = sum(t.numel() * t.element_size() for _, _, t in kv)
-            expected = family.stored_kv_bytes_per_token(config, torch.float32) * BATCH * seq_len
-            if held != expected:
-                raise RuntimeError(f"family {name}: the cache holds {held} bytes of K/V, the family entry says "
-                                   f"{expected} ({BATCH} x {seq_len} tokens): fix its kv_heads/head_dim/layers or "
-                                   f"declare stored_kv_heads [{describe(ctx)}]")
-            problems = pinning_problems(kv, capture.outputs)
-            if problems:
-                raise PropertyFailure(f"family-P3 cache pins storage after {where}: " + "; ".join(problems)
-                                      + f" [{describe(ctx)}]")
+        with torch.inference_mode():
+            drive(c, c.session(), inspect)
     finally:
         capture.close()
 
 
-CHECKS = {"family-P1": check_cached_equals_uncached, "family-P3": check_no_pinned_storage}
+# --- family-P4 ----------------------------------------------------------------------------------------------
+
+def check_outputs_not_reused(implementation, family, variant: str, path: str = "concat",
+                             dtype=torch.float32) -> None:
+    """family-P4 (module doc). A runner that declares Capabilities(graph_outputs=True) returns
+    buffers a later call overwrites on purpose (graph replays): only the K/V aliasing is checked."""
+    c = case_of(implementation, family, variant, path, dtype, "family-P4")
+    returned: list[tuple[Step, torch.Tensor]] = []
+
+    def keep(step: Step, session, seq, mask):
+        returned.append((step, copy_of(step.logits)))
+        for layer, n, t in named_kv(session.kv()):
+            for earlier, _ in returned:
+                if shares_memory(t, earlier.logits):
+                    raise PropertyFailure(
+                        f"family-P4 after {step.name}: the cached {n} {tuple(t.shape)} of layer {layer} shares memory "
+                        f"with the logits {tuple(earlier.logits.shape)} returned by {earlier.name} "
+                        f"[{describe(c.ctx(step=step.name, operation=step.operation, layer=layer))}]")
+
+    with torch.inference_mode():
+        drive(c, c.session(), keep)
+    if c.runner.capabilities.graph_outputs:
+        c.notes.append("family-P4: graph_outputs declared: returned logits may be overwritten by later calls")
+        return
+    for step, kept in returned:
+        if not torch.equal(step.logits, kept):
+            diff = (step.logits.float() - kept.float()).abs().max().item()
+            raise PropertyFailure(f"family-P4: the logits {tuple(kept.shape)} returned by {step.name} were "
+                                  f"overwritten by a later call (max abs change {diff:.3e}): a caller that keeps "
+                                  f"them (generate's scores, a beam's history) reads another step's values "
+                                  f"[{describe(c.ctx(step=step.name, operation=step.operation))}]")
+
+
+# --- family-ops ---------------------------------------------------------------------------------------------
+
+def beam_program():
+    from mpt_kv.checks.programs import Op
+
+    ops = []
+    for index in ((2, 0, 1), (1, 1, 0)):
+        ops += [Op("decode"), Op("reorder", index=index)]
+    return "beam", ("reorder",), ops + [Op("decode")]
+
+
+def assisted_program():
+    from mpt_kv.checks.programs import Op
+
+    return "assisted", ("extend", "crop"), [Op("extend", 3), Op("crop", 2), Op("decode"), Op("extend", 3)]
+
+
+def run_program(c: Case, name: str, ops) -> None:
+    """One fixed program on a fresh session: P1 after every logits-producing operation."""
+    from mpt_kv.checks.programs import History
+
+    ids, mask = prompt(c.config, pads=OPS_PADS, length=OPS_PROMPT)
+    tol = c.tol(f"logits:{c.session_path}")
+    session = c.session()
+    history = History(ids, mask)
+    out = copy_of(call(c, f"family-ops {name}", "prefill", "prefill", session.prefill, ids, mask))
+    assert_close(out, c.oracle(ids, mask), tol, f"family-ops {name} prefill logits vs transformers' uncached forward",
+                 c.ctx(program=name, step="prefill", operation="prefill"), where=mask.bool()[:, :, None])
+    for i, op in enumerate(ops):
+        what = f"family-ops {name} step {i} ({op.describe()})"
+        tokens = teacher_tokens(c.config, c.batch, op.k, i) if op.kind in ("decode", "extend") else None
+        if op.kind == "decode":
+            out = last_positions(copy_of(call(c, what, i, "decode", session.decode, tokens)))
+        elif op.kind == "extend":
+            out = copy_of(call(c, what, i, "extend", session.extend, tokens))
+        elif op.kind == "crop":
+            out = call(c, what, i, "crop", session.crop, session.written - op.k)
+        else:
+            out = call(c, what, i, "reorder", session.reorder, torch.tensor(op.index))
+        history.apply(op, tokens)
+        if out is None:
+            continue
+        full = c.oracle(history.ids, history.mask)
+        assert_close(out, full[:, -op.k:], tol, f"{what}: logits vs transformers' uncached forward over each "
+                     f"row's surviving history ({history.ids.shape[1]} positions)",
+                     c.ctx(program=name, step=i, operation=op.kind))
+
+
+def check_operations(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
+    """family-ops (module doc). A program whose operation the implementation lacks is Unsupported
+    with its reason, after the other program ran: never a pass."""
+    c = case_of(implementation, family, variant, path, dtype, "family-ops")
+    c.batch = len(OPS_PADS)
+    unsupported = []
+    for name, needs, ops in (beam_program(), assisted_program()):
+        reasons = [r for r in (c.runner.capabilities.reason(f) for f in needs) if r]
+        if reasons:
+            unsupported.append(f"{name} program: {'; '.join(reasons)}")
+            continue
+        try:
+            with torch.inference_mode():
+                run_program(c, name, ops)
+        except Unsupported as e:
+            unsupported.append(f"{name} program: {e.msg}")
+    if unsupported:
+        ran = "" if len(unsupported) == 2 else " (the other program ran and held)"
+        raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: " + " | ".join(unsupported) + ran)
+
+
+# --- family-memory ------------------------------------------------------------------------------------------
+
+def storage_report(c: Case, kv, fused: dict[str, torch.Tensor], tokens: int) -> tuple[int, int, list[str]]:
+    """(bytes of the distinct storages the cache reaches, the analytic bytes, what the excess is)."""
+    by_storage: dict[int, list] = {}
+    for entry in kv:
+        by_storage.setdefault(storage_key(entry[2]), []).append(entry)
+    total = sum(entries[0][2].untyped_storage().nbytes() for entries in by_storage.values())
+    analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+    own = sum(covered_bytes(es[0][2].untyped_storage().nbytes(), [t for _, _, t in es]) for es in by_storage.values())
+    why = []
+    if own != analytic:
+        stored = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+        declared = (" (the family entry's stored_kv_heads: the heads transformers caches, "
+                    f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)"
+                    if own == stored != analytic else "")
+        why.append(f"the cached tensors themselves hold {own} bytes, {own - analytic:+d} vs the analytic K/V "
+                   f"{analytic} ({c.family.layers(c.config)} layers x {c.family.kv_heads(c.config)} K/V heads x "
+                   f"head dim {c.family.head_dim(c.config)} x {c.batch} x {tokens} tokens){declared}")
+    why += pinning_problems(kv, fused)
+    return total, analytic, why
+
+
+def warm_up(c: Case) -> None:
+    """A prefill and a decode before measuring: state a model builds lazily once (rotary tables,
+    cached masks, a cache pool) is made here, not counted as kept by the measured generation."""
+    ids, mask = prompt(c.config)
+    with torch.inference_mode():
+        session = c.session()
+        logits = call(c, "family-memory warm-up", "warm-up", "prefill", session.prefill, ids, mask)
+        call(c, "family-memory warm-up", "warm-up", "decode", session.decode, logits[:, -1].argmax(-1, keepdim=True))
+    del session, logits
+    gc.collect()
+
+
+def check_memory(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
+    """family-memory (module doc)."""
+    from mpt_kv.checks.ceilings import model_state_tensors
+
+    c = case_of(implementation, family, variant, path, dtype, "family-memory")
+    modules = c.fused_modules()
+    check_fused_modules(c, modules)
+    warm_up(c)
+    before = {storage_key(t) for _, t in model_state_tensors(c.runner, set())}
+    capture = FusedCapture(modules)
+    storages: dict[int, tuple[weakref.ref, str]] = {}
+
+    def measure(step: Step, session, seq, mask):
+        kv = named_kv(session.kv())
+        tokens = cache_tokens(c, session)
+        total, analytic, why = storage_report(c, kv, capture.outputs, tokens)
+        for layer, n, t in kv:  # the latest storage at an address (a freed one's address is reused)
+            storages[storage_key(t)] = (weakref.ref(t.untyped_storage()), f"layer {layer} {n}")
+        if total != analytic:
+            raise PropertyFailure(f"family-memory after {step.name}: the cache's distinct storages hold {total} "
+                                  f"bytes, the family's analytic K/V for {c.batch} x {tokens} tokens {analytic}: "
+                                  f"{total - analytic:+d} bytes; " + "; ".join(why)
+                                  + f" [{describe(c.ctx(step=step.name, operation=step.operation))}]")
+
+    try:
+        with torch.inference_mode():
+            session = c.session()
+            drive(c, session, measure)
+    finally:
+        capture.close()
+    pool = c.runner.capabilities.cache_pool
+    del session
+    gc.collect()
+    alive = {key: (ref(), where) for key, (ref, where) in storages.items() if ref() is not None}
+    kept = [(where, t) for where, t in model_state_tensors(c.runner, before) if not (pool and storage_key(t) in alive)]
+    if pool:
+        c.notes.append(f"family-memory: cache_pool declared: {len(alive)} cache storages kept for the next generation")
+        alive = {}
+    if alive or kept:
+        found = "; ".join(f"{where} {tuple(t.shape)} keeps {t.untyped_storage().nbytes()} bytes"
+                          for where, t in kept[:6])
+        lost = sum(st.nbytes() for st, _ in alive.values())
+        raise PropertyFailure(
+            f"family-memory after the session was deleted: {len(alive)} storages the cache held "
+            f"({lost} bytes: {', '.join(sorted(w for _, w in alive.values())[:4])}) are still alive"
+            f"{'; ' if alive and kept else ''}{'the model or runner keeps ' + found if kept else ''}"
+            + ("" if kept or not alive else "; no tensor attribute of the model or runner holds them")
+            + f" [{describe(c.ctx(step='after the session'))}]")
+
+
+CHECKS = {
+    "family-P0": check_uncached,
+    "family-P1": check_cached,
+    "family-P2": check_static_concat,
+    "family-P3": check_no_pinned_storage,
+    "family-P4": check_outputs_not_reused,
+    "family-ops": check_operations,
+    "family-memory": check_memory,
+}

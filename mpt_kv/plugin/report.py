@@ -19,7 +19,11 @@ PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat"
                   "P4": "outputs not reused", "memory": "memory ceilings", "static-shape": "static shapes",
                   "ops-P1": "P1 over programs of decode/extend/crop/reorder", "ops-P2": "P2 over programs",
                   "ops-P3": "P3 over programs", "ops-memory": "reorder and extend transients",
-                  "family-P1": "P1 on another decoder family", "family-P3": "P3 on another decoder family"}
+                  "family-P0": "a family's uncached logits = transformers'",
+                  "family-P1": "P1 on another decoder family (decode and extend)",
+                  "family-P2": "P2 on another decoder family", "family-P3": "P3 on another decoder family",
+                  "family-P4": "P4 on another decoder family", "family-ops": "fixed beam and assisted programs",
+                  "family-memory": "a family's cache bytes = its analytic K/V, nothing kept after"}
 ALWAYS = ("P0", "P1", "P2", "P3", "P4", "memory", "static-shape")
 # a cell whose checks disagree shows its worst word: the first of these
 SEVERITY = ("error", "failed", "XPASS", "xfail", "unsupported", "skipped", "passed")

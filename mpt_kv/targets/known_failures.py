@@ -61,13 +61,7 @@ class Entry:
 
     def applies(self) -> bool:
         """True where every package of `when` is installed in a version it names."""
-        for package, spec in self.when.items():
-            try:
-                if not spec.contains(version(package), prereleases=True):
-                    return False
-            except PackageNotFoundError:
-                return False
-        return True
+        return installed_versions_match(self.when)
 
     def covers(self, target: str, prop: str, path: str | None, bucket: int | None, check: str | None = None) -> bool:
         """This entry is about the case (target, property, path, bucketed or not, check id)."""
@@ -94,39 +88,70 @@ def _entry(raw, index: int, file: str) -> Entry:
             label += f" ({raw['target']} {raw['property']})"
         return KnownFailuresError(f"known failures file {file}: {label}: {what}")
 
-    if not isinstance(raw, dict):
-        raise bad(f"expected an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(REQUIRED) - set(OPTIONAL))
-    if unknown:
-        raise bad(f"unknown field(s) {unknown}; fields are {sorted(REQUIRED)} and optional {sorted(OPTIONAL)}")
-    missing = sorted(set(REQUIRED) - set(raw))
-    if missing:
-        raise bad(f"missing field(s) {missing}")
-    for name, kind in {**REQUIRED, **OPTIONAL}.items():
-        if name in raw and not isinstance(raw[name], kind):
-            raise bad(f"{name!r} must be a {kind.__name__}, got {raw[name]!r}")
+    check_fields(raw, REQUIRED, OPTIONAL, bad)
     if raw["property"] not in PROPERTIES:
         raise bad(f"unknown property {raw['property']!r}; expected one of {PROPERTIES}")
     if raw.get("path", PATHS[0]) not in PATHS:
         raise bad(f"unknown path {raw['path']!r}; expected one of {PATHS}")
     if not raw["reason"].strip():
         raise bad("'reason' is empty: say what upstream does wrong and since when")
-    try:
-        pattern = re.compile(raw["pattern"])
-    except re.error as e:
-        raise bad(f"'pattern' {raw['pattern']!r} is not a regular expression: {e}") from None
-    if pattern.search(""):
-        raise bad(f"'pattern' {raw['pattern']!r} matches the empty string, so any message: name the failure")
-    when = {}
-    for package, spec in raw.get("when", {}).items():
-        try:
-            when[package] = SpecifierSet(spec)
-        except (InvalidSpecifier, TypeError):
-            raise bad(f"'when' {package}: {spec!r} is not a version specifier (e.g. '<4.56')") from None
+    pattern = compile_pattern(raw["pattern"], bad)
+    when = parse_when(raw.get("when", {}), bad)
     if "check" in raw and raw["check"].split("/", 1)[0] != raw["property"]:
         raise bad(f"'check' {raw['check']!r} is not a check of property {raw['property']!r}")
     return Entry(index, raw["target"], raw["property"], raw["reason"], pattern, raw.get("path"), raw.get("bucket"),
                  when, file, raw.get("check"))
+
+
+# --- what every known-failures file checks (also mpt_kv.families.known_failures) -------------------------
+
+def check_fields(raw, required: dict, optional: dict, bad) -> None:
+    """An object with every required field, no unknown one (a typo must not pass silently), each of
+    its type; `bad(what)` makes the error that names the file and the entry."""
+    if not isinstance(raw, dict):
+        raise bad(f"expected an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(required) - set(optional))
+    if unknown:
+        raise bad(f"unknown field(s) {unknown}; fields are {sorted(required)} and optional {sorted(optional)}")
+    missing = sorted(set(required) - set(raw))
+    if missing:
+        raise bad(f"missing field(s) {missing}")
+    for name, kind in {**required, **optional}.items():
+        if name in raw and not isinstance(raw[name], kind):
+            raise bad(f"{name!r} must be a {kind.__name__}, got {raw[name]!r}")
+
+
+def compile_pattern(value: str, bad) -> re.Pattern:
+    """The entry's regular expression; one that matches the empty string would match any message."""
+    try:
+        pattern = re.compile(value)
+    except re.error as e:
+        raise bad(f"'pattern' {value!r} is not a regular expression: {e}") from None
+    if pattern.search(""):
+        raise bad(f"'pattern' {value!r} matches the empty string, so any message: name the failure")
+    return pattern
+
+
+def parse_when(value: dict, bad) -> dict:
+    """{distribution: PEP 440 specifier} -> {distribution: SpecifierSet}."""
+    when = {}
+    for package, spec in value.items():
+        try:
+            when[package] = SpecifierSet(spec)
+        except (InvalidSpecifier, TypeError):
+            raise bad(f"'when' {package}: {spec!r} is not a version specifier (e.g. '<4.56')") from None
+    return when
+
+
+def installed_versions_match(when: dict) -> bool:
+    """Every distribution of `when` is installed, in a version its specifier contains."""
+    for package, spec in when.items():
+        try:
+            if not spec.contains(version(package), prereleases=True):
+                return False
+        except PackageNotFoundError:
+            return False
+    return True
 
 
 def load(path: str | Path = FILE) -> list[Entry]:

@@ -165,10 +165,14 @@ class GaudiStyleRunner(ModelRunner):
 
 # --- transformers-style models with Cache objects --------------------------------------------------------
 
-def transformers_major() -> int:
+def transformers_version() -> str:
     import transformers
 
-    return int(transformers.__version__.split(".")[0])
+    return transformers.__version__
+
+
+def transformers_major() -> int:
+    return int(transformers_version().split(".")[0])
 
 
 class TransformersSession(Session):
@@ -185,13 +189,33 @@ class TransformersSession(Session):
             from transformers import DynamicCache
 
             self.cache = DynamicCache(config=cfg) if transformers_major() >= 5 else DynamicCache()
-        else:
+        elif transformers_major() >= 5:
             from transformers import StaticCache
 
             self.cache = StaticCache(config=cfg, max_cache_len=max_len)
+        else:
+            self.cache = None  # 4.x StaticCache needs the batch, dtype and device: made at the prefill
+
+    def _static_cache_4x(self, input_ids):
+        from transformers import StaticCache
+
+        model = self.runner.model
+        return StaticCache(config=model.config, max_batch_size=input_ids.shape[0], max_cache_len=self.max_len,
+                           device=input_ids.device, dtype=model.dtype)
 
     def _forward(self, input_ids, mask):
+        if self.path == "static" and self.cache is None:
+            self.cache = self._static_cache_4x(input_ids)
         kw = {self.runner.cache_kw: self.cache}
+        if self.path == "static" and self.runner.pass_cache_position and transformers_major() < 5:
+            # as generate passes them: 4.x StaticCache would count its filled slots of row 0 instead
+            kw["cache_position"] = torch.arange(self.written, self.written + input_ids.shape[1],
+                                                device=input_ids.device)
+        if self.path == "static" and self.runner.pad_static_mask and mask.shape[1] < self.max_len:
+            # the 2D mask over the whole preallocated cache, 0 past the written positions (as Bloom's
+            # create_masks_for_generate pads it in generate): an ALiBi bias built from the mask then
+            # has the cache's length
+            mask = torch.nn.functional.pad(mask, (0, self.max_len - mask.shape[1]))
         out = self.runner.model(input_ids, attention_mask=mask, use_cache=True, **kw)
         returned = getattr(out, self.runner.cache_kw, None) if hasattr(out, self.runner.cache_kw) else None
         if returned is None:
@@ -212,6 +236,11 @@ class TransformersSession(Session):
         """transformers' own `Cache.crop`: 5.x takes the number of tokens to remove as a negative
         int (`DynamicLayer.crop` slices, `StaticLayer.crop` moves `cumulative_length` back),
         4.x the length to keep (`DynamicCache.crop(max_length)`)."""
+        if self.path == "static" and transformers_major() < 5:
+            from mpt_kv.errors import Unsupported
+
+            raise Unsupported(f"{self.runner.name}: transformers {transformers_version()}: StaticCache cannot crop "
+                              "(Cache.crop calls StaticLayer.crop, which 4.x does not have: AttributeError)")
         self.mask = self.mask[:, :n].clone()
         self.cache.crop(n - self.written if transformers_major() >= 5 else n)
         self.runner.sync()
@@ -235,15 +264,23 @@ class TransformersRunner(ModelRunner):
     """A transformers-style causal LM (`forward(input_ids, attention_mask=, use_cache=, cache= |
     past_key_values=)` returning `.logits` and the cache) whose `.config` transformers' cache
     classes accept. Cache objects have no cache_idx buckets: that feature is declared unsupported.
-    Arguments as `GaudiStyleRunner`."""
+    Arguments as `GaudiStyleRunner`, and
+    pad_static_mask  on the static path, pass the 2D mask padded with 0 to the cache length (as
+                     Bloom's `create_masks_for_generate` does in generate); default: the written part
+
+    On 4.x's static path a forward that names `cache_position` gets the positions each call writes,
+    as generate passes them (that StaticCache would otherwise count its filled slots)."""
 
     name = "transformers"
 
     def __init__(self, model, device=None, *, name: str | None = None, capabilities: Capabilities | None = None,
-                 cfg=None, sync: Callable[[], None] | None = None):
+                 cfg=None, sync: Callable[[], None] | None = None, pad_static_mask: bool = False):
         super().__init__(model, device, name=name, capabilities=capabilities, cfg=cfg, sync=sync,
                          detected={"bucket": "transformers' Cache objects have no cache_idx buckets"})
-        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.pass_cache_position = "cache_position" in params
+        self.pad_static_mask = pad_static_mask
 
     def session(self, path, max_len, bucket=None):
         self.require(path, "bucket" if bucket else None)

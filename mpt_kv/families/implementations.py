@@ -1,0 +1,110 @@
+"""The implementations of a family the family checks run on: each a builder
+`(family, variant, dtype=torch.float32, *, seed=0, **options) -> mpt_kv.targets.Runner` whose
+model holds the state_dict of `mpt_kv.families.checks.build(family, variant, seed)[0]`
+(transformers' model of the tiny config, fp32, eager attention), cast to dtype.
+
+transformers     transformers' own model, driven by `TransformersRunner`: concat = DynamicCache,
+                 static = StaticCache where the installed transformers supports it for the family
+                 (5.x: every family here; 4.x: where the model class's `_can_compile_fullgraph`
+                 lets generate use one), crop and reorder through transformers' `Cache.crop` /
+                 `reorder_cache`.
+optimum-habana   optimum-habana's Gaudi port of the family on CPU (`mpt_kv.families.gaudi`).
+
+A builder raises `TargetUnavailable(reason)` where it cannot be built here (the package is not
+installed, the installed release has no port of the family); anything else it raises is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from mpt_kv.errors import InputError, TargetUnavailable
+from mpt_kv.families.base import Family
+from mpt_kv.targets import Capabilities, Runner
+
+# A tiny config's limit on positions, where the family has none (ALiBi: BLOOM): far past what the
+# checks write (a prompt of 6-8 and a few steps)
+UNLIMITED_POSITIONS = 2048
+POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a runner needs of the config, under one name for every family (their configs name
+    them max_position_embeddings, n_positions, max_seq_len, or have none)."""
+
+    max_seq_len: int
+    vocab_size: int
+
+
+def limits_of(config) -> Limits:
+    for name in POSITION_LIMITS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return Limits(value, int(config.vocab_size))
+    return Limits(UNLIMITED_POSITIONS, int(config.vocab_size))
+
+
+def static_support(model) -> str | None:
+    """None where the installed transformers supports a StaticCache for this model class, else the
+    reason: 4.x generate refuses cache_implementation='static' where the class's
+    `_can_compile_fullgraph` is False (4.55.4 generation/utils.py:2046); 5.x has no such gate."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5 and not getattr(type(model), "_can_compile_fullgraph", False):
+        return (f"transformers {transformers.__version__}: {type(model).__name__}._can_compile_fullgraph is False: "
+                "generate refuses cache_implementation='static' for it")
+    return None
+
+
+def transformers_runner(family: Family, variant: str, dtype: torch.dtype = torch.float32, *, seed: int = 0,
+                        **options) -> Runner:
+    """transformers' implementation of the family (module doc)."""
+    if options:
+        raise InputError(f"transformers_runner: unknown options {sorted(options)} (transformers' implementation "
+                         "takes none; reuse_cache is optimum-habana's)")
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise TargetUnavailable(f"transformers is not installed ({e})") from e
+    from mpt_kv.families.checks import build
+    from mpt_kv.targets.wrappers import TransformersRunner
+
+    model, config = build(family, variant, seed)
+    model.to(dtype)
+    unsupported = {}
+    reason = static_support(model)
+    if reason:
+        unsupported["static"] = reason
+    return TransformersRunner(model, capabilities=Capabilities(unsupported), cfg=limits_of(config),
+                              pad_static_mask=True)
+
+
+def installed(distribution: str) -> bool:
+    try:
+        version(distribution)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float32, *, seed: int = 0,
+                 **options) -> Runner:
+    """optimum-habana's Gaudi port of the family on CPU (`mpt_kv.families.gaudi.gaudi_runner`).
+    Not installed: TargetUnavailable. Installed, but mpt-kv's loader of its ports does not
+    import: that ImportError, an error (never a skip: the run has optimum-habana)."""
+    if not installed("optimum-habana"):
+        raise TargetUnavailable("optimum-habana is not installed")
+    from mpt_kv.families.gaudi import gaudi_runner as build_port  # noqa: I001  (lazy: fam-gaudi's module)
+
+    return build_port(family, variant, dtype, seed=seed, **options)
+
+
+IMPLEMENTATIONS = {"transformers": transformers_runner, "optimum-habana": gaudi_runner}
+# the distribution whose absence makes an implementation's cases skip (as the MPT targets'
+# mpt_kv.plugin.options.BUILTIN_PACKAGES)
+PACKAGES = {"transformers": "transformers", "optimum-habana": "optimum-habana"}
