@@ -64,7 +64,7 @@ def what(entry: dict) -> str:
 
 
 def versions(entry: dict) -> str:
-    return ", ".join(f"{package} {spec}" for package, spec in entry["when"].items()) or "all"
+    return ", ".join(f"{package} {spec}" for package, spec in entry.get("when", {}).items()) or "all"
 
 
 def rows() -> list[list[str]]:
@@ -105,7 +105,8 @@ def header() -> list[str]:
 def intro() -> str:
     (b0, t0), (b1, _) = POINTS
     return (f"Bytes pinned beyond the K/V cache by each finding (its fused projection's output, less the cached "
-            f"tensors that view it, in every caching layer) at a real config of the family "
+            f"tensors that view it, in every caching layer, held from the prefill until the first decode step "
+            f"copies) at a real config of the family "
             f"(mpt_kv/data/families), {DTYPE_NAME}, after a prefill of batch {b0} x {t0} tokens and of batch "
             f"{b1} x the checkpoint's context length (its config.json's n_positions, max_position_embeddings or "
             f"max_seq_len); the last byte column is the analytic K/V cache at batch {b0} x {t0}, for scale.")
