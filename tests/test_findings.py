@@ -152,6 +152,22 @@ def test_a_real_config_of_another_variant_is_refused():
         costs.finding_cost(dict(entry, cost_config="falcon-7b"), [(16, 1024)], torch.bfloat16)
 
 
+def test_every_view_finding_says_what_views_and_where_it_costs():
+    """A transformers family-P3 finding whose pattern is a view carries "views" and "cost_config"
+    (else the table would show it without bytes, and the measurement tests above would not run)."""
+    p3 = [e for e in costs.known_entries() if e["property"] == "family-P3"
+          and e.get("implementation", "transformers") == "transformers" and "view" in e["pattern"]]
+    assert p3 and all(e.get("views") and e.get("cost_config") for e in p3), p3
+    assert len(VIEW_FINDINGS) >= len(p3)
+
+
+def test_configs_lists_each_real_config_with_its_sizes(capsys):
+    """starcoder: 20480 K/V bytes per token (above), c_attn's 6400 elements x 2 bytes per token and layer."""
+    assert findings.main(["--configs"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("starcoder "))
+    assert line.split()[1:5] == ["bigcode/starcoder", "gpt_bigcode", "20480", "12800"], line
+
+
 def test_every_view_finding_has_a_cost():
     for entry in VIEW_FINDINGS:
         cost = costs.finding_cost(entry, findings.POINTS, torch.bfloat16)

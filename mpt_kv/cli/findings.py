@@ -6,6 +6,7 @@ as one table, with what each costs at a real config of its family (mpt_kv.famili
   python -m mpt_kv findings --update-readme  rewrite the block between <!-- findings:begin --> and
                                              <!-- findings:end --> in README.md (or --readme PATH)
   python -m mpt_kv findings --check          exit 1 if that block is not what --markdown prints
+  python -m mpt_kv findings --configs        every real config: its K/V and fused output bytes per token
 
 Exit status 0; 1 for a stale README block (--check) or a finding whose real config does not fit
 it; 2 for bad arguments or a README that is missing, unwritable or has no block (checked before
@@ -127,6 +128,22 @@ def text() -> str:
     return "\n".join(lines) + "\n"
 
 
+def configs_text() -> str:
+    """Every real config with its analytic K/V bytes per token and its fused projection's output
+    bytes per token and layer."""
+    import torch
+
+    from mpt_kv.families.costs import real_configs, sizes_per_token
+
+    table = [["config", "checkpoint", "family", f"K/V bytes per token ({DTYPE_NAME})",
+              "fused output bytes per token and layer", "source"]]
+    for name, real in sorted(real_configs().items()):
+        kv, fused = sizes_per_token(real, getattr(torch, DTYPE_NAME))
+        table.append([name, real.checkpoint, real.family, str(kv), "-" if fused is None else str(fused), real.source])
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table) + "\n"
+
+
 def readme_block(readme: str) -> tuple[int, int]:
     """(start, end) of the block's content between the markers; ValueError if there is none."""
     begin, end = readme.find(BEGIN), readme.find(END)
@@ -143,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--markdown", action="store_true", help="the README's markdown table")
     mode.add_argument("--update-readme", action="store_true", help=f"rewrite the README's {BEGIN} block")
     mode.add_argument("--check", action="store_true", help="exit 1 if the README's block is stale")
+    mode.add_argument("--configs", action="store_true", help="every real config's K/V and fused bytes per token")
     p.add_argument("--readme", type=Path, default=None, help=f"the README (default {README})")
     args = p.parse_args(argv)
     readme_path = args.readme or README
@@ -161,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             problem = file_problem(readme_path)
             if problem:
                 usage_error(f"README {readme_path}: {problem}")
+    if args.configs:
+        sys.stdout.write(configs_text())
+        return 0
     try:
         out = markdown() if (args.markdown or args.update_readme or args.check) else text()
     except ValueError as e:  # a finding whose real config does not fit it: the data is wrong

@@ -59,8 +59,16 @@ class RealConfig:
     def build(self):
         """The transformers config object, offline."""
         from transformers import AutoConfig
+        from transformers.utils import logging
 
-        return AutoConfig.for_model(self.model_type, **self.fields)
+        # transformers' defaults for the fields left out can warn (Starcoder2Config: bos_token_id
+        # 50256 outside its default vocab_size 49152); none of them enters the sizes
+        level = logging.get_verbosity()
+        logging.set_verbosity_error()
+        try:
+            return AutoConfig.for_model(self.model_type, **self.fields)
+        finally:
+            logging.set_verbosity(level)
 
     def context(self) -> int | None:
         """The context length its config.json gives, if it gives one."""
@@ -148,6 +156,14 @@ def pinned_bytes(family: Family, config, views: list[str], batch: int, tokens: i
 def kv_bytes(family: Family, config, batch: int, tokens: int, dtype: torch.dtype) -> int:
     """The analytic K/V cache (the family's kv_bytes_per_token) for batch x tokens."""
     return family.kv_bytes_per_token(config, dtype) * batch * tokens
+
+
+def sizes_per_token(real: RealConfig, dtype: torch.dtype) -> tuple[int, int | None]:
+    """(analytic K/V bytes per token, all layers; the fused projection's output bytes per token
+    and layer, None where q, k and v are separate) at a real config."""
+    family, config = FAMILIES[real.family], real.build()
+    fused = fused_width(family, config) * element_size(dtype) if family.fused else None
+    return family.kv_bytes_per_token(config, dtype), fused
 
 
 def variant_mismatches(family: Family, variant: str, config) -> list[str]:
