@@ -23,7 +23,8 @@ from packaging.version import Version  # noqa: E402
 
 VIEW_FINDINGS = [e for e in costs.known_entries()
                  if e.get("views") and e.get("implementation", "transformers") == "transformers"]
-MEASURED = re.compile(r"its storage holds (\d+) bytes, the cached tensors in it (\d+): (\d+) bytes pinned beyond the cache")
+MEASURED = re.compile(r"its storage holds (\d+) bytes, the cached tensors in it (\d+): "
+                      r"(\d+) bytes pinned beyond the cache")
 
 
 def test_starcoder_by_hand():

@@ -80,13 +80,13 @@ def rows() -> list[list[str]]:
         if cost.pinned is None:
             config, pinned, kv = "-", [f"- ({cost.why_none})"] + ["-"] * (len(POINTS) - 1), "-"
         else:
-            config = f"{cost.config.checkpoint}"
+            config = cost.config.checkpoint
             pinned = []
             for batch, tokens in POINTS:
                 n = cost.pinned[(batch, tokens)]
                 if tokens is None:
                     context = cost.config.context()
-                    pinned.append(f"- (no context length in its config.json)" if context is None
+                    pinned.append("- (no context length in its config.json)" if context is None
                                   else f"{human(n)} ({context} tokens)")
                 else:
                     pinned.append(human(n))
