@@ -5,6 +5,7 @@
   bench       throughput and memory table per (batch, max input, max new) config
   killmatrix  run every known-bad variant against the properties; non-zero if one survives
   report      one conformance matrix from the JSON reports of several runs (environments)
+  findings    the family findings and their cost at real configs (the README's table)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ COMMANDS = {
     "killmatrix": "mpt_kv.cli.killmatrix",
     "report": "mpt_kv.cli.report",
     "sweep": "mpt_kv.cli.sweep",
+    "findings": "mpt_kv.cli.findings",
 }
 
 

@@ -1,0 +1,201 @@
+"""`python -m mpt_kv findings`: the findings of the family checks (mpt_kv/families/known_failures.json)
+as one table, with what each costs at a real config of its family (mpt_kv.families.costs).
+
+  python -m mpt_kv findings                  the table, as text
+  python -m mpt_kv findings --markdown       the README's table
+  python -m mpt_kv findings --update-readme  rewrite the block between <!-- findings:begin --> and
+                                             <!-- findings:end --> in README.md (or --readme PATH)
+  python -m mpt_kv findings --check          exit 1 if that block is not what --markdown prints
+  python -m mpt_kv findings --configs        every real config: its K/V and fused output bytes per token
+
+Exit status 0; 1 for a stale README block (--check) or a finding whose real config does not fit
+it; 2 for bad arguments or a README that is missing, unwritable or has no block (checked before
+any work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+BEGIN, END = "<!-- findings:begin -->", "<!-- findings:end -->"
+README = Path(__file__).resolve().parents[2] / "README.md"
+COMMAND = "python -m mpt_kv findings --update-readme"
+DTYPE_NAME = "bfloat16"  # 2 bytes per element: the dtype these checkpoints are served in on Gaudi
+# (batch, tokens); tokens None: the checkpoint's own context length, from its config.json
+POINTS = [(16, 1024), (1, None)]
+VIEW_NAMES = {("key", "value"): "K and V view", ("value",): "V views", ("key",): "K views",
+              ("key_value",): "the fused K/V views"}
+
+
+def usage_error(message: str):
+    """Exit 2, as the help says, with one line naming what is wrong."""
+    print(f"mpt-kv findings: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage + error lines become one line, exit 2
+        usage_error(f"{message} (see python -m mpt_kv findings --help)")
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def what(entry: dict) -> str:
+    """What pins (the views) or the error the finding's pattern names."""
+    from mpt_kv.families import FAMILIES
+
+    views = entry.get("views")
+    if views:
+        fused = FAMILIES[entry["family"]].fused
+        verb = VIEW_NAMES.get(tuple(views), " and ".join(views) + " view")
+        if "no fused projection's output" in entry["pattern"]:  # e.g. DBRX: a clamp of the output, same size
+            return f"{verb} a new buffer of `{fused}`'s output size"
+        return f"{verb} `{fused}`'s output"
+    return "`" + re.sub(r"\\(\W)", r"\1", entry["pattern"]) + "`"  # the pattern, unescaped
+
+
+def versions(entry: dict) -> str:
+    return ", ".join(f"{package} {spec}" for package, spec in entry.get("when", {}).items()) or "all"
+
+
+def rows() -> list[list[str]]:
+    """One row per finding, in the file's order."""
+    import torch
+
+    from mpt_kv.families.costs import finding_cost, known_entries
+
+    out = []
+    for entry in known_entries():
+        cost = finding_cost(entry, POINTS, getattr(torch, DTYPE_NAME))
+        if cost.pinned is None:
+            config, pinned, kv = "-", [f"- ({cost.why_none})"] + ["-"] * (len(POINTS) - 1), "-"
+        else:
+            config = cost.config.checkpoint
+            pinned = []
+            for batch, tokens in POINTS:
+                n = cost.pinned[(batch, tokens)]
+                if tokens is None:
+                    context = cost.config.context()
+                    pinned.append("- (no context length in its config.json)" if context is None
+                                  else f"{human(n)} ({context} tokens)")
+                else:
+                    pinned.append(human(n))
+            kv = human(cost.kv[POINTS[0]])
+        out.append([f"{entry['family']}/{entry['variant']}", entry.get("implementation", "transformers"),
+                    versions(entry), entry["property"], what(entry), config, *pinned, kv, entry["upstream"]])
+    return out
+
+
+def header() -> list[str]:
+    (b0, t0), (b1, _) = POINTS
+    return ["finding", "implementation", "versions", "property", "what pins / the error", "real config",
+            f"pinned, batch {b0} x {t0}", f"pinned, batch {b1} x its context", f"K/V cache, batch {b0} x {t0}",
+            "upstream"]
+
+
+def intro() -> str:
+    (b0, t0), (b1, _) = POINTS
+    return (f"Bytes pinned beyond the K/V cache by each finding (its fused projection's output, less the cached "
+            f"tensors that view it, in every caching layer, held from the prefill until the first decode step "
+            f"copies) at a real config of the family "
+            f"(mpt_kv/data/families), {DTYPE_NAME}, after a prefill of batch {b0} x {t0} tokens and of batch "
+            f"{b1} x the checkpoint's context length (its config.json's n_positions, max_position_embeddings or "
+            f"max_seq_len); the last byte column is the analytic K/V cache at batch {b0} x {t0}, for scale.")
+
+
+def markdown() -> str:
+    def cell(s: str) -> str:
+        return s.replace("|", "\\|")
+    lines = [intro(), "", "| " + " | ".join(header()) + " |", "|" + "---|" * len(header())]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows()]
+    return "\n".join(lines) + "\n"
+
+
+def text() -> str:
+    table = [header()] + rows()
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = [intro(), ""] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    return "\n".join(lines) + "\n"
+
+
+def configs_text() -> str:
+    """Every real config with its analytic K/V bytes per token and its fused projection's output
+    bytes per token and layer."""
+    import torch
+
+    from mpt_kv.families.costs import real_configs, sizes_per_token
+
+    table = [["config", "checkpoint", "family", f"K/V bytes per token ({DTYPE_NAME})",
+              "fused output bytes per token and layer", "source"]]
+    for name, real in sorted(real_configs().items()):
+        kv, fused = sizes_per_token(real, getattr(torch, DTYPE_NAME))
+        table.append([name, real.checkpoint, real.family, str(kv), "-" if fused is None else str(fused), real.source])
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table) + "\n"
+
+
+def readme_block(readme: str) -> tuple[int, int]:
+    """(start, end) of the block's content between the markers; ValueError if there is none."""
+    begin, end = readme.find(BEGIN), readme.find(END)
+    if begin < 0 or end < begin or readme.count(BEGIN) != 1 or readme.count(END) != 1:
+        raise ValueError(f"needs exactly one {BEGIN} ... {END} block")
+    return begin + len(BEGIN), end
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = Parser(prog="python -m mpt_kv findings", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--markdown", action="store_true", help="the README's markdown table")
+    mode.add_argument("--update-readme", action="store_true", help=f"rewrite the README's {BEGIN} block")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the README's block is stale")
+    mode.add_argument("--configs", action="store_true", help="every real config's K/V and fused bytes per token")
+    p.add_argument("--readme", type=Path, default=None, help=f"the README (default {README})")
+    args = p.parse_args(argv)
+    readme_path = args.readme or README
+    if args.readme is not None and not (args.update_readme or args.check):
+        usage_error("--readme is only read with --update-readme or --check")
+    if args.update_readme or args.check:
+        # the README is checked before any work: it exists, has the block, and can be written
+        try:
+            readme = readme_path.read_text(encoding="utf-8")
+            start, end = readme_block(readme)
+        except (OSError, ValueError) as e:
+            usage_error(f"README {readme_path}: {e}")
+        if args.update_readme:
+            from mpt_kv.cli.outputs import file_problem
+
+            problem = file_problem(readme_path)
+            if problem:
+                usage_error(f"README {readme_path}: {problem}")
+    if args.configs:
+        sys.stdout.write(configs_text())
+        return 0
+    try:
+        out = markdown() if (args.markdown or args.update_readme or args.check) else text()
+    except ValueError as e:  # a finding whose real config does not fit it: the data is wrong
+        print(f"mpt-kv findings: {e}", file=sys.stderr)
+        return 1
+    if args.check:
+        if readme[start:end] != "\n" + out:
+            print(f"mpt-kv findings: the findings table in {readme_path} is stale: run {COMMAND}", file=sys.stderr)
+            return 1
+        print(f"{readme_path}: the findings table is up to date")
+        return 0
+    if args.update_readme:
+        readme_path.write_text(readme[:start] + "\n" + out + readme[end:], encoding="utf-8")
+        print(f"{readme_path}: findings table rewritten ({len(out.splitlines()) - 4} findings)")
+        return 0
+    sys.stdout.write(out)
+    return 0
