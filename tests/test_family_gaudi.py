@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,36 @@ def test_attribute_patches_reach_the_ports_modules_and_leave_transformers_classe
     assert hf.GPTNeoXModel.forward is original and hf.GPTNeoXLayer is not module.GaudiGPTNeoXLayer
     plain = build(FAMILIES["gpt_neox"], "mha")[0]
     assert type(plain.gpt_neox) is hf.GPTNeoXModel and type(plain.gpt_neox.layers[0]) is hf.GPTNeoXLayer
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "families.md"
+
+
+def docs_fork() -> str:
+    """The fork of GPT-2's port with the views bug put back, as docs/families.md writes it."""
+    text = DOCS.read_text()
+    block = text[text.index("```python\n# gpt2_views_fork.py\n") + len("```python\n"):]
+    return block[:block.index("```")]
+
+
+@needs_oh
+def test_a_fork_of_a_port_loads_and_its_views_are_found(tmp_path, monkeypatch):
+    from mpt_kv.families.checks import pinning_problems
+
+    (tmp_path / "gpt2_views_fork.py").write_text(docs_fork())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gpt2_views_fork", raising=False)
+    gpt2 = FAMILIES["gpt2"]
+    fork = replace(gpt2, gaudi=replace(gpt2.gaudi, load=gaudi.fork_loader("gpt2", "gpt2_views_fork")))
+    runner = gaudi.gaudi_runner(fork, "mha")
+    assert type(runner.model.transformer.h[0].attn).__module__ == "gpt2_views_fork"
+    diff, session = decode_against_uncached(runner, "static")
+    assert diff <= TOL  # the fork computes the same logits ...
+    fresh = runner.session("concat", PROMPT + 1)
+    ids, mask = prompt(build(gpt2, "mha")[1])
+    with torch.inference_mode():
+        fresh.prefill(ids, mask)
+    kv = [(layer, name, t) for layer, pair in enumerate(fresh.kv()) for name, t in zip(("key", "value"), pair)]
+    problems = pinning_problems(kv, {})
+    assert len(problems) == 2 and "pinned beyond the cache" in problems[0]  # ... but its prefill cache pins c_attn's output
+    assert "layer 0 key (2, 4, 6, 8) and layer 0 value (2, 4, 6, 8) are views" in problems[0]

@@ -51,8 +51,8 @@ from mpt_kv.targets import Capabilities
 from mpt_kv.targets import gaudi as gaudi_target
 from mpt_kv.targets.wrappers import GaudiStyleSession, ModelRunner
 
-__all__ = ["PortError", "load_port_module", "port_patches", "build_port", "gaudi_runner", "GaudiPortRunner",
-           "GaudiPortSession", "max_positions"]
+__all__ = ["PortError", "load_port_module", "port_patches", "fork_loader", "build_port", "gaudi_runner",
+           "GaudiPortRunner", "GaudiPortSession", "max_positions"]
 
 
 class PortError(RuntimeError):
@@ -97,9 +97,37 @@ def load_port_module(family: Family):
 
 
 def port_patches(family: Family, module) -> list:
-    """The lines of this release's `adapt_transformers_to_gaudi` that write into the family's
-    transformers module (`GaudiPatch`: line, name, attribute, value), in file order."""
-    return gaudi_target.model_patches(module, _port(family).hf_module, family.name)
+    """The lines of the installed release's `adapt_transformers_to_gaudi` that write into the
+    family's transformers module (`GaudiPatch`: line, name, attribute, value), in file order, each
+    value looked up in `module`: the release's port module, or a fork of it (`fork_loader`),
+    which must define or re-export every name those lines assign."""
+    source = gaudi_target.optimum_habana_root() / "transformers" / "modeling_utils.py"
+    return gaudi_target.model_patches(module, _port(family).hf_module, family.name, source)
+
+
+def fork_loader(family_name: str, module_name: str):
+    """`GaudiPort.load` for a fork of a port: a module of your own (importable as `module_name`)
+    that imports from optimum-habana's port module and overrides what it changes. The release's
+    port of `family_name` is loaded first (its parent packages bare, under the stand-in where the
+    registry's entry says so), then the fork, under the stand-in too where that entry needs it.
+    Where a real habana_frameworks is installed, the fork is imported normally."""
+    def load():
+        from mpt_kv.families import FAMILIES
+
+        family = FAMILIES[family_name]
+        load_port_module(family)
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        try:
+            if family.gaudi.standin and importlib.util.find_spec("habana_frameworks") is None:
+                return habana_standin.import_with_standin(module_name)
+            return importlib.import_module(module_name)
+        except Exception as e:
+            raise PortError(f"the fork {module_name} of {gaudi_target.release()}'s {family_name} port fails to "
+                            f"import: {type(e).__name__}: {e}") from e
+
+    load.__qualname__ = f"fork_loader({family_name!r}, {module_name!r})"
+    return load
 
 
 def max_positions(config) -> int:
