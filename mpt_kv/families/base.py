@@ -14,6 +14,66 @@ import torch
 TINY = {"vocab_size": 128, "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
 
 
+def legacy_kv(past) -> list[tuple]:
+    """The per-layer tuples of a legacy cache (a tuple/list of [key, value] per layer): each
+    layer's tensors as the cache stores them."""
+    return [tuple(layer) for layer in past]
+
+
+def allocate_kv_cache(model, batch: int, max_len: int, prompt_len: int) -> None:
+    """What optimum-habana's generate calls with reuse_cache on, static shapes (the prompt padded
+    to max_len): `allocate_kv_cache(batch * num_beams, max_len, token_idx)`."""
+    model.allocate_kv_cache(batch, max_len, prompt_len)
+
+
+@dataclass(frozen=True)
+class GaudiPort:
+    """optimum-habana's Gaudi port of a family, as `mpt_kv.families.gaudi` loads and drives it
+    on CPU (docs/families.md, "optimum-habana's ports").
+
+    module: the port's module (`optimum.habana.transformers.models.gpt2.modeling_gpt2`);
+    causal_lm: its ForCausalLM class in that module (`GaudiGPT2LMHeadModel`);
+    hf_module: transformers' module its lines of `adapt_transformers_to_gaudi` write into
+    (`transformers.models.gpt2.modeling_gpt2`);
+    standin: whether the module needs the `habana_frameworks` stand-in to import on CPU
+    (`import habana_frameworks.torch.core` at module level: mpt_kv/families/habana_standin.py);
+    generation: attribute -> value set on `model.generation_config` before the first forward,
+    what optimum-habana's generate sets there and the port's forward reads;
+    forward_kwargs: extra keyword arguments of every forward (cached or not);
+    unsupported: Capabilities feature ("static", "bucket", "extend", "crop", "reorder") -> why
+    the port (or this driver of it) does not do it;
+    reuse_cache: None where the port has optimum-habana's reuse_cache (`allocate_kv_cache`,
+    the runner option `reuse_cache=True`), else why it has not;
+    kv: the session's cache (what the port returned as past_key_values) -> one tuple per caching
+    layer of the tensors as stored, (key, value) or (key_value,);
+    blocks: model -> the attention modules whose `kv_cache_len` the cache_idx path sets (only
+    where the port takes cache_idx);
+    allocate: (model, batch, max_len, prompt_len) -> None: what optimum-habana's generate calls
+    before the prefill with reuse_cache on (default: `model.allocate_kv_cache(batch, max_len,
+    prompt_len)`, generation/utils.py:1641);
+    reuse_kv: model -> the per-layer tuples of the preallocated cache with reuse_cache on (the
+    port then returns no tensors as past_key_values; only where reuse_cache is None);
+    prepare: (model) -> None: run once after the weights are loaded (optional);
+    load: () -> the port's module, for a family whose loader exists already (mpt:
+    `mpt_kv.targets.gaudi.load_gaudi_mpt_module`); None: `mpt_kv.families.gaudi.load_port_module`.
+    """
+
+    module: str
+    causal_lm: str
+    hf_module: str
+    standin: bool = False
+    generation: dict = field(default_factory=dict)
+    forward_kwargs: dict = field(default_factory=dict)
+    unsupported: dict = field(default_factory=dict)
+    reuse_cache: str | None = "the port has no reuse_cache (no allocate_kv_cache)"
+    kv: Callable = legacy_kv
+    blocks: Callable | None = None
+    allocate: Callable = allocate_kv_cache
+    reuse_kv: Callable | None = None
+    prepare: Callable | None = None
+    load: Callable | None = None
+
+
 @dataclass(frozen=True)
 class Family:
     """A decoder architecture.
@@ -24,7 +84,8 @@ class Family:
     q, k and v are separate; kv_heads(config): cached key/value heads per layer (MQA/GQA aware);
     head_dim(config): their head dim; layers(config): layers that cache; stored_kv_heads(config):
     the K/V heads transformers' implementation actually caches where that is more than kv_heads
-    (a known excess over the analytic size, kept as data with its upstream line), else None."""
+    (a known excess over the analytic size, kept as data with its upstream line), else None;
+    gaudi: optimum-habana's port of the family (`GaudiPort`), None where there is none."""
 
     name: str
     model_type: str
@@ -35,6 +96,7 @@ class Family:
     layers: Callable = field(default=lambda c: c.num_hidden_layers)
     tiny: dict = field(default_factory=lambda: dict(TINY))
     stored_kv_heads: Callable | None = None
+    gaudi: GaudiPort | None = None  # optimum-habana's port of this family (mpt_kv/families/gaudi.py)
 
     def config(self, variant: str):
         """The tiny config of one variant, built without the hub."""

@@ -41,6 +41,35 @@ __all__ = ["load_gaudi_mpt_module", "gaudi_classes", "GaudiStyleRunner", "GaudiS
 MPT_MODULE = "optimum.habana.transformers.models.mpt.modeling_mpt"
 
 
+def optimum_habana_root() -> Path:
+    """The installed optimum-habana's `optimum/habana` folder; TargetUnavailable "optimum-habana is
+    not installed" (the only message that means the package is absent) where there is none."""
+    spec = importlib.util.find_spec("optimum")
+    root = next((Path(p) / "habana" for p in (spec.submodule_search_locations or []) if (Path(p) / "habana").is_dir()),
+                None) if spec else None
+    if root is None:
+        raise TargetUnavailable("optimum-habana is not installed (pip install --no-deps optimum-habana, "
+                                "or tox -e ohabana)")
+    return root
+
+
+def module_file(root: Path, name: str) -> Path:
+    """Where optimum-habana's module `name` (optimum.habana.x.y) lies under `root` (optimum/habana)."""
+    return root.joinpath(*name.split(".")[2:]).with_suffix(".py")
+
+
+def register_bare_parents(root: Path, name: str) -> None:
+    """Register every parent package of `name` under optimum.habana as a bare namespace module
+    (its folder as __path__, its __init__ never run), where it is not imported yet."""
+    parts = name.split(".")
+    for depth in range(2, len(parts)):
+        package = ".".join(parts[:depth])
+        if package not in sys.modules:
+            pkg = types.ModuleType(package)
+            pkg.__path__ = [str(root.joinpath(*parts[2:depth]))]
+            sys.modules[package] = pkg
+
+
 def load_gaudi_mpt_module():
     """optimum-habana's MPT module (GaudiMptForCausalLM), on HPU or CPU.
 
@@ -50,12 +79,7 @@ def load_gaudi_mpt_module():
     imported normally, and its failure is reported as it is (it is not "needs HPU")."""
     if MPT_MODULE in sys.modules:
         return sys.modules[MPT_MODULE]
-    spec = importlib.util.find_spec("optimum")
-    root = next((Path(p) / "habana" for p in (spec.submodule_search_locations or []) if (Path(p) / "habana").is_dir()),
-                None) if spec else None
-    if root is None:
-        raise TargetUnavailable("optimum-habana is not installed (pip install --no-deps optimum-habana, "
-                                "or tox -e ohabana)")
+    root = optimum_habana_root()
     if not (root / "transformers" / "models" / "mpt" / "modeling_mpt.py").is_file():
         raise TargetUnavailable(f"{release()} has no MPT: {root / 'transformers' / 'models' / 'mpt' / 'modeling_mpt.py'} "
                                 "does not exist (optimum-habana's MPT came in 1.7.x)")
@@ -72,13 +96,7 @@ def load_gaudi_mpt_module():
             raise TargetUnavailable(f"optimum-habana is installed and habana_frameworks imports, but {MPT_MODULE} "
                                     f"fails to import: {type(e).__name__}: {e}") from e
     # CPU: its package __init__ files need HPU (a Synapse version check, habana_frameworks imports); the MPT module itself does not
-    for name, folder in [("optimum.habana", root), ("optimum.habana.transformers", root / "transformers"),
-                         ("optimum.habana.transformers.models", root / "transformers" / "models"),
-                         ("optimum.habana.transformers.models.mpt", root / "transformers" / "models" / "mpt")]:
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
+    register_bare_parents(root, MPT_MODULE)
     with contextlib.redirect_stdout(None):  # it prints one line about FusedSDPA at import
         try:
             return importlib.import_module(MPT_MODULE)
@@ -101,17 +119,21 @@ def release() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MptPatch:
-    """One line of `adapt_transformers_to_gaudi` that writes into transformers' MPT module:
-    `transformers.models.mpt.modeling_mpt.<name>[.<attribute>] = <value>`."""
+    """One line of `adapt_transformers_to_gaudi` that writes into a transformers module (MPT's
+    by default): `transformers.models.mpt.modeling_mpt.<name>[.<attribute>] = <value>`."""
 
     line: int
     name: str            # MptModel, MptBlock, MptAttention, MptForCausalLM, ...
     attribute: str | None  # forward (function style) or None (the class itself is replaced)
-    value: str           # the name assigned, looked up in optimum-habana's MPT module
+    value: str           # the name assigned, looked up in optimum-habana's module of that model
+    hf_module: str = HF_MPT  # the transformers module written into
 
     def __str__(self):
         target = f"{self.name}.{self.attribute}" if self.attribute else self.name
-        return f"modeling_utils.py:{self.line}: {HF_MPT}.{target} = {self.value}"
+        return f"modeling_utils.py:{self.line}: {self.hf_module}.{target} = {self.value}"
+
+
+GaudiPatch = MptPatch  # the same line for any family (mpt_kv.families.gaudi)
 
 
 def mpt_patches(module) -> list[MptPatch]:
@@ -119,7 +141,15 @@ def mpt_patches(module) -> list[MptPatch]:
     `optimum/habana/transformers/modeling_utils.py` (parsed, not imported: importing it pulls in
     every other model's code and habana_frameworks). TargetUnavailable, naming the release, where
     the file or its MPT lines cannot be read or applied."""
-    path = Path(module.__file__).resolve().parents[2] / "modeling_utils.py"
+    return model_patches(module, HF_MPT, "MPT")
+
+
+def model_patches(module, hf_module: str, label: str, source: Path | None = None) -> list[MptPatch]:
+    """`mpt_patches` for the transformers module `hf_module` (`label`: how messages name the
+    model, "MPT"): the lines of `adapt_transformers_to_gaudi` that write into it, each value looked
+    up in `module` (optimum-habana's module of that model, or a fork of it). `source`: the
+    modeling_utils.py to read (default: the one of the release `module` lies in)."""
+    path = source or Path(module.__file__).resolve().parents[2] / "modeling_utils.py"
     try:
         tree = ast.parse(path.read_text(), filename=str(path))
     except (OSError, SyntaxError) as e:
@@ -135,18 +165,18 @@ def mpt_patches(module) -> list[MptPatch]:
             continue
         for target in node.targets:
             dotted = ast.unparse(target)
-            if not dotted.startswith(HF_MPT + "."):
+            if not dotted.startswith(hf_module + "."):
                 continue
-            parts = dotted[len(HF_MPT) + 1:].split(".")
+            parts = dotted[len(hf_module) + 1:].split(".")
             if len(parts) > 2 or not isinstance(node.value, (ast.Name, ast.Attribute)):
                 raise TargetUnavailable(f"{release()}: modeling_utils.py:{node.lineno}: the loader cannot apply "
                                         f"'{dotted} = {ast.unparse(node.value)}' (it applies a class or a "
-                                        f"class attribute set to a name of the MPT module)")
+                                        f"class attribute set to a name of the {label} module)")
             value = ast.unparse(node.value).rsplit(".", 1)[-1]
-            patches.append(MptPatch(node.lineno, parts[0], parts[1] if len(parts) == 2 else None, value))
+            patches.append(MptPatch(node.lineno, parts[0], parts[1] if len(parts) == 2 else None, value, hf_module))
     if not patches:
         raise TargetUnavailable(f"{release()}: adapt_transformers_to_gaudi in {path} patches nothing of "
-                                f"{HF_MPT}: this release has no Gaudi MPT")
+                                f"{hf_module}: this release has no Gaudi {label}")
     patches.sort(key=lambda p: p.line)
     for p in patches:
         if not hasattr(module, p.value):
@@ -164,7 +194,8 @@ def patched_classes(module, patches: list[MptPatch]) -> dict:
     key = (module.__name__, getattr(module, "__file__", None), tuple(patches))
     if key in _patched:
         return _patched[key]
-    hf = importlib.import_module(HF_MPT)
+    hf_module = patches[0].hf_module if patches else HF_MPT
+    hf = importlib.import_module(hf_module)
     classes = {}
     for p in patches:
         value = getattr(module, p.value)
@@ -173,7 +204,7 @@ def patched_classes(module, patches: list[MptPatch]) -> dict:
             continue
         base = classes.get(p.name, getattr(hf, p.name, None))
         if not isinstance(base, type):
-            raise TargetUnavailable(f"{release()}: {p}: transformers {hf_version()} has no class {p.name} in {HF_MPT}")
+            raise TargetUnavailable(f"{release()}: {p}: transformers {hf_version()} has no class {p.name} in {hf_module}")
         classes[p.name] = type(f"Gaudi{base.__name__}" if not base.__name__.startswith("Gaudi") else base.__name__,
                                (base,), {p.attribute: value, "__module__": module.__name__})
     _patched[key] = classes
@@ -187,13 +218,15 @@ def hf_version() -> str:
 
 
 @contextlib.contextmanager
-def gaudi_classes(module):
+def gaudi_classes(module, patches: list[MptPatch] | None = None):
     """The context in which `module.GaudiMptForCausalLM(config)` builds Gaudi blocks: what this
     release's `adapt_transformers_to_gaudi` does to transformers' MPT module (`mpt_patches`:
     class-style releases replace MptModel, MptBlock and MptAttention, function-style ones such as
-    1.12.1 set `MptAttention.forward` and `MptBlock.forward`), undone on exit."""
-    hf = importlib.import_module(HF_MPT)
-    classes = patched_classes(module, mpt_patches(module))
+    1.12.1 set `MptAttention.forward` and `MptBlock.forward`), undone on exit. `patches`: another
+    model's lines (`model_patches`), applied to their own transformers module the same way."""
+    patches = mpt_patches(module) if patches is None else patches
+    hf = importlib.import_module(patches[0].hf_module if patches else HF_MPT)
+    classes = patched_classes(module, patches)
     saved = {n: getattr(hf, n) for n in classes if hasattr(hf, n)}
     try:
         for n, cls in classes.items():

@@ -1,0 +1,340 @@
+"""optimum-habana's Gaudi port of a family, loaded and driven on CPU: the "optimum-habana"
+implementation of `mpt_kv.families.implementations` (docs/families.md, "optimum-habana's ports").
+
+What a family's `gaudi=GaudiPort(...)` (mpt_kv/families/base.py) names is loaded the way
+mpt_kv/targets/gaudi.py loads MPT, generalized:
+
+1. `load_port_module(family)`: the port's module alone. Its parent packages are registered bare
+   (their `__init__` files need an HPU stack: a Synapse version check, habana_frameworks
+   imports), then the module is imported; one that imports `habana_frameworks.torch.core` at
+   module level (`GaudiPort.standin`) is imported under the CPU stand-in
+   (mpt_kv/families/habana_standin.py), which is gone again afterwards. Where a real
+   habana_frameworks is installed, the module is imported normally and its failure is the real one.
+2. `port_patches(family, module)`: that family's lines of `adapt_transformers_to_gaudi`, parsed
+   from the installed modeling_utils.py (`mpt_kv.targets.gaudi.model_patches`), applied while the
+   model is built (`gaudi_classes`), undone afterwards: transformers' own classes stay untouched
+   for the "transformers" implementation in the same process.
+3. `build_port(family, variant, dtype, seed)`: `GaudiPort.causal_lm` of the tiny config holding
+   the state_dict of transformers' model of that config (`mpt_kv.families.checks.build`, fp32,
+   eager), strict, cast to dtype, `model.generation_config` set as optimum-habana's generate sets it.
+4. `gaudi_runner(family, variant, dtype, *, seed, reuse_cache)`: a `GaudiPortRunner`, whose
+   sessions drive the port as optimum-habana's generate does (`GaudiPortSession`): `past_key_values`
+   None at the prefill, then what the port returned, fed back as it is (generate prepares no
+   Cache object: `_prepare_cache_for_generation` returns without one when `cache_implementation`
+   is None, generation/utils.py:1177); concat = no `token_idx`, static = `token_idx` and the
+   port's own preallocated cache; crop through optimum-habana's own assisted crop and reorder
+   through its own `_temporary_reorder_cache` (mpt_kv/targets/gaudi_generation.py), so what
+   fails there fails here.
+
+Where it cannot be built: `TargetUnavailable` "optimum-habana is not installed ..." (absent),
+"<release> has no port of <family> ..." (the installed release does not ship that module, or
+mpt-kv's entry of the family has no `gaudi`), "... reuse_cache ..." (asked of a port without it).
+A port that is installed but fails to import or build raises `PortError` with the real
+exception chained: an error, never a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import sys
+import types
+
+import torch
+
+from mpt_kv.errors import TargetUnavailable
+from mpt_kv.families import habana_standin
+from mpt_kv.families.base import Family
+from mpt_kv.targets import Capabilities
+from mpt_kv.targets import gaudi as gaudi_target
+from mpt_kv.targets.wrappers import GaudiStyleSession, ModelRunner
+
+__all__ = ["PortError", "load_port_module", "port_patches", "fork_loader", "build_port", "gaudi_runner",
+           "GaudiPortRunner", "GaudiPortSession", "max_positions"]
+
+
+class PortError(RuntimeError):
+    """An installed optimum-habana port that does not import or build: the real exception is chained."""
+
+
+def _port(family: Family):
+    if family.gaudi is None:
+        raise TargetUnavailable(f"mpt-kv has no optimum-habana port entry for family {family.name} (no gaudi= in "
+                                f"mpt_kv/families/{family.name}.py; docs/families.md, \"optimum-habana's ports\")")
+    return family.gaudi
+
+
+def load_port_module(family: Family):
+    """optimum-habana's module of `family`'s port, on HPU or CPU (see the module docstring)."""
+    port = _port(family)
+    if port.load is not None:  # a family whose loader exists already (mpt: mpt_kv.targets.gaudi)
+        return port.load()
+    if port.module in sys.modules:
+        return sys.modules[port.module]
+    root = gaudi_target.optimum_habana_root()  # TargetUnavailable "optimum-habana is not installed"
+    path = gaudi_target.module_file(root, port.module)
+    if not path.is_file():
+        raise TargetUnavailable(f"{gaudi_target.release()} has no port of {family.name}: {path} does not exist")
+    if importlib.util.find_spec("habana_frameworks") is not None:
+        # an HPU stack is installed: the normal import path, and any failure is the real one
+        try:
+            return importlib.import_module(port.module)
+        except Exception as e:
+            raise PortError(f"{gaudi_target.release()} is installed with habana_frameworks, but {port.module} fails "
+                            f"to import: {type(e).__name__}: {e}") from e
+    gaudi_target.register_bare_parents(root, port.module)
+    how = "under the habana_frameworks stand-in" if port.standin else "its parent packages bypassed"
+    with contextlib.redirect_stdout(None):  # some print a line about their fused kernels at import
+        try:
+            if port.standin:
+                return habana_standin.import_with_standin(port.module)
+            return importlib.import_module(port.module)
+        except Exception as e:
+            raise PortError(f"{gaudi_target.release()} is installed but {port.module} fails to import on CPU ({how}, "
+                            f"mpt_kv/families/gaudi.py): {type(e).__name__}: {e}") from e
+
+
+def port_patches(family: Family, module) -> list:
+    """The lines of the installed release's `adapt_transformers_to_gaudi` that write into the
+    family's transformers module (`GaudiPatch`: line, name, attribute, value), in file order, each
+    value looked up in `module`: the release's port module, or a fork of it (`fork_loader`),
+    which must define or re-export every name those lines assign."""
+    source = gaudi_target.optimum_habana_root() / "transformers" / "modeling_utils.py"
+    return gaudi_target.model_patches(module, _port(family).hf_module, family.name, source)
+
+
+def fork_loader(family_name: str, module_name: str):
+    """`GaudiPort.load` for a fork of a port: a module of your own (importable as `module_name`)
+    that imports from optimum-habana's port module and overrides what it changes. The release's
+    port of `family_name` is loaded first (its parent packages bare, under the stand-in where the
+    registry's entry says so), then the fork, under the stand-in too where that entry needs it.
+    Where a real habana_frameworks is installed, the fork is imported normally."""
+    def load():
+        from mpt_kv.families import FAMILIES
+
+        family = FAMILIES[family_name]
+        load_port_module(family)
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        try:
+            if family.gaudi.standin and importlib.util.find_spec("habana_frameworks") is None:
+                return habana_standin.import_with_standin(module_name)
+            return importlib.import_module(module_name)
+        except Exception as e:
+            raise PortError(f"the fork {module_name} of {gaudi_target.release()}'s {family_name} port fails to "
+                            f"import: {type(e).__name__}: {e}") from e
+
+    load.__qualname__ = f"fork_loader({family_name!r}, {module_name!r})"
+    return load
+
+
+def max_positions(config) -> int:
+    """The longest sequence the tiny config takes: its position table, or 64 where it has none
+    (ALiBi: BLOOM)."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 64
+
+
+def set_generation_settings(model, settings: dict) -> None:
+    """What optimum-habana's generate sets on `model.generation_config` before the first forward
+    and the port's forward reads there (llama: `use_fused_rope`, `reuse_cache`, ...)."""
+    for name, value in settings.items():
+        setattr(model.generation_config, name, value)
+
+
+def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """(port model, its config): the port of the tiny config with the weights of transformers'
+    model of it (`mpt_kv.families.checks.build(family, variant, seed)`), strict, cast to dtype."""
+    from mpt_kv.families.checks import build as build_transformers
+
+    port = _port(family)
+    module = load_port_module(family)
+    reference, config = build_transformers(family, variant, seed)
+    cls = getattr(module, port.causal_lm, None)
+    if cls is None:
+        raise PortError(f"{gaudi_target.release()}: {port.module} has no {port.causal_lm} (mpt_kv/families/"
+                        f"{family.name}.py names it)")
+    patches = port_patches(family, module)
+    try:
+        with gaudi_target.gaudi_classes(module, patches):
+            torch.manual_seed(seed)
+            model = cls(config)
+        patch_instances(model, module, patches)
+        model.load_state_dict(reference.state_dict(), strict=True)
+    except TargetUnavailable:
+        raise
+    except Exception as e:
+        raise PortError(f"{gaudi_target.release()}: {port.causal_lm} of {family.name}/{variant} does not build with "
+                        f"transformers' weights: {type(e).__name__}: {e}") from e
+    model.to(dtype=dtype).eval()
+    set_generation_settings(model, port.generation)
+    if port.prepare is not None:
+        port.prepare(model)
+    return model, config
+
+
+_instance_classes: dict[tuple, type] = {}
+
+
+def patch_instances(model, module, patches) -> None:
+    """The attribute lines (`GPTNeoXModel.forward = gaudi_gpt_neox_model_forward`) on the built
+    model's own modules. adapt_transformers_to_gaudi sets them on transformers' class in place, so
+    they reach every instance of it, also one built through a name the port's module imported
+    itself (`from transformers...modeling_gpt_neox import GPTNeoXModel`), which `gaudi_classes`'
+    swap of the module's names does not reach. Here each module of the model whose class gets
+    that attribute from transformers' class (or from nowhere: `BloomPreTrainedModel.
+    _convert_to_standard_cache`) is moved to a subclass that has it; transformers' classes stay
+    untouched for the "transformers" implementation."""
+    hf = importlib.import_module(patches[0].hf_module) if patches else None
+    for p in patches:
+        if p.attribute is None:
+            continue
+        original = getattr(hf, p.name)
+        value = getattr(module, p.value)
+        for sub in model.modules():
+            cls = type(sub)
+            if not isinstance(sub, original):
+                continue
+            owner = next((k for k in cls.__mro__ if p.attribute in k.__dict__), None)
+            if owner is not None and owner is not original:
+                continue  # a Gaudi class defines it, or the attribute was already patched
+            key = (cls, p.attribute, value)
+            if key not in _instance_classes:
+                _instance_classes[key] = type(cls.__name__, (cls,), {p.attribute: value, "__module__": module.__name__,
+                                                                     "__qualname__": cls.__qualname__})
+            sub.__class__ = _instance_classes[key]
+
+
+def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float32, *, seed: int = 0,
+                 reuse_cache: bool = False) -> "GaudiPortRunner":
+    """The "optimum-habana" implementation of `family` (mpt_kv.families.implementations):
+    reuse_cache=True is optimum-habana's reuse_cache (`allocate_kv_cache`; path "static+reuse"),
+    TargetUnavailable naming why for a port without it."""
+    port = _port(family)
+    if reuse_cache and port.reuse_cache is not None:
+        raise TargetUnavailable(f"{gaudi_target.release()}'s port of {family.name} ({port.causal_lm}) has no "
+                                f"reuse_cache: {port.reuse_cache}")
+    model, config = build_port(family, variant, dtype, seed)
+    return GaudiPortRunner(family, variant, model, config, reuse_cache=reuse_cache)
+
+
+def takes(model, name: str) -> bool:
+    """Whether the model's forward names the keyword `name` (a **kwargs catch-all does not count:
+    every port has one, and a keyword it swallows is a keyword it ignores)."""
+    return name in inspect.signature(model.forward).parameters
+
+
+class GaudiPortSession(GaudiStyleSession):
+    """`GaudiStyleSession` for a family's port: the same token_idx protocol, plus what each
+    forward of optimum-habana's generate carries for this port:
+
+    - `position_ids` and `cache_position` (where the forward names them): the slot of each
+      token (prefill 0..S-1, step t at t), which is what transformers' forward makes itself
+      without them, so the uncached logits (none passed) are the same function; without them a
+      port's static path counts its positions from the preallocated cache's length, and a port
+      with reuse_cache reads a torch.Size as a tensor (phi: modeling_phi.py:377);
+    - the port's `forward_kwargs`, and `reuse_cache=True` with the runner option;
+    - the cache as the port returned it (`kv()` reads it through `GaudiPort.kv`)."""
+
+    def __init__(self, runner: "GaudiPortRunner", path, max_len, bucket=None):
+        super().__init__(runner, path, max_len, bucket)
+        self.port = runner.port
+        self.reuse = runner.reuse_cache and path == "static"
+        self.started = False  # the prefill ran (with reuse_cache the port returns no tensors)
+
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        if self.path == "concat":
+            token_idx = None
+        start = self.written if self.started else 0
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        extra = dict(self.port.forward_kwargs)
+        if self.runner.takes("position_ids"):  # BLOOM (ALiBi) takes none: its generate passes none
+            extra["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+        if self.runner.takes("cache_position"):  # generate always passes one (_get_initial_cache_position)
+            extra["cache_position"] = positions
+        if token_idx is not None:
+            extra["token_idx"] = token_idx
+        if self.reuse:
+            if not self.started:
+                # generate: allocate_kv_cache, then the prefill feeds only the prompt and its mask
+                # (prepare_inputs_for_generation: `input_ids[:, :token_idx]` with reuse_cache)
+                prompt_len = int(token_idx.reshape(-1)[0])
+                input_ids, mask = input_ids[:, :prompt_len], mask[:, :prompt_len]
+                for name in ("position_ids", "cache_position"):
+                    if name in extra:
+                        extra[name] = extra[name][..., :prompt_len]
+                self.port.allocate(self.runner.model, input_ids.shape[0], self.max_len, prompt_len)
+            extra["reuse_cache"] = True
+        if cache_idx is not None:
+            if not self.started:
+                for block in self.runner.blocks():
+                    block.kv_cache_len = self.max_len  # what prepare_inputs_for_generation sets
+            extra["cache_idx"] = cache_idx
+        out = self.runner.model(input_ids, attention_mask=mask, past_key_values=self.past, use_cache=True, **extra)
+        self.past = out.past_key_values
+        self.started = True
+        return out.logits
+
+    def _reorder_cache(self, index):
+        """As optimum-habana's `_beam_search` (generation/utils.py:3460-3465): with reuse_cache on,
+        the port's own `reorder_kv_cache(beam_idx)`; else its `_temporary_reorder_cache`."""
+        if self.reuse:
+            self.past = self.runner.model.reorder_kv_cache(index)
+        else:
+            super()._reorder_cache(index)
+
+    def kv(self):
+        if self.reuse:
+            return self.port.reuse_kv(self.runner.model)
+        return self.port.kv(self.past)
+
+
+class GaudiPortRunner(ModelRunner):
+    """One family's optimum-habana port on CPU (see the module docstring). Capabilities: the
+    port's declared `unsupported`, plus "static" where its forward has no `token_idx` and
+    "bucket" where it has no `cache_idx` or the entry gives no `blocks`."""
+
+    def __init__(self, family: Family, variant: str, model, config, *, reuse_cache: bool = False):
+        self.family, self.variant, self.port, self.reuse_cache = family, variant, family.gaudi, reuse_cache
+        detected = {}
+        name = type(model).__name__
+        if not takes(model, "token_idx"):
+            detected["static"] = f"{name}.forward has no token_idx parameter (optimum-habana's static path)"
+        if not takes(model, "cache_idx"):
+            detected["bucket"] = f"{name}.forward has no cache_idx parameter (optimum-habana's bucketed cache)"
+        elif self.port.blocks is None:
+            detected["bucket"] = (f"{name}.forward takes cache_idx, but mpt_kv/families/{family.name}.py gives no "
+                                  "GaudiPort.blocks (the attention modules whose kv_cache_len generate sets)")
+        limits = types.SimpleNamespace(max_seq_len=max_positions(config), vocab_size=config.vocab_size)
+        super().__init__(model, None, name=f"optimum-habana/{family.name}", cfg=limits,
+                         capabilities=Capabilities(dict(self.port.unsupported)), detected=detected)
+        self.version = gaudi_target.release()
+        if reuse_cache:  # static sessions reuse the preallocated cache; a concat session is the plain one
+            self.capabilities = Capabilities(self.capabilities.unsupported, cache_pool=True)
+
+    def logits(self, input_ids, attention_mask):
+        from mpt_kv.model.session import check_prompt
+
+        check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False, **self.port.forward_kwargs).logits
+        self.sync()
+        return out
+
+    def takes(self, name: str) -> bool:
+        """Whether the port's forward names the keyword `name` (see `takes`)."""
+        return takes(self.model, name)
+
+    def blocks(self):
+        return self.port.blocks(self.model)
+
+    def fused_modules(self):
+        return self.family.fused_modules(self.model)
+
+    def session(self, path, max_len, bucket=None):
+        self.require(path, "bucket" if bucket else None)
+        return GaudiPortSession(self, path, max_len, bucket)
