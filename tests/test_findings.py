@@ -75,7 +75,7 @@ def test_fused_width_is_the_fused_modules_output(name):
 def measured_pins(entry) -> list[tuple[int, int, int]]:
     """(storage bytes, cached bytes, pinned bytes) per storage, as family-P3's failure names them."""
     with pytest.raises(PropertyFailure) as info:
-        check_no_pinned_storage(entry["family"], entry["variant"])
+        check_no_pinned_storage("transformers", entry["family"], entry["variant"], entry.get("path", "concat"))
     return [tuple(map(int, m)) for m in MEASURED.findall(str(info.value))]
 
 

@@ -68,14 +68,32 @@ def versions(entry: dict) -> str:
     return ", ".join(f"{package} {spec}" for package, spec in entry.get("when", {}).items()) or "all"
 
 
+def checks_seen(entries: list[dict]) -> str:
+    """The checks (with the path where an entry names one) that see one finding."""
+    return ", ".join(e["property"] + (f" ({e['path']})" if e.get("path") else "") for e in entries)
+
+
+def grouped(entries: list[dict]) -> list[list[dict]]:
+    """The file's entries grouped by finding: the same family variant, implementation, versions,
+    what pins or fails, and upstream line make one finding, seen by several checks. A finding
+    is a row (the file keeps an entry per check: each xfails its own cases)."""
+    groups: dict[tuple, list[dict]] = {}
+    for entry in entries:
+        key = (entry["family"], entry["variant"], entry.get("implementation", "transformers"), versions(entry),
+               what(entry), entry["upstream"])
+        groups.setdefault(key, []).append(entry)
+    return list(groups.values())
+
+
 def rows() -> list[list[str]]:
-    """One row per finding, in the file's order."""
+    """One row per finding (`grouped`), in the file's order of first appearance."""
     import torch
 
     from mpt_kv.families.costs import finding_cost, known_entries
 
     out = []
-    for entry in known_entries():
+    for entries in grouped(known_entries()):
+        entry = entries[0]
         cost = finding_cost(entry, POINTS, getattr(torch, DTYPE_NAME))
         if cost.pinned is None:
             config, pinned, kv = "-", [f"- ({cost.why_none})"] + ["-"] * (len(POINTS) - 1), "-"
@@ -92,13 +110,13 @@ def rows() -> list[list[str]]:
                     pinned.append(human(n))
             kv = human(cost.kv[POINTS[0]])
         out.append([f"{entry['family']}/{entry['variant']}", entry.get("implementation", "transformers"),
-                    versions(entry), entry["property"], what(entry), config, *pinned, kv, entry["upstream"]])
+                    versions(entry), checks_seen(entries), what(entry), config, *pinned, kv, entry["upstream"]])
     return out
 
 
 def header() -> list[str]:
     (b0, t0), (b1, _) = POINTS
-    return ["finding", "implementation", "versions", "property", "what pins / the error", "real config",
+    return ["finding", "implementation", "versions", "checks that see it", "what pins / the error", "real config",
             f"pinned, batch {b0} x {t0}", f"pinned, batch {b1} x its context", f"K/V cache, batch {b0} x {t0}",
             "upstream"]
 
