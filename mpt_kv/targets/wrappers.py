@@ -242,13 +242,24 @@ class TransformersSession(Session):
             raise Unsupported(f"{self.runner.name}: transformers {transformers_version()}: StaticCache cannot crop "
                               "(Cache.crop calls StaticLayer.crop, which 4.x does not have: AttributeError)")
         self.mask = self.mask[:, :n].clone()
-        self.cache.crop(n - self.written if transformers_major() >= 5 else n)
+        if isinstance(self.cache, (tuple, list)):
+            # a model that still returns legacy tuples (MPT before 4.5x): what transformers' assisted
+            # decoding does with them, its `_crop_past_key_values(model, past_key_values, max_length)`
+            from transformers.generation.candidate_generator import _crop_past_key_values
+
+            self.cache = _crop_past_key_values(self.runner.model, self.cache, n)
+        else:
+            self.cache.crop(n - self.written if transformers_major() >= 5 else n)
         self.runner.sync()
 
     def _reorder(self, index):
-        """transformers' own `Cache.reorder_cache(beam_idx)`: `index_select` per layer."""
+        """transformers' own `Cache.reorder_cache(beam_idx)`: `index_select` per layer; legacy
+        tuples as its beam search reorders them, the model's own `_reorder_cache(past, beam_idx)`."""
         self.mask = self.mask.index_select(0, index)
-        self.cache.reorder_cache(index)
+        if isinstance(self.cache, (tuple, list)):
+            self.cache = self.runner.model._reorder_cache(self.cache, index)
+        else:
+            self.cache.reorder_cache(index)
         self.runner.sync()
 
     def kv(self):
