@@ -240,11 +240,26 @@ def test_the_packaged_known_failures_name_the_operations_findings():
     optimum-habana 1.21.2) and the cpu env (transformers 5.24), where the shipped test xfails it."""
     from mpt_kv.targets import known_failures as KF
 
-    ops = [(e.target, e.property, e.path, e.bucket) for e in KF.load() if e.property.startswith("ops-")]
-    assert ops == [("optimum-habana", "ops-P1", "static", True), ("optimum-habana", "ops-P1", None, None),
-                   ("optimum-habana", "ops-P2", None, None), ("optimum-habana", "ops-P3", None, None),
-                   ("optimum-habana", "ops-memory", None, None), ("transformers", "ops-P3", "concat", None),
-                   ("transformers", "ops-P3", "concat", None)]
+    ops = [(e.target, e.property, e.path, e.bucket, str(e.when.get(e.target, "")))
+           for e in KF.load() if e.property.startswith("ops-")]
+    before_1_20, seed = "<1.20,>=1.12.1", "<1.13,>=1.7.3"  # SpecifierSet's canonical order
+    assert ops == [
+        ("optimum-habana", "ops-P1", "static", True, "<=1.21.2,>=1.18.1"),  # the cache_idx NaN
+        ("optimum-habana", "ops-P1", None, None, "<=1.21.2,>=1.20.0"),      # beam search's _reorder_cache, k-token calls
+        ("optimum-habana", "ops-P2", None, None, "<=1.21.2,>=1.20.0"),
+        ("optimum-habana", "ops-P3", None, None, "<=1.21.2,>=1.20.0"),
+        ("optimum-habana", "ops-memory", None, None, "<=1.21.2,>=1.20.0"),
+        ("transformers", "ops-P3", "concat", None, ">=4.56"),               # DynamicLayer.crop slices
+        ("transformers", "ops-P3", "concat", None, "<4.56"),                # the prefill's views of mixed_qkv
+        ("optimum-habana", "ops-P3", None, None, seed),                     # the seed bug
+        ("optimum-habana", "ops-P1", "static", None, before_1_20),          # static k-token crash
+        ("optimum-habana", "ops-P2", "static", None, before_1_20),
+        ("optimum-habana", "ops-P3", "static", None, "<1.20,>=1.13"),
+        ("optimum-habana", "ops-P3", "concat", None, "<1.20,>=1.13"),       # _crop_past_key_values slices
+        ("optimum-habana", "ops-memory", "concat", None, before_1_20),      # MptForCausalLM._reorder_cache
+        ("optimum-habana", "ops-memory", "static", None, before_1_20),
+        ("transformers", "ops-memory", "concat", None, "<4.51,>=4.40"),     # the same, on transformers' side
+    ], ops
 
 
 def crop_raising(exc: BaseException):
