@@ -136,7 +136,10 @@ def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32,
         with gaudi_target.gaudi_classes(module, patches):
             torch.manual_seed(seed)
             model = cls(config)
-        model.load_state_dict(reference.state_dict(), strict=True)
+        weights = reference.state_dict()
+        if port.state_dict is not None:  # the same weights in the port's layout (llama's fused_qkv)
+            weights = port.state_dict(weights, config)
+        model.load_state_dict(weights, strict=True)
     except TargetUnavailable:
         raise
     except Exception as e:
