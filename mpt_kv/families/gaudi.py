@@ -259,7 +259,14 @@ class GaudiPortRunner(ModelRunner):
         from mpt_kv.model.session import check_prompt
 
         check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)
-        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False, **self.port.forward_kwargs).logits
+        extra = dict(self.port.forward_kwargs)
+        if takes(self.model, "position_ids"):
+            # each token's slot, as the sessions pass: transformers' forward makes these itself,
+            # while a port may count them from the mask instead (gpt_bigcode,
+            # models/gpt_bigcode/modeling_gpt_bigcode.py:569-572): another function on padded rows
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            extra["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         self.sync()
         return out
 
