@@ -51,8 +51,8 @@ from mpt_kv.targets import Capabilities
 from mpt_kv.targets import gaudi as gaudi_target
 from mpt_kv.targets.wrappers import GaudiStyleSession, ModelRunner
 
-__all__ = ["PortError", "load_port_module", "port_patches", "build_port", "gaudi_runner", "GaudiPortRunner",
-           "GaudiPortSession", "max_positions"]
+__all__ = ["PortError", "load_port_module", "port_patches", "fork_loader", "build_port", "gaudi_runner",
+           "GaudiPortRunner", "GaudiPortSession", "max_positions"]
 
 
 class PortError(RuntimeError):
@@ -97,9 +97,37 @@ def load_port_module(family: Family):
 
 
 def port_patches(family: Family, module) -> list:
-    """The lines of this release's `adapt_transformers_to_gaudi` that write into the family's
-    transformers module (`GaudiPatch`: line, name, attribute, value), in file order."""
-    return gaudi_target.model_patches(module, _port(family).hf_module, family.name)
+    """The lines of the installed release's `adapt_transformers_to_gaudi` that write into the
+    family's transformers module (`GaudiPatch`: line, name, attribute, value), in file order, each
+    value looked up in `module`: the release's port module, or a fork of it (`fork_loader`),
+    which must define or re-export every name those lines assign."""
+    source = gaudi_target.optimum_habana_root() / "transformers" / "modeling_utils.py"
+    return gaudi_target.model_patches(module, _port(family).hf_module, family.name, source)
+
+
+def fork_loader(family_name: str, module_name: str):
+    """`GaudiPort.load` for a fork of a port: a module of your own (importable as `module_name`)
+    that imports from optimum-habana's port module and overrides what it changes. The release's
+    port of `family_name` is loaded first (its parent packages bare, under the stand-in where the
+    registry's entry says so), then the fork, under the stand-in too where that entry needs it.
+    Where a real habana_frameworks is installed, the fork is imported normally."""
+    def load():
+        from mpt_kv.families import FAMILIES
+
+        family = FAMILIES[family_name]
+        load_port_module(family)
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        try:
+            if family.gaudi.standin and importlib.util.find_spec("habana_frameworks") is None:
+                return habana_standin.import_with_standin(module_name)
+            return importlib.import_module(module_name)
+        except Exception as e:
+            raise PortError(f"the fork {module_name} of {gaudi_target.release()}'s {family_name} port fails to "
+                            f"import: {type(e).__name__}: {e}") from e
+
+    load.__qualname__ = f"fork_loader({family_name!r}, {module_name!r})"
+    return load
 
 
 def max_positions(config) -> int:
@@ -136,6 +164,7 @@ def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32,
         with gaudi_target.gaudi_classes(module, patches):
             torch.manual_seed(seed)
             model = cls(config)
+        patch_instances(model, module, patches)
         weights = reference.state_dict()
         if port.state_dict is not None:  # the same weights in the port's layout (llama's fused_qkv)
             weights = port.state_dict(weights, config)
@@ -150,6 +179,38 @@ def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32,
     if port.prepare is not None:
         port.prepare(model)
     return model, config
+
+
+_instance_classes: dict[tuple, type] = {}
+
+
+def patch_instances(model, module, patches) -> None:
+    """The attribute lines (`GPTNeoXModel.forward = gaudi_gpt_neox_model_forward`) on the built
+    model's own modules. adapt_transformers_to_gaudi sets them on transformers' class in place, so
+    they reach every instance of it, also one built through a name the port's module imported
+    itself (`from transformers...modeling_gpt_neox import GPTNeoXModel`), which `gaudi_classes`'
+    swap of the module's names does not reach. Here each module of the model whose class gets
+    that attribute from transformers' class (or from nowhere: `BloomPreTrainedModel.
+    _convert_to_standard_cache`) is moved to a subclass that has it; transformers' classes stay
+    untouched for the "transformers" implementation."""
+    hf = importlib.import_module(patches[0].hf_module) if patches else None
+    for p in patches:
+        if p.attribute is None:
+            continue
+        original = getattr(hf, p.name)
+        value = getattr(module, p.value)
+        for sub in model.modules():
+            cls = type(sub)
+            if not isinstance(sub, original):
+                continue
+            owner = next((k for k in cls.__mro__ if p.attribute in k.__dict__), None)
+            if owner is not None and owner is not original:
+                continue  # a Gaudi class defines it, or the attribute was already patched
+            key = (cls, p.attribute, value)
+            if key not in _instance_classes:
+                _instance_classes[key] = type(cls.__name__, (cls,), {p.attribute: value, "__module__": module.__name__,
+                                                                     "__qualname__": cls.__qualname__})
+            sub.__class__ = _instance_classes[key]
 
 
 def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float32, *, seed: int = 0,
@@ -175,10 +236,11 @@ class GaudiPortSession(GaudiStyleSession):
     """`GaudiStyleSession` for a family's port: the same token_idx protocol, plus what each
     forward of optimum-habana's generate carries for this port:
 
-    - `position_ids`: the slot of each token (prefill 0..S-1, step t at t), which is what
-      transformers' forward makes itself without them, so the uncached logits (no position_ids)
-      are the same function; without them a port's static path counts its positions from the
-      preallocated cache's length;
+    - `position_ids` and `cache_position` (where the forward names them): the slot of each
+      token (prefill 0..S-1, step t at t), which is what transformers' forward makes itself
+      without them, so the uncached logits (none passed) are the same function; without them a
+      port's static path counts its positions from the preallocated cache's length, and a port
+      with reuse_cache reads a torch.Size as a tensor (phi: modeling_phi.py:377);
     - the port's `forward_kwargs`, and `reuse_cache=True` with the runner option;
     - the cache as the port returned it (`kv()` reads it through `GaudiPort.kv`)."""
 
@@ -194,7 +256,10 @@ class GaudiPortSession(GaudiStyleSession):
         start = self.written if self.started else 0
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         extra = dict(self.port.forward_kwargs)
-        extra["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+        if self.runner.takes("position_ids"):  # BLOOM (ALiBi) takes none: its generate passes none
+            extra["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+        if self.runner.takes("cache_position"):  # generate always passes one (_get_initial_cache_position)
+            extra["cache_position"] = positions
         if token_idx is not None:
             extra["token_idx"] = token_idx
         if self.reuse:
@@ -203,7 +268,9 @@ class GaudiPortSession(GaudiStyleSession):
                 # (prepare_inputs_for_generation: `input_ids[:, :token_idx]` with reuse_cache)
                 prompt_len = int(token_idx.reshape(-1)[0])
                 input_ids, mask = input_ids[:, :prompt_len], mask[:, :prompt_len]
-                extra["position_ids"] = extra["position_ids"][:, :prompt_len]
+                for name in ("position_ids", "cache_position"):
+                    if name in extra:
+                        extra[name] = extra[name][..., :prompt_len]
                 self.port.allocate(self.runner.model, input_ids.shape[0], self.max_len, prompt_len)
             extra["reuse_cache"] = True
         if cache_idx is not None:
@@ -250,17 +317,15 @@ class GaudiPortRunner(ModelRunner):
         super().__init__(model, None, name=f"optimum-habana/{family.name}", cfg=limits,
                          capabilities=Capabilities(dict(self.port.unsupported)), detected=detected)
         self.version = gaudi_target.release()
-        if reuse_cache:
-            self.capabilities = Capabilities({**self.capabilities.unsupported,
-                                              "concat": "reuse_cache=True is optimum-habana's static path only"},
-                                             cache_pool=True)
+        if reuse_cache:  # static sessions reuse the preallocated cache; a concat session is the plain one
+            self.capabilities = Capabilities(self.capabilities.unsupported, cache_pool=True)
 
     def logits(self, input_ids, attention_mask):
         from mpt_kv.model.session import check_prompt
 
         check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)
         extra = dict(self.port.forward_kwargs)
-        if takes(self.model, "position_ids"):
+        if self.takes("position_ids"):
             # each token's slot, as the sessions pass: transformers' forward makes these itself,
             # while a port may count them from the mask instead (gpt_bigcode,
             # models/gpt_bigcode/modeling_gpt_bigcode.py:569-572): another function on padded rows
@@ -269,6 +334,10 @@ class GaudiPortRunner(ModelRunner):
         out = self.model(input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         self.sync()
         return out
+
+    def takes(self, name: str) -> bool:
+        """Whether the port's forward names the keyword `name` (see `takes`)."""
+        return takes(self.model, name)
 
     def blocks(self):
         return self.port.blocks(self.model)

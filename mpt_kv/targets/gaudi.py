@@ -144,11 +144,12 @@ def mpt_patches(module) -> list[MptPatch]:
     return model_patches(module, HF_MPT, "MPT")
 
 
-def model_patches(module, hf_module: str, label: str) -> list[MptPatch]:
+def model_patches(module, hf_module: str, label: str, source: Path | None = None) -> list[MptPatch]:
     """`mpt_patches` for the transformers module `hf_module` (`label`: how messages name the
     model, "MPT"): the lines of `adapt_transformers_to_gaudi` that write into it, each value looked
-    up in optimum-habana's `module`."""
-    path = Path(module.__file__).resolve().parents[2] / "modeling_utils.py"
+    up in `module` (optimum-habana's module of that model, or a fork of it). `source`: the
+    modeling_utils.py to read (default: the one of the release `module` lies in)."""
+    path = source or Path(module.__file__).resolve().parents[2] / "modeling_utils.py"
     try:
         tree = ast.parse(path.read_text(), filename=str(path))
     except (OSError, SyntaxError) as e:
