@@ -32,7 +32,7 @@ FAMILY = Family(
     },
     # optimum-habana 1.21.2 models/falcon/modeling_falcon.py: imports habana_frameworks.torch.core
     # at module level (line 28); legacy per-layer (key, value) (concat: tuples, static: [key, value]
-    # lists written with index_copy_ through KVCache.update, modeling_all_models.py:63-66);
+    # lists written with index_copy_ through KVCache.update, modeling_all_models.py:67);
     # reuse_cache: allocate_kv_cache (line 253) and the attention's own KVCache buffers.
     gaudi=GaudiPort(
         module="optimum.habana.transformers.models.falcon.modeling_falcon", causal_lm="GaudiFalconForCausalLM",

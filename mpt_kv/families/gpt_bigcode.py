@@ -17,7 +17,7 @@ FAMILY = Family(
     layers=lambda c: c.n_layer,
     # optimum-habana 1.21.2 models/gpt_bigcode/modeling_gpt_bigcode.py: imports
     # habana_frameworks.torch.core at module level (line 42); a list of fused key_value tensors
-    # (present = cat((key, value), -1), line 362); token_idx writes with an out-of-place
+    # (present = cat((key, value), -1), line 365); token_idx writes with an out-of-place
     # index_add on dim 1 (lines 356-359); no allocate_kv_cache, and generate asserts reuse_cache
     # off for gpt_bigcode (generation/utils.py:1420-1443).
     gaudi=GaudiPort(

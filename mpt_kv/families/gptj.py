@@ -15,7 +15,8 @@ FAMILY = Family(
     kv_heads=lambda c: c.n_head, head_dim=lambda c: c.n_embd // c.n_head, layers=lambda c: c.n_layer,
     # optimum-habana 1.21.2 models/gptj/modeling_gptj.py: imports habana_frameworks.torch.core at
     # module level (line 3); legacy per-layer (key, value) tuples; token_idx writes with
-    # index_copy_ (its own KVCache, line 29); reuse_cache: allocate_kv_cache (line 90).
+    # index_copy_ into the past it returned (line 225); reuse_cache: allocate_kv_cache (line 90) and
+    # its own KVCache (line 29).
     gaudi=GaudiPort(
         module="optimum.habana.transformers.models.gptj.modeling_gptj", causal_lm="GaudiGPTJForCausalLM",
         hf_module="transformers.models.gptj.modeling_gptj", standin=True,

@@ -14,7 +14,7 @@ def reuse_kv(model) -> list[tuple]:
 
 def fused_state_dict(state_dict: dict, config) -> dict:
     """transformers' weights in the port's layout: with fused_qkv the port has one `qkv_proj`
-    whose output it splits as [q, k, v] (models/llama/modeling_llama.py:474-479 and :592-594),
+    whose output it splits as [q, k, v] (models/llama/modeling_llama.py:476-483 and :600),
     so its weight is q_proj's, k_proj's and v_proj's stacked in that order."""
     if not getattr(config, "fused_qkv", False):
         return state_dict
@@ -34,7 +34,7 @@ FAMILY = Family(name="llama", model_type="llama", variants={
     "fused-qkv": {"intermediate_size": 64, "num_key_value_heads": 2, "fused_qkv": True}},
     # optimum-habana 1.21.2 models/llama/modeling_llama.py: imports habana_frameworks.torch.core at
     # module level (line 51); legacy per-layer (key, value) (concat: tuples, static: [key, value]
-    # lists written with index_copy_, KVCache.update line 337); reuse_cache: allocate_kv_cache
+    # lists written with index_copy_, KVCache.update lines 328-346); reuse_cache: allocate_kv_cache
     # (line 528). Its forward reads generation_config.use_fused_rope (line 1446): None, as a
     # GaudiGenerationConfig has it unless the user sets it.
     gaudi=GaudiPort(

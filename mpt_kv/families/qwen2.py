@@ -12,7 +12,7 @@ FAMILY = Family(name="qwen2", model_type="qwen2", variants={
     "gqa": {"intermediate_size": 64, "num_key_value_heads": 2}},
     # optimum-habana 1.21.2 models/qwen2/modeling_qwen2.py: imports habana_frameworks.torch.core at
     # module level (line 74); legacy per-layer (key, value); token_idx writes with index_copy_
-    # (KVCache, modeling_all_models.py:63-66); reuse_cache: allocate_kv_cache (line 337). Its
+    # (KVCache.update, modeling_all_models.py:67); reuse_cache: allocate_kv_cache (line 337). Its
     # forward reads generation_config.use_fused_rope (line 915).
     gaudi=GaudiPort(
         module="optimum.habana.transformers.models.qwen2.modeling_qwen2", causal_lm="GaudiQwen2ForCausalLM",
