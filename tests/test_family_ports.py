@@ -31,7 +31,8 @@ NOT_INSTALLED = "optimum-habana is not installed (pip install --no-deps optimum-
 needs_oh = pytest.mark.skipif(not HAVE_OH, reason=NOT_INSTALLED)
 
 STEPS, EXTEND, MAX_LEN = 3, 3, 16
-ENTRIES = json.loads((Path(__file__).resolve().parent.parent / "mpt_kv" / "families" / "known_failures.json").read_text())
+KNOWN = Path(__file__).resolve().parent.parent / "mpt_kv" / "families" / "known_failures.json"
+ENTRIES = json.loads(KNOWN.read_text())
 
 # every (family, variant) of this file's ports; which of them pass what (the rest: findings below)
 PORTS = [("falcon", "alibi"), ("falcon", "rotary-mqa"), ("falcon", "new-arch-gqa"), ("gpt_bigcode", "mqa"),
@@ -56,7 +57,8 @@ def runners():
 
     def get(name, variant, reuse=False):
         if (name, variant, reuse) not in made:
-            made[name, variant, reuse] = gaudi.gaudi_runner(FAMILIES[name], variant, reuse_cache=reuse)  # PortError fails
+            # a port that does not load raises PortError here: the test fails, it never skips
+            made[name, variant, reuse] = gaudi.gaudi_runner(FAMILIES[name], variant, reuse_cache=reuse)
         return made[name, variant, reuse]
 
     return get
@@ -151,8 +153,9 @@ def test_the_ports_cached_calls_give_its_uncached_forward(runners, name, variant
 def test_a_family_without_a_port_in_the_release_is_unavailable_naming_it():
     for name in NO_PORT:
         variant = next(iter(FAMILIES[name].variants))
-        reason = NOT_INSTALLED if not HAVE_OH else rf"optimum-habana \S+ has no port of {name}: .*modeling_{name}.py does not exist"
-        with pytest.raises(TargetUnavailable, match=reason if HAVE_OH else re.escape(reason)):
+        reason = (rf"optimum-habana \S+ has no port of {name}: .*modeling_{name}.py does not exist" if HAVE_OH
+                  else re.escape(NOT_INSTALLED))
+        with pytest.raises(TargetUnavailable, match=reason):
             gaudi.gaudi_runner(FAMILIES[name], variant)
 
 
@@ -167,74 +170,95 @@ def raised_at(excinfo, where: str) -> bool:
 
 def entry_reading(name, variant, path, message) -> dict:
     """The optimum-habana entry of this family variant (for this path) whose pattern reads `message`."""
-    hits = [e for e in ENTRIES if e.get("implementation") == "optimum-habana" and (e["family"], e["variant"]) == (name, variant)
-            and e.get("path", path) == path and re.search(e["pattern"], message)]
+    hits = [e for e in ENTRIES if e.get("implementation") == "optimum-habana" and e.get("path", path) == path
+            and (e["family"], e["variant"]) == (name, variant) and re.search(e["pattern"], message)]
     assert hits, f"no optimum-habana entry of {name}/{variant} ({path}) in known_failures.json reads: {message}"
     return hits[0]
 
 
-# (family, variant, path, ops after the prefill, the failing operation, exception, message, raised at, named upstream)
+OH = "optimum/habana/transformers/"
+MASK, MODELS = OH + "modeling_attn_mask_utils.py", OH + "models/"
+EXPANDED = r"The expanded size of the tensor \(\d+\) must match the existing size \(\d+\)"
+
+
+def crash(name, variant, path, ops, operation, error, message, raised, named):
+    """A crash found in a port: the program (ops after the prefill) on `path`, the operation that
+    raises `error` with `message` (a regex), from the frame `raised` (file:line; None: the
+    attribute lookup of mpt-kv's own call), and what the entry's upstream names (`named`)."""
+    return pytest.param(name, variant, path, ops, operation, error, message, raised, named,
+                        id=f"{name}/{variant}/{path}/{operation}")
+
+
 CRASHES = [
-    ("llama", "gqa", "concat", ["decode", "extend"], "extend", RuntimeError, r"The expanded size of the tensor \(10\) must "
-     r"match the existing size \(7\)", "optimum/habana/transformers/modeling_attn_mask_utils.py:79", "modeling_attn_mask_utils.py:54"),
-    ("llama", "gqa", "static", ["decode", "extend"], "extend", RuntimeError, r"The expanded size of the tensor \(19\) must "
-     r"match the existing size \(16\)", "optimum/habana/transformers/modeling_attn_mask_utils.py:79", "modeling_attn_mask_utils.py:54"),
-    ("qwen2", "gqa", "concat", ["extend"], "extend", RuntimeError, r"The expanded size of the tensor \(\d+\) must match",
-     "optimum/habana/transformers/modeling_attn_mask_utils.py:79", "modeling_attn_mask_utils.py:54"),
-    ("falcon", "rotary-mqa", "concat", ["extend"], "extend", RuntimeError, r"The expanded size of the tensor \(\d+\) must "
-     "match", "optimum/habana/transformers/modeling_attn_mask_utils.py:79", "modeling_attn_mask_utils.py:54"),
-    ("falcon", "rotary-mqa", "static", ["extend"], "extend", RuntimeError, r"The size of tensor a \(16\) must match the "
-     r"size of tensor b \(3\) at non-singleton dimension 3", "optimum/habana/transformers/modeling_attn_mask_utils.py:128",
-     "modeling_attn_mask_utils.py:128"),
-    ("gptj", "mha", "static", ["extend"], "extend", IndexError, r"index_copy_\(\): Number of indices \(1\) should be equal "
-     r"to source.size\(dim\) \(3\)", "optimum/habana/transformers/models/gptj/modeling_gptj.py:225", "modeling_gptj.py:225"),
-    ("gptj", "mha", "static+reuse", ["extend"], "extend", RuntimeError, r"The size of tensor a \(6\) must match the size "
-     r"of tensor b \(3\) at non-singleton dimension 2", "optimum/habana/transformers/models/gptj/modeling_gptj.py:52",
-     "modeling_gptj.py:51-53"),
-    ("gpt_bigcode", "mqa", "static", ["extend"], "extend", RuntimeError, r"index_add_\(\): Number of indices \(1\) should "
-     r"be equal to source.size\(dim\): \(3\), for dim: 1",
-     "optimum/habana/transformers/models/gpt_bigcode/modeling_gpt_bigcode.py:358", "modeling_gpt_bigcode.py:358"),
-    ("gpt_bigcode", "mha", "static", ["decode"], "decode", RuntimeError, r"INDICES element is out of DATA bounds, id=6 "
-     r"axis_dim=4", "optimum/habana/transformers/models/gpt_bigcode/modeling_gpt_bigcode.py:358", "modeling_gpt_bigcode.py:358"),
-    ("falcon", "rotary-mqa", "concat", ["decode", "reorder"], "reorder", AttributeError, r"'GaudiFalconForCausalLM' "
-     r"object has no attribute '_reorder_cache'", "optimum/habana/transformers/generation/utils.py:191", "utils.py:190-191"),
-    ("gpt_bigcode", "mqa", "concat", ["decode", "reorder"], "reorder", AttributeError, r"'GaudiGPTBigCodeForCausalLM' "
-     r"object has no attribute '_reorder_cache'", "optimum/habana/transformers/generation/utils.py:191", "utils.py:190-191"),
-    ("gptj", "mha", "concat", ["decode", "reorder"], "reorder", AttributeError, r"'GaudiGPTJForCausalLM' object has no "
-     r"attribute '_reorder_cache'", "optimum/habana/transformers/generation/utils.py:191", "utils.py:190-191"),
-    ("falcon", "rotary-mqa", "static+reuse", ["decode", "reorder"], "reorder", AttributeError, r"'GaudiFalconForCausalLM' "
-     r"object has no attribute 'reorder_kv_cache'", None, "utils.py:3461"),
-    ("falcon", "alibi", "static+reuse", [], "prefill", RuntimeError, r"output with shape \[2, 1, 6, 8\] doesn't match the "
-     r"broadcast shape \[2, 4, 6, 8\]", "optimum/habana/transformers/models/modeling_all_models.py:63", "modeling_falcon.py:257"),
-    ("falcon", "new-arch-gqa", "concat", ["decode"], "decode", RuntimeError, r"shape '\[2, 4, 2, 1, 8\]' is invalid for "
-     "input of size 64", "optimum/habana/transformers/models/falcon/modeling_falcon.py:111", "modeling_falcon.py:301"),
-    ("falcon", "new-arch-gqa", "static", ["decode"], "decode", RuntimeError, r"shape '\[2, 4, 2, 1, 8\]' is invalid for "
-     "input of size 64", "optimum/habana/transformers/models/falcon/modeling_falcon.py:111", "modeling_falcon.py:301"),
-    ("falcon", "new-arch-gqa", "static+reuse", [], "prefill", RuntimeError, r"The size of tensor a \(2\) must match the "
-     r"size of tensor b \(4\) at non-singleton dimension 1", "optimum/habana/transformers/models/modeling_all_models.py:63",
-     "modeling_falcon.py:255"),
-    ("llama", "fused-qkv", "concat", [], "prefill", AttributeError, r"'NoneType' object has no attribute 'weight'",
-     "optimum/habana/transformers/models/llama/modeling_llama.py:524", "modeling_llama.py:524"),
-    ("llama", "fused-qkv", "static", [], "prefill", AttributeError, r"'NoneType' object has no attribute 'weight'",
-     "optimum/habana/transformers/models/llama/modeling_llama.py:524", "modeling_llama.py:524"),
-    ("llama", "fused-qkv", "static+reuse", [], "prefill", AttributeError, r"'NoneType' object has no attribute 'weight'",
-     "optimum/habana/transformers/models/llama/modeling_llama.py:515", ":515"),
-    ("mistral", "gqa", "concat", [], "prefill", RuntimeError, r"The size of tensor a \(4\) must match the size of tensor b "
-     r"\(6\) at non-singleton dimension 1", "optimum/habana/transformers/models/mistral/modeling_mistral.py:710",
-     "modeling_mistral.py:710"),
-    ("starcoder2", "gqa", "concat", [], "prefill", KeyError, r"'input_shape'",
-     "optimum/habana/transformers/models/starcoder2/modeling_starcoder2.py:121", "modeling_starcoder2.py:121"),
-    ("starcoder2", "gqa", "static+reuse", [], "prefill", AttributeError, r"'GaudiStarcoder2Attention' object has no "
-     r"attribute 'num_key_value_heads'", "optimum/habana/transformers/models/starcoder2/modeling_starcoder2.py:156",
-     "modeling_starcoder2.py:156"),
+    crash("llama", "gqa", "concat", ["decode", "extend"], "extend", RuntimeError,
+          r"The expanded size of the tensor \(10\) must match the existing size \(7\)", MASK + ":79",
+          "modeling_attn_mask_utils.py:54"),
+    crash("llama", "gqa", "static", ["decode", "extend"], "extend", RuntimeError,
+          r"The expanded size of the tensor \(19\) must match the existing size \(16\)", MASK + ":79",
+          "modeling_attn_mask_utils.py:54"),
+    crash("qwen2", "gqa", "concat", ["extend"], "extend", RuntimeError, EXPANDED, MASK + ":79",
+          "modeling_attn_mask_utils.py:54"),
+    crash("falcon", "rotary-mqa", "concat", ["extend"], "extend", RuntimeError, EXPANDED, MASK + ":79",
+          "modeling_attn_mask_utils.py:54"),
+    crash("falcon", "rotary-mqa", "static", ["extend"], "extend", RuntimeError,
+          r"The size of tensor a \(16\) must match the size of tensor b \(3\) at non-singleton dimension 3",
+          MASK + ":128", "modeling_attn_mask_utils.py:128"),
+    crash("gptj", "mha", "static", ["extend"], "extend", IndexError,
+          r"index_copy_\(\): Number of indices \(1\) should be equal to source.size\(dim\) \(3\)",
+          MODELS + "gptj/modeling_gptj.py:225", "modeling_gptj.py:225"),
+    crash("gptj", "mha", "static+reuse", ["extend"], "extend", RuntimeError,
+          r"The size of tensor a \(6\) must match the size of tensor b \(3\) at non-singleton dimension 2",
+          MODELS + "gptj/modeling_gptj.py:52", "modeling_gptj.py:51-53"),
+    crash("gpt_bigcode", "mqa", "static", ["extend"], "extend", RuntimeError,
+          r"index_add_\(\): Number of indices \(1\) should be equal to source.size\(dim\): \(3\), for dim: 1",
+          MODELS + "gpt_bigcode/modeling_gpt_bigcode.py:358", "modeling_gpt_bigcode.py:358"),
+    crash("gpt_bigcode", "mha", "static", ["decode"], "decode", RuntimeError,
+          r"INDICES element is out of DATA bounds, id=6 axis_dim=4", MODELS + "gpt_bigcode/modeling_gpt_bigcode.py:358",
+          "modeling_gpt_bigcode.py:358"),
+    crash("falcon", "rotary-mqa", "concat", ["decode", "reorder"], "reorder", AttributeError,
+          r"'GaudiFalconForCausalLM' object has no attribute '_reorder_cache'", OH + "generation/utils.py:191",
+          "utils.py:190-191"),
+    crash("gpt_bigcode", "mqa", "concat", ["decode", "reorder"], "reorder", AttributeError,
+          r"'GaudiGPTBigCodeForCausalLM' object has no attribute '_reorder_cache'", OH + "generation/utils.py:191",
+          "utils.py:190-191"),
+    crash("gptj", "mha", "concat", ["decode", "reorder"], "reorder", AttributeError,
+          r"'GaudiGPTJForCausalLM' object has no attribute '_reorder_cache'", OH + "generation/utils.py:191",
+          "utils.py:190-191"),
+    crash("falcon", "rotary-mqa", "static+reuse", ["decode", "reorder"], "reorder", AttributeError,
+          r"'GaudiFalconForCausalLM' object has no attribute 'reorder_kv_cache'", None, "utils.py:3461"),
+    crash("falcon", "alibi", "static+reuse", [], "prefill", RuntimeError,
+          r"output with shape \[2, 1, 6, 8\] doesn't match the broadcast shape \[2, 4, 6, 8\]",
+          MODELS + "modeling_all_models.py:63", "modeling_falcon.py:257"),
+    crash("falcon", "new-arch-gqa", "concat", ["decode"], "decode", RuntimeError,
+          r"shape '\[2, 4, 2, 1, 8\]' is invalid for input of size 64", MODELS + "falcon/modeling_falcon.py:111",
+          "modeling_falcon.py:301"),
+    crash("falcon", "new-arch-gqa", "static", ["decode"], "decode", RuntimeError,
+          r"shape '\[2, 4, 2, 1, 8\]' is invalid for input of size 64", MODELS + "falcon/modeling_falcon.py:111",
+          "modeling_falcon.py:301"),
+    crash("falcon", "new-arch-gqa", "static+reuse", [], "prefill", RuntimeError,
+          r"The size of tensor a \(2\) must match the size of tensor b \(4\) at non-singleton dimension 1",
+          MODELS + "modeling_all_models.py:63", "modeling_falcon.py:255"),
+    crash("llama", "fused-qkv", "concat", [], "prefill", AttributeError, r"'NoneType' object has no attribute 'weight'",
+          MODELS + "llama/modeling_llama.py:524", "modeling_llama.py:524"),
+    crash("llama", "fused-qkv", "static", [], "prefill", AttributeError, r"'NoneType' object has no attribute 'weight'",
+          MODELS + "llama/modeling_llama.py:524", "modeling_llama.py:524"),
+    crash("llama", "fused-qkv", "static+reuse", [], "prefill", AttributeError,
+          r"'NoneType' object has no attribute 'weight'", MODELS + "llama/modeling_llama.py:515", ":515"),
+    crash("mistral", "gqa", "concat", [], "prefill", RuntimeError,
+          r"The size of tensor a \(4\) must match the size of tensor b \(6\) at non-singleton dimension 1",
+          MODELS + "mistral/modeling_mistral.py:710", "modeling_mistral.py:710"),
+    crash("starcoder2", "gqa", "concat", [], "prefill", KeyError, r"'input_shape'",
+          MODELS + "starcoder2/modeling_starcoder2.py:121", "modeling_starcoder2.py:121"),
+    crash("starcoder2", "gqa", "static+reuse", [], "prefill", AttributeError,
+          r"'GaudiStarcoder2Attention' object has no attribute 'num_key_value_heads'",
+          MODELS + "starcoder2/modeling_starcoder2.py:156", "modeling_starcoder2.py:156"),
 ]
 
 
 @needs_oh
-@pytest.mark.parametrize("name,variant,path,ops,operation,error,message,raised,named", CRASHES,
-                         ids=[f"{c[0]}/{c[1]}/{c[2]}/{c[4]}" for c in CRASHES])
-def test_a_crash_found_in_the_port_reproduces_and_its_entry_reads_it(runners, name, variant, path, ops, operation, error,
-                                                                     message, raised, named):
+@pytest.mark.parametrize("name,variant,path,ops,operation,error,message,raised,named", CRASHES)
+def test_a_crash_found_in_the_port_reproduces_and_its_entry_reads_it(runners, name, variant, path, ops, operation,
+                                                                     error, message, raised, named):
     runner, session = session_of(runners, name, variant, path)
     config = build(FAMILIES[name], variant)[1]
     with pytest.raises(error) as e, torch.inference_mode():
@@ -298,8 +322,8 @@ def test_falcon_alibi_prefill_cache_is_a_view_of_query_key_value(runners):
         fused = outputs[layer].untyped_storage()
         assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() == fused.data_ptr()
         assert fused.nbytes() == 3 * k.numel() * k.element_size()  # q, k, v: the q third pinned
-    entry_reading("falcon", "alibi", "concat", "family-P3 cache pins storage after prefill: layer 0 key (2, 4, 6, 8) and "
-                  "layer 0 value (2, 4, 6, 8) are views of transformer.h.0.self_attention.query_key_value's output")
+    entry_reading("falcon", "alibi", "concat", "family-P3 cache pins storage after prefill: layer 0 key (2, 4, 6, 8) "
+                  "and layer 0 value (2, 4, 6, 8) are views of transformer.h.0.self_attention.query_key_value's output")
 
 
 @needs_oh
