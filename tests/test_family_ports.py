@@ -334,3 +334,30 @@ def test_falcon_new_arch_caches_kv_broadcast_to_every_query_head(runners):
         run_program(session, config, [])
     k, v = session.kv()[0]
     assert k.shape[1] == v.shape[1] == config.num_attention_heads != FAMILIES["falcon"].kv_heads(config)
+
+
+@needs_oh
+@pytest.mark.parametrize("path", ["concat", "static"])
+def test_falcon_new_arch_with_8_kv_heads_takes_the_other_branch_and_decodes(path):
+    """The new-arch finding is num_kv_heads != 8's: with 8 (Falcon-40B/180B's) the port caches 8
+    K/V heads and its decode gives its uncached forward. A variant made here only: not drawn in the
+    matrix (its cost), the registry's new-arch-gqa stays the finding's."""
+    from dataclasses import replace
+
+    falcon = FAMILIES["falcon"]
+    kv8 = {"alibi": False, "new_decoder_architecture": True, "num_kv_heads": 8, "hidden_size": 64,
+           "num_attention_heads": 16}
+    family = replace(falcon, variants={**falcon.variants, "new-arch-kv8": kv8})
+    runner = gaudi.gaudi_runner(family, "new-arch-kv8")
+    config = family.config("new-arch-kv8")
+    session = runner.session(path, MAX_LEN)
+    ids, mask = prompt(config)
+    with torch.inference_mode():
+        steps = [(op, logits.clone(), tokens) for op, logits, tokens in run_program(session, config, ["decode"] * STEPS)]
+        seq = torch.cat([tokens for _, _, tokens in steps], 1)
+        full = runner.logits(seq, torch.cat([mask, torch.ones(BATCH, STEPS, dtype=mask.dtype)], 1))
+    for i, (op, logits, _) in enumerate(steps[1:], 1):
+        assert_close(logits.reshape(BATCH, -1), full[:, PROMPT - 1 + i], tolerance(torch.float32, f"logits:{path}"),
+                     f"{op} vs uncached", dict(target="optimum-habana/falcon", variant="new-arch-kv8", path=path))
+    k, v = session.kv()[0]
+    assert k.shape[1] == v.shape[1] == 8
