@@ -124,7 +124,7 @@ def test_registry_has_the_families_and_fused_names():
     fused = {n: f.fused for n, f in FAMILIES.items()}
     assert fused["mpt"] == fused["dbrx"] == "Wqkv" and fused["gpt2"] == fused["gpt_bigcode"] == "c_attn"
     assert fused["llama"] is fused["gptj"] is fused["phi"] is None
-    with pytest.raises(ValueError, match=r"family llama has no variant 'x': variants \['gqa', 'mha', 'mqa'\]"):
+    with pytest.raises(ValueError, match=r"family llama has no variant 'x': variants \['fused-qkv', 'gqa', 'mha', 'mqa'\]"):
         FAMILIES["llama"].config("x")
 
 

@@ -55,7 +55,10 @@ class GaudiPort:
     port then returns no tensors as past_key_values; only where reuse_cache is None);
     prepare: (model) -> None: run once after the weights are loaded (optional);
     load: () -> the port's module, for a family whose loader exists already (mpt:
-    `mpt_kv.targets.gaudi.load_gaudi_mpt_module`); None: `mpt_kv.families.gaudi.load_port_module`.
+    `mpt_kv.targets.gaudi.load_gaudi_mpt_module`); None: `mpt_kv.families.gaudi.load_port_module`;
+    state_dict: (transformers' state_dict, config) -> the same weights in the port's parameter
+    layout, where a variant's port names them otherwise (llama's fused_qkv: one qkv_proj);
+    None: transformers' state_dict as it is.
     """
 
     module: str
@@ -72,6 +75,7 @@ class GaudiPort:
     reuse_kv: Callable | None = None
     prepare: Callable | None = None
     load: Callable | None = None
+    state_dict: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """DBRX: fused `Wqkv`, rotary, GQA (attn_config.kv_n_heads), mixture-of-experts MLP."""
 
-from mpt_kv.families.base import Family
+from mpt_kv.families.base import Family, GaudiPort
 
 FAMILY = Family(
     name="dbrx", model_type="dbrx", fused="Wqkv",
@@ -13,4 +13,9 @@ FAMILY = Family(
                       "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 1}}},
     kv_heads=lambda c: c.attn_config.kv_n_heads, head_dim=lambda c: c.d_model // c.n_heads,
     layers=lambda c: c.n_layers,
+    # optimum-habana 1.21.2 ships no dbrx port: no models/dbrx/ and no dbrx line in
+    # adapt_transformers_to_gaudi (modeling_utils.py). The entry names where a release would put
+    # it, so the runner's TargetUnavailable says the installed release has none.
+    gaudi=GaudiPort(module="optimum.habana.transformers.models.dbrx.modeling_dbrx", causal_lm="GaudiDbrxForCausalLM",
+                    hf_module="transformers.models.dbrx.modeling_dbrx"),
 )

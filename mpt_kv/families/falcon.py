@@ -1,7 +1,7 @@
 """Falcon: fused `query_key_value`; ALiBi or rotary; multi-query (one K/V head) or the new
 decoder architecture (num_kv_heads K/V heads)."""
 
-from mpt_kv.families.base import Family
+from mpt_kv.families.base import Family, GaudiPort
 
 
 def kv_heads(c) -> int:
@@ -17,6 +17,11 @@ def stored_kv_heads(c) -> int | None:
     return c.num_attention_heads if c.new_decoder_architecture else kv_heads(c)
 
 
+def reuse_kv(model) -> list[tuple]:
+    """With reuse_cache the port returns only the shapes; its cache is each attention's KVCache."""
+    return [(b.self_attention.k_cache.cache, b.self_attention.v_cache.cache) for b in model.transformer.h]
+
+
 FAMILY = Family(
     name="falcon", model_type="falcon", fused="query_key_value", kv_heads=kv_heads,
     stored_kv_heads=stored_kv_heads,
@@ -25,4 +30,16 @@ FAMILY = Family(
         "rotary-mqa": {"alibi": False, "multi_query": True},
         "new-arch-gqa": {"alibi": False, "new_decoder_architecture": True, "num_kv_heads": 2},
     },
+    # optimum-habana 1.21.2 models/falcon/modeling_falcon.py: imports habana_frameworks.torch.core
+    # at module level (line 28); legacy per-layer (key, value) (concat: tuples, static: [key, value]
+    # lists written with index_copy_ through KVCache.update, modeling_all_models.py:67);
+    # reuse_cache: allocate_kv_cache (line 253) and the attention's own KVCache buffers.
+    gaudi=GaudiPort(
+        module="optimum.habana.transformers.models.falcon.modeling_falcon", causal_lm="GaudiFalconForCausalLM",
+        hf_module="transformers.models.falcon.modeling_falcon", standin=True,
+        forward_kwargs={"use_flash_attention": False, "flash_attention_recompute": False,
+                        "flash_attention_causal_mask": False},
+        unsupported={"bucket": "optimum-habana's bucket_internal pads the returned cache in generate "
+                               "(_pad_past_key_values), which this driver does not do"},
+        reuse_cache=None, reuse_kv=reuse_kv),
 )

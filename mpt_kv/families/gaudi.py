@@ -165,7 +165,10 @@ def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32,
             torch.manual_seed(seed)
             model = cls(config)
         patch_instances(model, module, patches)
-        model.load_state_dict(reference.state_dict(), strict=True)
+        weights = reference.state_dict()
+        if port.state_dict is not None:  # the same weights in the port's layout (llama's fused_qkv)
+            weights = port.state_dict(weights, config)
+        model.load_state_dict(weights, strict=True)
     except TargetUnavailable:
         raise
     except Exception as e:
@@ -321,7 +324,14 @@ class GaudiPortRunner(ModelRunner):
         from mpt_kv.model.session import check_prompt
 
         check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)
-        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False, **self.port.forward_kwargs).logits
+        extra = dict(self.port.forward_kwargs)
+        if self.takes("position_ids"):
+            # each token's slot, as the sessions pass: transformers' forward makes these itself,
+            # while a port may count them from the mask instead (gpt_bigcode,
+            # models/gpt_bigcode/modeling_gpt_bigcode.py:569-572): another function on padded rows
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            extra["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         self.sync()
         return out
 

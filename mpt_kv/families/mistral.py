@@ -1,6 +1,25 @@
 """Mistral: separate q/k/v, rotary, GQA, sliding window (longer than the tiny prompts)."""
 
-from mpt_kv.families.base import Family
+from mpt_kv.families.base import Family, GaudiPort
+
+
+def reuse_kv(model) -> list[tuple]:
+    """With reuse_cache the port returns only the shapes; its cache is each attention's KVCache."""
+    return [(layer.self_attn.k_cache.cache, layer.self_attn.v_cache.cache) for layer in model.model.layers]
+
 
 FAMILY = Family(name="mistral", model_type="mistral", variants={
-    "gqa": {"intermediate_size": 64, "num_key_value_heads": 2}})
+    "gqa": {"intermediate_size": 64, "num_key_value_heads": 2}},
+    # optimum-habana 1.21.2 models/mistral/modeling_mistral.py: imports habana_frameworks.torch.core
+    # at module level (line 25); legacy per-layer (key, value); reuse_cache: allocate_kv_cache
+    # (line 184). Its forward reads generation_config.use_fused_rope (line 578).
+    gaudi=GaudiPort(
+        module="optimum.habana.transformers.models.mistral.modeling_mistral", causal_lm="GaudiMistralForCausalLM",
+        hf_module="transformers.models.mistral.modeling_mistral", standin=True,
+        generation={"use_fused_rope": None},
+        forward_kwargs={"lazy_mode": False, "use_flash_attention": False, "attn_softmax_bf16": False,
+                        "trim_logits": False},
+        unsupported={"bucket": "optimum-habana's bucket_internal pads the returned cache in generate "
+                               "(_pad_past_key_values), which this driver does not do"},
+        reuse_cache=None, reuse_kv=reuse_kv),
+)
