@@ -3,7 +3,7 @@ file): the same idea as `mpt_kv.targets.known_failures` (whose field, pattern an
 it shares), keyed by implementation, family, variant, property and path.
 
     {"family": "mpt", "variant": "alibi", "property": "family-P3",
-     "when": {"transformers": "<4.56"},
+     "when": {"transformers": ">=4.55,<4.56"},
      "pattern": "layer 0 key .* (is a view|are views) of .*Wqkv's output",
      "upstream": "transformers/cache_utils.py:NNN", "reason": "..."}
 
