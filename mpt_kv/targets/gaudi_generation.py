@@ -17,8 +17,9 @@ What optimum-habana 1.21.2 does (docs/operations.md cites the lines):
 Releases before 1.20 do it otherwise, and each release is driven by its own code (read from its
 file, so the release sweep runs what each one runs): their `_beam_search` calls the model's
 `self._temporary_reorder_cache(...)` (transformers' GenerationMixin method; 1.18.1
-generation/utils.py:3368) and their `_assisted_decoding` crops with transformers'
-`_crop_past_key_values(self, outputs.past_key_values, new_cache_size)` (1.18.1 :4088), which
+generation/utils.py:3368; 1.7.x the model's `_reorder_cache` directly) and their assisted decoding
+crops with transformers' `_crop_past_key_values(self, outputs.past_key_values, new_cache_size)`
+(1.18.1 :4088; 1.11.1 has no `_assisted_decoding` of its own: transformers' calls it), which
 slices tuple caches.
 """
 
@@ -88,8 +89,10 @@ def temporary_reorder_cache(model, past_key_values, beam_idx):
     source = installed_generation_source()
     if source is not None and has_module_function(source, "_temporary_reorder_cache"):
         return optimum_habana_function("_temporary_reorder_cache")(model, past_key_values, beam_idx)
-    if source is not None:
+    if source is not None and "self._temporary_reorder_cache(" in source:
         return model._temporary_reorder_cache(past_key_values, beam_idx)
+    if source is not None and "self._reorder_cache(" in source:  # 1.7.x: the model's own, directly
+        return model._reorder_cache(past_key_values, beam_idx)
     if isinstance(past_key_values, (tuple, list)):
         return model._reorder_cache(past_key_values, beam_idx)
     past_key_values.reorder_cache(beam_idx)
@@ -97,9 +100,15 @@ def temporary_reorder_cache(model, past_key_values, beam_idx):
 
 
 def crops_with_transformers_function(source: str | None) -> bool:
-    """Whether the installed `_assisted_decoding` crops with transformers' `_crop_past_key_values`
-    (releases before 1.20) rather than the cache's own `crop` method."""
-    return source is not None and "_crop_past_key_values(self, outputs.past_key_values" in source
+    """Whether the installed release's assisted decoding crops with transformers'
+    `_crop_past_key_values` (1.13 to 1.18 call it; a release whose generation/utils.py crops
+    nowhere, as 1.11.1, runs transformers' own `_assisted_decoding`, which calls it) rather than
+    the cache's own `crop` method (1.20 and later)."""
+    if source is None:
+        return False
+    if "_crop_past_key_values(self, outputs.past_key_values" in source:
+        return True
+    return ".past_key_values.crop(" not in source
 
 
 def assisted_crop(past_key_values, length: int, model=None):
