@@ -40,7 +40,7 @@ def port_installed():
         gaudi_runner(FAMILIES[FAMILY], VARIANT)  # a Family, not its name (the checks take either)
     except TargetUnavailable as e:
         if str(e).startswith("optimum-habana is not installed"):  # docs: the only message that means absent
-            pytest.skip(f"optimum-habana is not installed: {e}")
+            pytest.skip(str(e))
         raise
 
 
