@@ -1,7 +1,7 @@
 """A fork of optimum-habana 1.21.2's GPT-NeoX port with the seed bug class put back.
 
 The port's ``GaudiGPTNeoXAttention.forward`` (optimum/habana/transformers/models/gpt_neox/
-modeling_gpt_neox.py:136) ends the q/k/v split with ``value = value.contiguous()``; this fork drops
+modeling_gpt_neox.py:138) ends the q/k/v split with ``value = value.contiguous()``; this fork drops
 it, so at the prefill the cached V is a view (a permuted slice) of ``query_key_value``'s output,
 which pins the whole fused output (q, k and v of every token) until the first decode step's
 ``torch.cat`` copies. K stays an owning tensor: rotary embeddings and the ``torch.cat`` with its
