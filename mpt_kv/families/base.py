@@ -26,6 +26,21 @@ def allocate_kv_cache(model, batch: int, max_len: int, prompt_len: int) -> None:
     model.allocate_kv_cache(batch, max_len, prompt_len)
 
 
+# What optimum-habana's generate passes the llama-style ports' forward by default (its
+# GaudiGenerationConfig's defaults, off an HPU): shared by the entries that read them.
+GENERATE_FORWARD_KWARGS = {"lazy_mode": False, "use_flash_attention": False, "attn_softmax_bf16": False,
+                           "trim_logits": False}
+# Why no port but MPT's drives cache_idx buckets here.
+NO_BUCKETS = {"bucket": "optimum-habana's bucket_internal pads the returned cache in generate "
+                        "(_pad_past_key_values), which this driver does not do"}
+
+
+def self_attn_kv_caches(model) -> list[tuple]:
+    """With reuse_cache a llama-style port returns only shapes as past_key_values; its cache is
+    each layer's `self_attn.k_cache` / `v_cache` KVCache buffers (models/modeling_all_models.py)."""
+    return [(layer.self_attn.k_cache.cache, layer.self_attn.v_cache.cache) for layer in model.model.layers]
+
+
 @dataclass(frozen=True)
 class GaudiPort:
     """optimum-habana's Gaudi port of a family, as `mpt_kv.families.gaudi` loads and drives it

@@ -1,7 +1,7 @@
 """Falcon: fused `query_key_value`; ALiBi or rotary; multi-query (one K/V head) or the new
 decoder architecture (num_kv_heads K/V heads)."""
 
-from mpt_kv.families.base import Family, GaudiPort
+from mpt_kv.families.base import Family, GaudiPort, NO_BUCKETS
 
 
 def kv_heads(c) -> int:
@@ -39,7 +39,6 @@ FAMILY = Family(
         hf_module="transformers.models.falcon.modeling_falcon", standin=True,
         forward_kwargs={"use_flash_attention": False, "flash_attention_recompute": False,
                         "flash_attention_causal_mask": False},
-        unsupported={"bucket": "optimum-habana's bucket_internal pads the returned cache in generate "
-                               "(_pad_past_key_values), which this driver does not do"},
+        unsupported=NO_BUCKETS,
         reuse_cache=None, reuse_kv=reuse_kv),
 )

@@ -1,6 +1,6 @@
 """GPT-BigCode (starcoder 1): fused `c_attn`; multi-query by default (one K/V head)."""
 
-from mpt_kv.families.base import Family, GaudiPort
+from mpt_kv.families.base import Family, GaudiPort, NO_BUCKETS
 
 
 def fused_kv(past) -> list[tuple]:
@@ -26,8 +26,7 @@ FAMILY = Family(
         standin=True, kv=fused_kv,
         forward_kwargs={"use_flash_attention": False, "flash_attention_recompute": False,
                         "flash_attention_fast_softmax": False, "flash_attention_causal_mask": False},
-        unsupported={"bucket": "optimum-habana's bucket_internal pads the returned cache in generate "
-                               "(_pad_past_key_values), which this driver does not do"},
+        unsupported=NO_BUCKETS,
         reuse_cache="GaudiGPTBigCodeForCausalLM has no allocate_kv_cache, and optimum-habana 1.21.2's generate "
                     "asserts reuse_cache off for gpt_bigcode (generation/utils.py:1420-1443)"),
 )

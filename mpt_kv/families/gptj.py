@@ -1,6 +1,6 @@
 """GPT-J: separate q/k/v, partial rotary (rotary_dim), parallel attention and MLP."""
 
-from mpt_kv.families.base import Family, GaudiPort
+from mpt_kv.families.base import Family, GaudiPort, NO_BUCKETS
 
 
 def reuse_kv(model) -> list[tuple]:
@@ -20,7 +20,6 @@ FAMILY = Family(
     gaudi=GaudiPort(
         module="optimum.habana.transformers.models.gptj.modeling_gptj", causal_lm="GaudiGPTJForCausalLM",
         hf_module="transformers.models.gptj.modeling_gptj", standin=True,
-        unsupported={"bucket": "optimum-habana's bucket_internal pads the returned cache in generate "
-                               "(_pad_past_key_values), which this driver does not do"},
+        unsupported=NO_BUCKETS,
         reuse_cache=None, reuse_kv=reuse_kv),
 )

@@ -1,12 +1,6 @@
 """Phi (phi-1/2): separate q/k/v projections, partial rotary, GQA allowed (phi-1/2 are MHA)."""
 
-from mpt_kv.families.base import Family, GaudiPort
-
-
-def reuse_kv(model) -> list[tuple]:
-    """With reuse_cache the port keeps K/V in each attention's KVCache modules (and returns
-    their shapes as past_key_values): the preallocated buffers."""
-    return [(layer.self_attn.k_cache.cache, layer.self_attn.v_cache.cache) for layer in model.model.layers]
+from mpt_kv.families.base import Family, GaudiPort, self_attn_kv_caches
 
 
 FAMILY = Family(name="phi", model_type="phi", variants={
@@ -17,7 +11,7 @@ FAMILY = Family(name="phi", model_type="phi", variants={
     # with allocate_kv_cache (lines 121-126, 444-445); under GQA its eager attention transposes
     # the grouped 5-D key on the wrong dims (line 97): a known failure
     gaudi=GaudiPort(module="optimum.habana.transformers.models.phi.modeling_phi", causal_lm="GaudiPhiForCausalLM",
-                    hf_module="transformers.models.phi.modeling_phi", reuse_cache=None, reuse_kv=reuse_kv,
+                    hf_module="transformers.models.phi.modeling_phi", reuse_cache=None, reuse_kv=self_attn_kv_caches,
                     unsupported={"bucket": "GaudiPhiAttention slices its cache to cache_idx (line 217) but, without "
                                            "reuse_cache, allocates it at the prompt's length (lines 206-210): mpt-kv drives "
                                            "cache_idx buckets only as MPT's (kv_cache_len preallocation)"}),

@@ -1,11 +1,6 @@
 """Qwen2: separate q/k/v (with bias), rotary, GQA."""
 
-from mpt_kv.families.base import Family, GaudiPort
-
-
-def reuse_kv(model) -> list[tuple]:
-    """With reuse_cache the port returns only the shapes; its cache is each attention's KVCache."""
-    return [(layer.self_attn.k_cache.cache, layer.self_attn.v_cache.cache) for layer in model.model.layers]
+from mpt_kv.families.base import Family, GENERATE_FORWARD_KWARGS, GaudiPort, NO_BUCKETS, self_attn_kv_caches
 
 
 FAMILY = Family(name="qwen2", model_type="qwen2", variants={
@@ -18,9 +13,7 @@ FAMILY = Family(name="qwen2", model_type="qwen2", variants={
         module="optimum.habana.transformers.models.qwen2.modeling_qwen2", causal_lm="GaudiQwen2ForCausalLM",
         hf_module="transformers.models.qwen2.modeling_qwen2", standin=True,
         generation={"use_fused_rope": None},
-        forward_kwargs={"lazy_mode": False, "use_flash_attention": False, "attn_softmax_bf16": False,
-                        "trim_logits": False},
-        unsupported={"bucket": "optimum-habana's bucket_internal pads the returned cache in generate "
-                               "(_pad_past_key_values), which this driver does not do"},
-        reuse_cache=None, reuse_kv=reuse_kv),
+        forward_kwargs=GENERATE_FORWARD_KWARGS,
+        unsupported=NO_BUCKETS,
+        reuse_cache=None, reuse_kv=self_attn_kv_caches),
 )
