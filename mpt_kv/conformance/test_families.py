@@ -18,12 +18,11 @@ an error. A failure upstream ships is data (`mpt_kv/families/known_failures.json
 finds satisfies; any other failure, or a pass, fails the case.
 """
 
-import contextlib
-
 import pytest
 import torch
 
 from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.checks.registry import one_thread
 from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.families import variants
 from mpt_kv.families.checks import CHECKS
@@ -98,18 +97,6 @@ def pytest_generate_tests(metafunc):
     metafunc.definition.add_marker(pytest.mark.parametrize(ARGNAMES, params))
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Tiny models run about twice as fast on one intra-op thread as on two of a shared 2-core
-    runner (thread start-up costs more than the matmuls): the zoo's share of the default run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def run_case(config, target, check, implementation, family, variant, path, prop, known):
     """One case (module doc): skip, unsupported, error or the check's verdict."""
     from mpt_kv.plugin.options import named_targets
@@ -121,7 +108,7 @@ def run_case(config, target, check, implementation, family, variant, path, prop,
             pytest.fail(f"target {implementation} is named with --target but {missing}", pytrace=False)
         pytest.skip(f"target {implementation} unavailable: {missing}")
     try:
-        with one_thread():
+        with one_thread(torch.device("cpu")):  # the zoo's tiny models: one intra-op thread is faster
             CHECKS[prop](implementation, family, variant, path)
     except TargetUnavailable as e:
         raise Unsupported(f"{target}: {e}") from e
