@@ -175,10 +175,10 @@ def test_every_view_finding_has_a_cost():
         assert cost.pinned[findings.POINTS[0]] > 0, entry
 
 
-def test_readme_block_is_the_commands_output():
-    """README.md's findings block is what `python -m mpt_kv findings --markdown` prints: a stale
-    table fails here (regenerate: python -m mpt_kv findings --update-readme)."""
-    readme = findings.README.read_text(encoding="utf-8")
+def test_the_docs_block_is_the_commands_output():
+    """docs/findings.md's block is what `python -m mpt_kv findings --markdown` prints: a stale
+    table fails here (regenerate: python -m mpt_kv findings --update-docs)."""
+    readme = findings.DOC.read_text(encoding="utf-8")
     start, end = findings.readme_block(readme)
     assert readme[start:end] == "\n" + findings.markdown(), f"stale: run {findings.COMMAND}"
     assert findings.COMMAND in readme
@@ -210,7 +210,7 @@ def test_update_readme_then_check(tmp_path, capsys):
     path = readme_with_block(tmp_path)
     assert findings.main(["--check", "--readme", str(path)]) == 1
     assert "stale" in capsys.readouterr().err
-    assert findings.main(["--update-readme", "--readme", str(path)]) == 0
+    assert findings.main(["--update-docs", "--doc", str(path)]) == 0
     text = path.read_text()
     assert text.startswith("# x\n\nbefore\n") and text.endswith(f"{findings.END}\nafter\n")
     assert "stale" not in text and "bigcode/starcoder" in text
@@ -220,7 +220,8 @@ def test_update_readme_then_check(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--markdown", "--check"], "not allowed with argument"),
-    (["--readme", "README.md"], "--readme is only read with --update-readme or --check"),
+    (["--doc", "docs/findings.md"], "--doc is only read with --update-docs or --check"),
+    (["--readme", "README.md"], "--doc is only read with --update-docs or --check"),
     (["--check", "--readme", "/nonexistent/README.md"], "No such file"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):

@@ -2,15 +2,16 @@
 as one table, with what each costs at a real config of its family (mpt_kv.families.costs).
 
   python -m mpt_kv findings                  the table, as text
-  python -m mpt_kv findings --markdown       the README's table
-  python -m mpt_kv findings --update-readme  rewrite the block between <!-- findings:begin --> and
-                                             <!-- findings:end --> in README.md (or --readme PATH)
+  python -m mpt_kv findings --markdown       the table of docs/findings.md
+  python -m mpt_kv findings --update-docs    rewrite the block between <!-- findings:begin --> and
+                                             <!-- findings:end --> in docs/findings.md (or --doc PATH)
   python -m mpt_kv findings --check          exit 1 if that block is not what --markdown prints
   python -m mpt_kv findings --configs        every real config: its K/V and fused output bytes per token
 
-Exit status 0; 1 for a stale README block (--check) or a finding whose real config does not fit
-it; 2 for bad arguments or a README that is missing, unwritable or has no block (checked before
-any work).
+Exit status 0; 1 for a stale block (--check) or a finding whose real config does not fit it; 2 for
+bad arguments or a doc that is missing, unwritable or has no block (checked before any work).
+(--update-readme and --readme are the old names of --update-docs and --doc: the table moved out
+of the README into docs/findings.md.)
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import sys
 from pathlib import Path
 
 BEGIN, END = "<!-- findings:begin -->", "<!-- findings:end -->"
-README = Path(__file__).resolve().parents[2] / "README.md"
-COMMAND = "python -m mpt_kv findings --update-readme"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "findings.md"
+COMMAND = "python -m mpt_kv findings --update-docs"
 DTYPE_NAME = "bfloat16"  # 2 bytes per element: the dtype these checkpoints are served in on Gaudi
 # (batch, tokens); tokens None: the checkpoint's own context length, from its config.json
 POINTS = [(16, 1024), (1, None)]
@@ -175,33 +176,34 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m mpt_kv findings", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--markdown", action="store_true", help="the README's markdown table")
-    mode.add_argument("--update-readme", action="store_true", help=f"rewrite the README's {BEGIN} block")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the README's block is stale")
+    mode.add_argument("--markdown", action="store_true", help="the markdown table of docs/findings.md")
+    mode.add_argument("--update-docs", "--update-readme", dest="update", action="store_true",
+                      help=f"rewrite the {BEGIN} block of docs/findings.md (or --doc)")
+    mode.add_argument("--check", action="store_true", help="exit 1 if that block is stale")
     mode.add_argument("--configs", action="store_true", help="every real config's K/V and fused bytes per token")
-    p.add_argument("--readme", type=Path, default=None, help=f"the README (default {README})")
+    p.add_argument("--doc", "--readme", dest="doc", type=Path, default=None, help=f"the doc (default {DOC})")
     args = p.parse_args(argv)
-    readme_path = args.readme or README
-    if args.readme is not None and not (args.update_readme or args.check):
-        usage_error("--readme is only read with --update-readme or --check")
-    if args.update_readme or args.check:
-        # the README is checked before any work: it exists, has the block, and can be written
+    readme_path = args.doc or DOC
+    if args.doc is not None and not (args.update or args.check):
+        usage_error("--doc is only read with --update-docs or --check")
+    if args.update or args.check:
+        # the doc is checked before any work: it exists, has the block, and can be written
         try:
             readme = readme_path.read_text(encoding="utf-8")
             start, end = readme_block(readme)
         except (OSError, ValueError) as e:
-            usage_error(f"README {readme_path}: {e}")
-        if args.update_readme:
+            usage_error(f"{readme_path}: {e}")
+        if args.update:
             from mpt_kv.cli.outputs import file_problem
 
             problem = file_problem(readme_path)
             if problem:
-                usage_error(f"README {readme_path}: {problem}")
+                usage_error(f"{readme_path}: {problem}")
     if args.configs:
         sys.stdout.write(configs_text())
         return 0
     try:
-        out = markdown() if (args.markdown or args.update_readme or args.check) else text()
+        out = markdown() if (args.markdown or args.update or args.check) else text()
     except ValueError as e:  # a finding whose real config does not fit it: the data is wrong
         print(f"mpt-kv findings: {e}", file=sys.stderr)
         return 1
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{readme_path}: the findings table is up to date")
         return 0
-    if args.update_readme:
+    if args.update:
         readme_path.write_text(readme[:start] + "\n" + out + readme[end:], encoding="utf-8")
         print(f"{readme_path}: findings table rewritten ({len(out.splitlines()) - 4} findings)")
         return 0
