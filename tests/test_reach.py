@@ -147,3 +147,39 @@ def test_a_known_failure_with_a_check_covers_that_check_only(tmp_path):
 
 def test_the_alibi_edge_case_is_the_only_p0_case_off_8():
     assert [name for name, c in EDGE_CASES.items() if c.cfg.alibi_bias_max != 8] == ["alibi-bias-max-16"]
+
+
+def test_the_docs_reach_table_is_the_default_runs_draws():
+    """docs/reach.md's block is what `python -m mpt_kv reach --draw ci` prints: a stale table fails here
+    (regenerate: python -m mpt_kv reach --update-docs)."""
+    from mpt_kv.cli import reach as reach_cli
+
+    assert reach_cli.main(["--check"]) == 0
+
+
+def test_reach_update_docs_then_check(tmp_path, capsys):
+    from mpt_kv.cli import reach as reach_cli
+
+    doc = tmp_path / "reach.md"
+    doc.write_text("# r\n\n<!-- reach:begin -->\nstale\n<!-- reach:end -->\nafter\n")
+    assert reach_cli.main(["--check", "--doc", str(doc)]) == 1
+    assert "stale: run python -m mpt_kv reach --update-docs" in capsys.readouterr().err
+    assert reach_cli.main(["--update-docs", "--doc", str(doc)]) == 0
+    assert reach_cli.main(["--check", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# r\n\n<!-- reach:begin -->\n| knob |") and text.endswith("<!-- reach:end -->\nafter\n")
+    assert "ops-memory" in text.splitlines()[3]  # every check's column, the ops checks' included
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--doc", "x.md"], "--doc is only read with --update-docs or --check"),
+    (["--check", "r.json"], "compare the default run's draws, not a report"),
+    (["--check", "--doc", "/nonexistent/reach.md"], "No such file"),
+])
+def test_reach_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys):
+    from mpt_kv.cli import reach as reach_cli
+
+    with pytest.raises(SystemExit) as info:
+        reach_cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err

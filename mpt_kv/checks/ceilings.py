@@ -821,7 +821,7 @@ def update_baseline(path: Path, kind: str, measured: list[dict], allow_looser: b
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"schema": SCHEMA, "device": kind,
                 "about": "memory ceilings (bytes above the level before a generation) per config; "
-                         "see mpt_kv/ceilings.py. Rewrite with pytest --update-ceilings.",
+                         "see mpt_kv/checks/ceilings.py and docs/memory-model.md. Rewrite with pytest --update-ceilings.",
                 "entries": dict(sorted(merged.items()))}
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1) + "\n")

@@ -5,7 +5,9 @@
   bench       throughput and memory table per (batch, max input, max new) config
   killmatrix  run every known-bad variant against the properties; non-zero if one survives
   report      one conformance matrix from the JSON reports of several runs (environments)
-  findings    the family findings and their cost at real configs (the README's table)
+  sweep       the conformance run over published releases, one environment each
+  findings    the family findings and their cost at real configs (docs/findings.md)
+  reach       the ranges each check's cases reached (docs/reach.md)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ COMMANDS = {
     "report": "mpt_kv.cli.report",
     "sweep": "mpt_kv.cli.sweep",
     "findings": "mpt_kv.cli.findings",
+    "reach": "mpt_kv.cli.reach",
 }
 
 

@@ -21,7 +21,9 @@ import re
 import sys
 from pathlib import Path
 
-BEGIN, END = "<!-- findings:begin -->", "<!-- findings:end -->"
+from mpt_kv.cli import docblocks
+
+BEGIN, END = docblocks.markers("findings")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "findings.md"
 COMMAND = "python -m mpt_kv findings --update-docs"
 DTYPE_NAME = "bfloat16"  # 2 bytes per element: the dtype these checkpoints are served in on Gaudi
@@ -165,10 +167,7 @@ def configs_text() -> str:
 
 def readme_block(readme: str) -> tuple[int, int]:
     """(start, end) of the block's content between the markers; ValueError if there is none."""
-    begin, end = readme.find(BEGIN), readme.find(END)
-    if begin < 0 or end < begin or readme.count(BEGIN) != 1 or readme.count(END) != 1:
-        raise ValueError(f"needs exactly one {BEGIN} ... {END} block")
-    return begin + len(BEGIN), end
+    return docblocks.span(readme, "findings")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,77 @@
+"""`python -m mpt_kv reach`: the reach table (which ranges each check's cases reached).
+
+  python -m mpt_kv reach REPORT.json       a run's own table, from its JSON report
+  python -m mpt_kv reach --draw ci         the draws of a hypothesis profile (no model run)
+  python -m mpt_kv reach --update-docs     rewrite the default run's table (the `ci` profile's draws)
+                                           between <!-- reach:begin --> and <!-- reach:end --> in
+                                           docs/reach.md (or --doc PATH)
+  python -m mpt_kv reach --check           exit 1 if that block is not what --draw ci prints
+
+Exit status 0; 1 for a stale block or a report without reach records; 2 for bad arguments or a
+doc that is missing, unwritable or has no block (checked before any work)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mpt_kv.cli import docblocks
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reach.md"
+COMMAND = "python -m mpt_kv reach --update-docs"
+DOC_PROFILE = "ci"  # the default CI run's draws: derandomized, so the table is the same on every machine
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        usage_error(message)
+
+
+def usage_error(message: str):
+    print(f"mpt-kv reach: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpt_kv.checks import reach
+
+    p = Parser(prog="python -m mpt_kv reach", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("report", nargs="?", help="a JSON report with a 'reach' list of records")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--draw", metavar="PROFILE", help="the draws of a hypothesis profile (ci, dev, thorough)")
+    mode.add_argument("--update-docs", dest="update", action="store_true", help="rewrite docs/reach.md's table")
+    mode.add_argument("--check", action="store_true", help="exit 1 if docs/reach.md's table is stale")
+    p.add_argument("--doc", type=Path, default=None, help=f"the doc (default {DOC})")
+    p.add_argument("--reference-model", help="a real model's values (default mpt-7b)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    generated = args.update or args.check
+    if args.doc is not None and not generated:
+        usage_error("--doc is only read with --update-docs or --check")
+    if generated and args.report:
+        usage_error("--update-docs and --check compare the default run's draws, not a report")
+    if not generated:
+        rest = ([args.report] if args.report else []) + (["--draw", args.draw] if args.draw else [])
+        rest += ["--reference-model", args.reference_model] if args.reference_model else []
+        return reach.main(rest)
+    path = args.doc or DOC
+    try:
+        text, start, end = docblocks.read_block(path, "reach")
+    except (OSError, ValueError) as e:
+        usage_error(f"{path}: {e}")
+    if args.update:
+        from mpt_kv.cli.outputs import file_problem
+
+        if problem := file_problem(path):
+            usage_error(f"{path}: {problem}")
+    table = "\n".join(reach.table_lines(reach.summarize(reach.drawn_records(DOC_PROFILE)),
+                                        reach.load_reference_model(args.reference_model))) + "\n"
+    if args.check:
+        if not docblocks.is_current(text, start, end, table):
+            print(f"mpt-kv reach: the reach table in {path} is stale: run {COMMAND}", file=sys.stderr)
+            return 1
+        print(f"{path}: the reach table is up to date")
+        return 0
+    docblocks.rewrite(path, text, start, end, table)
+    print(f"{path}: reach table rewritten")
+    return 0
