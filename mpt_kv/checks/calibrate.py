@@ -123,7 +123,7 @@ def run(args) -> int:
     k, n = (int(x) for x in args.shard.split("/"))
     torch.set_num_threads(1)
     vers = versions()
-    out = Path(args.out) / f"{args.target}-tf{vers['transformers']}-{k}of{n}.jsonl"
+    out = Path(args.out) / f"{file_safe(args.target)}-tf{vers['transformers']}-{k}of{n}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out.exists():
@@ -131,7 +131,7 @@ def run(args) -> int:
     entries = known_failures.load()
     todo = [i for i in range(k, args.cases, n) if i not in done]
     print(f"{out}: {len(done)} cases done, {len(todo)} to go", flush=True)
-    with out.open("a") as f:
+    with out.open("a") as f, progress(len(todo)) as bar:
         for i in todo:
             family, case = case_at(i)
             t0 = time.process_time()
@@ -140,9 +140,44 @@ def run(args) -> int:
                         cpu_seconds=round(time.process_time() - t0, 3), **result)
             f.write(json.dumps(line) + "\n")
             f.flush()
+            bar.update(1)
             if args.verbose:
-                print(i, family, f"{line['cpu_seconds']:.2f}s", case.describe(), flush=True)
+                bar.write(f"{i} {family} {line['cpu_seconds']:.2f}s {case.describe()}")
     return 0
+
+
+def file_safe(target: str) -> str:
+    """A target spec as a file name CI artifact uploaders take (`pkg.mod:build` -> `pkg.mod_build`)."""
+    return re.sub(r"[^\w.-]", "_", target)
+
+
+def progress(total: int):
+    """A tqdm bar on stderr (an hour-long run says how far it is and when it ends); without tqdm, a
+    line every 50 cases."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Lines(total)
+    return tqdm(total=total, unit="case", file=sys.stderr, mininterval=5)
+
+
+class _Lines:
+    def __init__(self, total):
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        self.done += n
+        if self.done % 50 == 0 or self.done == self.total:
+            print(f"{self.done}/{self.total} cases, {time.monotonic() - self.t0:.0f} s", file=sys.stderr, flush=True)
+
+    def write(self, line):
+        print(line, flush=True)
 
 
 def report(args) -> int:
