@@ -382,3 +382,18 @@ def test_a_target_never_recorded_rests_on_the_analytic_checks_and_says_how_to_re
     C.update_baseline(tmp_path / "ceilings-cpu.json", "cpu", [{**asdict(m), "allocated": m.allocated - 8}], True)
     with pytest.raises(PropertyFailure, match="allocated .* 8 bytes above its ceiling"):
         compare_stored(m, StoredCeilings(tmp_path), "static")
+
+
+def test_the_memory_table_shows_the_prefill_excess_that_memory_allocated_hides():
+    """The seed bug's q third is retained after the prefill and copied away at the first decode step: its
+    "Memory allocated" after the last step reads like the fixed model's, its prefill excess does not."""
+    buggy = measure_variant(VARIANTS["kv_views_of_mixed_qkv"].build, "concat")
+    fixed = reference_measurement("concat")
+    q_third = analytic.view_retention_bytes(C.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
+    assert (buggy.prefill_excess, fixed.prefill_excess) == (q_third, 0)
+    rows = C.table([asdict(buggy), asdict(fixed)])
+    assert "prefill excess" in rows[0]
+    (bug_row,) = [r for r in rows[1:] if r.startswith("kv_views_of_mixed_qkv")]
+    (ref_row,) = [r for r in rows[1:] if r.startswith("reference")]
+    assert f"+{C.kib(q_third)} |" in bug_row and " 0.0 |" in ref_row, rows
+    assert C.table([{**asdict(fixed), "prefill_excess": None}])[1].count(" - |") == 1  # an older report: "-"

@@ -169,6 +169,7 @@ class Measurement:
     cfg: dict  # ModelConfig fields
     weights: int  # parameters and buffers of the model (reported, not measured)
     prefill_retained: int  # allocated after prefill, its logits dropped
+    prefill_excess: int  # of it, bytes beyond the analytic cache and bookkeeping (the seed bug's q third shows here)
     decode_transient: int  # max over steps of (peak during the step - allocated before it)
     allocated: int  # after the last step, cache alive ("Memory allocated")
     max_allocated: int  # peak over the whole generation ("Max memory allocated")
@@ -441,6 +442,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
     slack_per_storage = ROUNDING.get(device.type, 4096)
     pool_declared = getattr(getattr(runner, "capabilities", None), "cache_pool", False)
     problems: dict[str, str] = {}  # property -> first failure
+    excess_at: dict[str, int] = {}  # phase -> bytes retained beyond the analytic cache and bookkeeping
 
     def expected_len(written: int) -> int:
         return written if path == "concat" else case.total_len
@@ -455,6 +457,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         else:
             cache, pooled = kv + block_slack(acc, qkv), pool_bytes(session, kept)  # pooled: allocated before
         excess = allocated - (cache - pooled) - acc.bookkeeping_total
+        excess_at[phase] = excess
         slack = slack_per_storage * (len(acc.kv_storages) + len(acc.bookkeeping) + 2)
         tolerance = "exact" if meter.exact else f"allowed {slack}: allocator rounding"
         pool = f" - {pooled} bytes of it kept from an earlier generation (a cache pool)" if pooled else ""
@@ -543,6 +546,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         target=target, target_version=target_version(target), device=device.type, dtype=ctx["dtype"],
         path=path, bucket=bucket, batch=B, max_input=case.prompt_len, max_new=case.new_tokens,
         cfg=asdict(cfg), weights=weights_bytes(runner.model), prefill_retained=prefill_retained,
+        prefill_excess=excess_at["prefill"],
         decode_transient=transient, allocated=allocated, max_allocated=max_allocated, returned=returned,
         kv_bytes=kv_bytes, kv_analytic=analytic.kv_cache_bytes(shape_of(cfg), B, L, s),
         problems=list(problems.values()))
@@ -838,7 +842,8 @@ def kib(n: int) -> str:
 def table(records: list[dict]) -> list[str]:
     """The seed PR's memory columns, per target, path and config (KiB, weights included as in the seed)."""
     head = (f"{'target':<22} {'device':<6} {'dtype':<8} {'path':<14} {'batch':>5} {'max input':>9} {'max new':>7} | "
-            f"{'Memory allocated':>16} {'Max memory allocated':>20} | {'KV cache':>8} {'analytic min':>12} | outcome")
+            f"{'Memory allocated':>16} {'Max memory allocated':>20} | {'KV cache':>8} {'analytic min':>12} | "
+            f"{'prefill excess':>14} | outcome")
     lines = [head]
     for r in sorted(records, key=lambda r: (r["target"], r["device"], r["dtype"], r["path"], r["bucket"] or 0,
                                             r["batch"], r["max_input"], r["max_new"])):
@@ -847,8 +852,17 @@ def table(records: list[dict]) -> list[str]:
         w = r["weights"]
         lines.append(f"{target:<22} {r['device']:<6} {r['dtype']:<8} {path:<14} {r['batch']:>5} {r['max_input']:>9} "
                      f"{r['max_new']:>7} | {kib(w + r['allocated']):>16} {kib(w + r['max_allocated']):>20} | "
-                     f"{kib(r['kv_bytes']):>8} {kib(w + r['kv_analytic']):>12} | {r.get('outcome', '?')}")
+                     f"{kib(r['kv_bytes']):>8} {kib(w + r['kv_analytic']):>12} | "
+                     f"{excess_text(r.get('prefill_excess')):>14} | {r.get('outcome', '?')}")
     lines.append("  KiB. Memory allocated: weights + what the generation still holds after its last step; Max memory "
                  "allocated: weights + its peak; KV cache: the live storages of the cache at the end; analytic min: "
-                 "weights + 2 x layers x B x H x (input + new) x hd x itemsize, the least Memory allocated can be.")
+                 "weights + 2 x layers x B x H x (input + new) x hd x itemsize, the least Memory allocated can be; "
+                 "prefill excess: what the prefill retained beyond its analytic cache and bookkeeping (a cache that "
+                 "pins mixed_qkv shows it here even when the first decode step copies it away and Memory allocated "
+                 "reads the same as the fixed model's).")
     return lines
+
+
+def excess_text(n: int | None) -> str:
+    """+KiB beyond the analytic cache after prefill ('0.0' for none; '-' for a report without it)."""
+    return "-" if n is None else ("+" if n > 0 else "") + kib(n)
