@@ -155,7 +155,7 @@ def collect(report) -> None:
     if "mpt_kv" in props:
         notes = [v for k, v in report.user_properties if k == "mpt_kv_note"]
         results.append({**props["mpt_kv"], "outcome": _word(report), "nodeid": report.nodeid, "notes": notes,
-                        "kinds": kinds})
+                        "kinds": kinds, "seconds": round(report.duration, 3)})
     else:  # any other case: its call, or its setup where that failed
         results.append({"outcome": report.outcome, "nodeid": report.nodeid, "kinds": kinds})
     for name, value in report.user_properties:

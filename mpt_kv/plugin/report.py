@@ -195,6 +195,25 @@ def reach_summary(records: list[dict]) -> dict:
     return reach.summarize(records)
 
 
+def cost_lines(results: list[dict]) -> list[str]:
+    """What each check cost this run (cases, seconds of their call phase, share of the total), the
+    dearest first: what a project weighs when it chooses which checks its CI runs."""
+    timed = [r for r in results if "property" in r and isinstance(r.get("seconds"), (int, float))]
+    if not timed:
+        return []
+    per: dict[str, list[float]] = {}
+    for r in timed:
+        per.setdefault(r["property"], []).append(r["seconds"])
+    total = sum(sum(v) for v in per.values()) or 1.0
+    width = max(len(p) for p in per)
+    lines = [f"{'check':<{width}}  {'cases':>5}  {'seconds':>8}  {'share':>5}"]
+    for prop, secs in sorted(per.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{prop:<{width}}  {len(secs):>5}  {sum(secs):>8.1f}  {sum(secs) / total:>5.0%}")
+    lines.append(f"{'all':<{width}}  {len(timed):>5}  {total:>8.1f}  (the call phase of each case; under -n the "
+                 "workers' seconds add up)")
+    return lines
+
+
 def summary(tw, config, results: list[dict], extras: dict) -> None:
     """The matrix and the lines under it (unless --no-mpt-kv-matrix)."""
     if config.getoption("no_mpt_kv_matrix"):
@@ -205,6 +224,11 @@ def summary(tw, config, results: list[dict], extras: dict) -> None:
         tw.write_sep("=", "mpt-kv conformance")
     for line in lines + project_lines(extras, config):
         tw.write_line(line)
+    cost = cost_lines(results)
+    if cost:
+        tw.write_sep("=", "mpt-kv cost per check")
+        for line in cost:
+            tw.write_line(line)
     if extras.get("reach"):
         from mpt_kv.checks import reach
         from mpt_kv.plugin.options import reference_model

@@ -1,0 +1,34 @@
+"""What each check cost a run (issue: a project chooses its checks by their cost): the plugin
+records each case's seconds in the JSON report and prints one table per run, the dearest first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from mpt_kv.plugin.report import cost_lines
+
+
+def test_cost_lines_sum_cases_and_seconds_per_check_dearest_first():
+    results = [{"property": "P1", "seconds": 2.0}, {"property": "P1", "seconds": 1.0},
+               {"property": "memory", "seconds": 5.0}, {"property": "P0", "seconds": 1.0},
+               {"nodeid": "tests/test_x.py::test_own"}]  # not a conformance case: not counted
+    head, memory, p1, p0, total = cost_lines(results)
+    assert head.split() == ["check", "cases", "seconds", "share"]
+    assert memory.split() == ["memory", "1", "5.0", "56%"]
+    assert p1.split() == ["P1", "2", "3.0", "33%"]
+    assert p0.split() == ["P0", "1", "1.0", "11%"]
+    assert total.split()[:3] == ["all", "4", "9.0"]
+    assert cost_lines([{"property": "P1"}]) == []  # a report from before the seconds were recorded
+
+
+def test_a_run_records_each_cases_seconds_and_prints_the_cost(tmp_path):
+    report = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "--target", "reference",
+                          "--only-targets", "-m", "cpu", "-k", "fp32 and P0 and not edge and not alibi", "-q",
+                          "-p", "no:cacheprovider", "--mpt-kv-report", str(report)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert "mpt-kv cost per check" in run.stdout, run.stdout[-3000:]
+    cases = [r for r in json.loads(report.read_text())["results"] if r.get("property") == "P0"]
+    assert cases and all(r["seconds"] > 0 for r in cases if r["outcome"] == "passed")
