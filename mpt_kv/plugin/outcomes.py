@@ -145,6 +145,24 @@ def _word(report) -> str:
     return dict(report.user_properties).get("mpt_kv_outcome", outcome)
 
 
+MESSAGE_CHARS = 2000  # of a case's failure message kept in the JSON report (the markdown summary cuts further)
+
+
+def message_of(report) -> str | None:
+    """What a case that did not pass says, in one string: its exception's message (failed, error),
+    its known failure's reason (xfail), or its skip reason; None for a pass."""
+    if report.passed and not hasattr(report, "wasxfail"):
+        return None
+    if hasattr(report, "wasxfail"):
+        text = report.wasxfail
+    else:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        text = crash.message if crash is not None else (report.longrepr[-1] if isinstance(report.longrepr, tuple)
+                                                        else str(report.longrepr or ""))
+    text = str(text).strip()
+    return text[:MESSAGE_CHARS] or None
+
+
 def collect(report) -> None:
     """A case's call report, or its setup report where that did not pass (a device case whose
     setup errored counts as a case of that device)."""
@@ -154,8 +172,10 @@ def collect(report) -> None:
     kinds = props.get("mpt_kv_kinds", [])
     if "mpt_kv" in props:
         notes = [v for k, v in report.user_properties if k == "mpt_kv_note"]
-        results.append({**props["mpt_kv"], "outcome": _word(report), "nodeid": report.nodeid, "notes": notes,
-                        "kinds": kinds, "seconds": round(report.duration, 3)})
+        record = {**props["mpt_kv"], "outcome": _word(report), "nodeid": report.nodeid, "notes": notes,
+                  "kinds": kinds, "seconds": round(report.duration, 3)}
+        message = message_of(report)
+        results.append({**record, "message": message} if message else record)
     else:  # any other case: its call, or its setup where that failed
         results.append({"outcome": report.outcome, "nodeid": report.nodeid, "kinds": kinds})
     for name, value in report.user_properties:

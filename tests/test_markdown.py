@@ -1,0 +1,53 @@
+"""The Markdown summary of a run (mpt_kv/plugin/markdown.py), for a CI job summary or a PR comment:
+the verdict first, every failed cell with what it says and the command that reruns it, known
+failures collapsed, the matrix collapsed below."""
+
+from __future__ import annotations
+
+from mpt_kv.plugin.markdown import render
+
+NODE = "test_properties.py::test_property[cpu-{t}-fp32-{c}]"
+
+
+def case(target, check, outcome, message=None, dtype="float32"):
+    r = {"target": target, "device": "cpu", "dtype": dtype, "property": check.split("/")[0], "check": check,
+         "path": "concat", "outcome": outcome, "nodeid": NODE.format(t=target, c=check)}
+    return {**r, "message": message} if message else r
+
+
+RESULTS = [
+    case("reference", "P1/concat", "passed"),
+    case("mypkg:build", "P3/concat", "failed", "mpt_kv.checks.compare.PropertyFailure: P3 cache aliasing after step "
+         "prefill: layer 0 key (2, 2, 5, 8) and layer 0 value (2, 2, 5, 8) are views of layer 0's mixed_qkv | x"),
+    case("mypkg:build", "memory/concat", "error", "TypeError: forward() got an unexpected keyword 'token_idx'"),
+    case("transformers", "P0/alibi-bias-max-16", "xfail", "known failure: MptModel.forward builds ALiBi without "
+         "alibi_bias_max (transformers models/mpt/modeling_mpt.py:320)"),
+]
+
+
+def test_the_verdict_comes_first_then_each_failure_with_its_message_and_rerun_command():
+    md = render(RESULTS, [])
+    lines = md.splitlines()
+    assert lines[0] == "## mpt-kv: FAILED" and lines[2] == "1 error, 1 failed, 1 passed, 1 xfail"
+    (p3,) = [line for line in lines if "| P3/concat |" in line]
+    assert "layer 0 key (2, 2, 5, 8) and layer 0 value (2, 2, 5, 8) are views of layer 0's mixed_qkv \\| x" in p3
+    assert "PropertyFailure" not in p3  # the message, not the exception's class path
+    assert ('`python -m pytest --pyargs mpt_kv.conformance --target mypkg:build --only-targets '
+            '-k "[cpu-mypkg:build-fp32-P3/concat]"`') in p3
+    (memory,) = [line for line in lines if "| memory/concat |" in line]
+    assert "| error |" in memory and "unexpected keyword 'token_idx'" in memory
+    assert not [line for line in lines if line.startswith("| reference")]  # a pass is not listed
+    known = md[md.index("1 known failures"):md.index("</details>")]
+    assert "transformers P0/alibi-bias-max-16 (cpu, float32)" in known and "(`models/mpt/modeling_mpt.py:320`)" in known
+    assert md.index("<summary>the full matrix</summary>") > md.index("### What broke")
+
+
+def test_a_gate_failure_fails_a_run_without_failed_cells_and_a_change_is_listed():
+    passing = [case("mypkg:build", "P1/concat", "passed"), case("mypkg:build", "P2/static", "xfail", "known")]
+    assert render(passing, []).startswith("## mpt-kv: passed")
+    md = render(passing, ["target mypkg:build: no cache property passed"])
+    assert md.startswith("## mpt-kv: FAILED") and "- **gate:** target mypkg:build: no cache property passed" in md
+    stored = [case("mypkg:build", "P1/concat", "passed"), case("mypkg:build", "P2/static", "passed")]
+    md = render(passing, [], previous=stored)
+    (row,) = [line for line in md.splitlines() if "| P2/static |" in line]
+    assert "| xfail (was passed) |" in row and "### What broke or changed" in md
