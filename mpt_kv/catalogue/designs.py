@@ -546,6 +546,17 @@ cache_growing_in_blocks = layout_design(
     "their last step",
     model_with(concat=BlockGrowthConcatCache), BlockGrowthSession)
 
+class BlockGrowth16ConcatCache(BlockGrowthConcatCache):
+    block_size = 16
+
+
+cache_growing_in_blocks_of_16 = layout_design(
+    "cache_growing_in_blocks_of_16",
+    "the same growing cache with vLLM's default block of 16 positions (BlockGrowth(16)): a decode step that "
+    "grows holds the old buffer and a new one up to 15 positions longer than the tokens it holds",
+    "vLLM's default block_size of 16; transformers' and TensorRT-LLM's growable caches use blocks of 16-64",
+    model_with(concat=BlockGrowth16ConcatCache), BlockGrowthSession)
+
 # --- cache operations: extend, crop, reorder (the ops column, programs.py) -------------------------------
 
 from mpt_kv.targets.reference import ReferenceSession  # noqa: E402  (the session designs below)

@@ -140,13 +140,20 @@ def shape_of(cfg: ModelConfig) -> analytic.Shape:
     return analytic.Shape(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len)
 
 
-def decode_bound(cfg: ModelConfig, batch: int, length: int, s: int, path: str) -> int:
-    """Most a decode step may allocate above what was allocated before it (see module doc)."""
+def new_cache_length(length: int, block: int | None) -> int:
+    """The positions a concat step's new cache holds: `length`, or for a cache declared to grow by
+    blocks (BlockGrowth) its capacity, `length` rounded up to whole blocks (vLLM's 16, say)."""
+    return -(-length // block) * block if block else length
+
+
+def decode_bound(cfg: ModelConfig, batch: int, length: int, s: int, path: str, block: int | None = None) -> int:
+    """Most a decode step may allocate above what was allocated before it (see module doc); `block`:
+    the block size of a BlockGrowth layout, whose new buffer is that capacity, not the tokens held."""
     shape = shape_of(cfg)
     transients = TRANSIENT_SLACK * analytic.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
     logits = analytic.logits_bytes(shape, batch, 1, trim=True, itemsize=s) * 2  # + an fp32 copy
     masks = batch * length * (2 * 8 + 4 + 1) + length  # old + new int64 mask, a float and a bool mask
-    cache = analytic.kv_cache_bytes(shape, batch, length, s) if path == "concat" else 0
+    cache = analytic.kv_cache_bytes(shape, batch, new_cache_length(length, block), s) if path == "concat" else 0
     return transients + logits + masks + cache
 
 
@@ -505,12 +512,14 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                 allocated = meter.allocated() - base
                 transient, max_allocated = max(transient, step_transient), max(max_allocated, peak)
                 kv_bytes = check_retained(session, f"decode step {step}", allocated)
-                bound = decode_bound(cfg, B, L + (path == "concat"), s, path)
+                layout = layout_of(session)
+                block = layout.block_size if isinstance(layout, BlockGrowth) else None
+                bound = decode_bound(cfg, B, L + (path == "concat"), s, path, block)
                 if step_transient > bound and "decode" not in problems:
                     problems["decode"] = (
                         f"memory: {path} decode step {step} peaked {step_transient} bytes above the "
                         f"{before} allocated before it, {step_transient - bound} bytes too many: the bound "
-                        f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path)}) "
+                        f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path, block)}) "
                         f"[{describe(ctx)}]")
             del session
             returned = meter.allocated() - base
@@ -665,12 +674,14 @@ def pool_bytes(session, kept: dict) -> int:
     return sum(st.nbytes() for key, st in storages.items() if key in kept and kept[key]() is st)
 
 
-def decode_bound_text(cfg, batch, length, s, path) -> str:
+def decode_bound_text(cfg, batch, length, s, path, block: int | None = None) -> str:
     shape = shape_of(cfg)
     lt = analytic.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
     text = (f"{TRANSIENT_SLACK} x one layer's transients {lt} at q=1, kv={length} + logits and masks")
     if path == "concat":
-        text += f" + the new cache KV({length}) {analytic.kv_cache_bytes(shape, batch, length, s)} next to the old one"
+        n = new_cache_length(length, block)
+        grown = f", {length} positions in whole blocks of {block} (BlockGrowth)" if block else ""
+        text += f" + the new cache KV({n}) {analytic.kv_cache_bytes(shape, batch, n, s)} next to the old one{grown}"
     return text
 
 
