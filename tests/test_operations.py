@@ -21,6 +21,7 @@ from mpt_kv.errors import InputError, Unsupported
 from mpt_kv.model.config import ModelConfig, random_state_dict
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets.reference import build
+from mpt_kv.targets.wrappers import transformers_major
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(d_model=16, n_heads=2, n_layers=2, vocab_size=32, max_seq_len=16)
@@ -292,3 +293,33 @@ def test_a_crashing_operation_fails_the_property_with_the_exception_named():
 def test_an_adapters_import_error_or_missing_operation_is_an_error_not_a_property_failure(exc):
     with pytest.raises(type(exc), match=str(exc)):
         CHECKS["ops-P1/concat"](crop_raising(exc), "cpu", torch.float32)
+
+
+def transformers_model_with_reorder(keys_only: bool):
+    """A transformers-style target whose model defines its own `_reorder_cache`, as transformers'
+    beam search calls it before the cache's `reorder_cache` (generation/utils.py)."""
+    from transformers import MptForCausalLM
+
+    from mpt_kv import TransformersRunner
+
+    class OwnReorder(MptForCausalLM):
+        def _reorder_cache(self, past, beam_idx):
+            for layer in past.layers:
+                layer.keys = layer.keys.index_select(0, beam_idx)
+                if not keys_only:
+                    layer.values = layer.values.index_select(0, beam_idx)
+            return past
+
+    def build(cfg, state_dict, device, dtype):
+        model = OwnReorder(cfg.to_hf())
+        model.load_state_dict(state_dict)
+        return TransformersRunner(model.to(device, dtype).eval(), device, name=f"own_reorder_keys_only_{keys_only}",
+                                  capabilities=Capabilities({"static": "a concat-only model"}))
+    return build
+
+
+@pytest.mark.skipif(transformers_major() < 5, reason="a 5.x Cache's layers (.keys/.values) in the test model")
+def test_a_models_own_reorder_cache_is_what_beam_search_calls():
+    CHECKS["ops-P1/concat"](transformers_model_with_reorder(keys_only=False), "cpu", torch.float32)
+    with pytest.raises(PropertyFailure, match=r"ops-P1 decode logits"):
+        CHECKS["ops-P1/concat"](transformers_model_with_reorder(keys_only=True), "cpu", torch.float32)

@@ -253,11 +253,14 @@ class TransformersSession(Session):
         self.runner.sync()
 
     def _reorder(self, index):
-        """transformers' own `Cache.reorder_cache(beam_idx)`: `index_select` per layer; legacy
-        tuples as its beam search reorders them, the model's own `_reorder_cache(past, beam_idx)`."""
+        """As the installed transformers' beam search reorders (`_beam_search`, generation/utils.py:
+        4.55.4 line 4190, 5.24 line 3842): the model's own `_reorder_cache(past, beam_idx)` when it
+        defines one (legacy tuples, or a model that overrides it), else `Cache.reorder_cache(beam_idx)`
+        (`index_select` per layer). A model whose own `_reorder_cache` is wrong is then seen."""
         self.mask = self.mask.index_select(0, index)
-        if isinstance(self.cache, (tuple, list)):
-            self.cache = self.runner.model._reorder_cache(self.cache, index)
+        model = self.runner.model
+        if hasattr(model, "_reorder_cache") or isinstance(self.cache, (tuple, list)):
+            self.cache = model._reorder_cache(self.cache, index)
         else:
             self.cache.reorder_cache(index)
         self.runner.sync()
