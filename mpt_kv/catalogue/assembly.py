@@ -39,8 +39,10 @@ def model_with(attention=Attention, concat=ConcatCache, static=StaticCache, base
 
 
 def runner_factory(name, model_class=ReferenceMPT, session_class=ReferenceSession,
-                   capabilities: Capabilities = Capabilities()):
-    """A target factory `build(cfg, state_dict, device, dtype) -> Runner` for the assembled model."""
+                   capabilities: Capabilities = Capabilities(), module: str | None = None):
+    """A target factory `build(cfg, state_dict, device, dtype) -> Runner` for the assembled model;
+    `module`: the module that keeps it as its attribute `name`, so the target is named by the spec
+    that loads it (`mpt_kv.catalogue.variants:static_cache_not_written`, what a rerun command needs)."""
 
     class AssembledRunner(ReferenceRunner):
         def session(self, path, max_len, bucket=None):
@@ -55,6 +57,8 @@ def runner_factory(name, model_class=ReferenceMPT, session_class=ReferenceSessio
         return AssembledRunner(cfg, state_dict, device, dtype, sync=lambda: sync(device.type))
 
     build.__name__ = name
+    if module:
+        build.__module__ = module
     return build
 
 

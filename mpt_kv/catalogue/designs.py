@@ -37,7 +37,7 @@ DESIGNS: dict[str, Design] = {}
 
 def design(name, what, origin, model, capabilities=Capabilities()):
     """Register a design and return its factory (also a module attribute of the same name)."""
-    build = runner_factory(name, model, capabilities=capabilities)
+    build = runner_factory(name, model, capabilities=capabilities, module=__name__)
     DESIGNS[name] = Design(name, what, origin, build)
     return build
 
@@ -250,7 +250,7 @@ from mpt_kv.targets.reference import ReferenceSession  # noqa: E402
 
 def layout_design(name, what, origin, model, session, capabilities=Capabilities()):
     """Register a design whose session is its own (it declares a cache layout)."""
-    build = runner_factory(name, model, session, capabilities=capabilities)
+    build = runner_factory(name, model, session, capabilities=capabilities, module=__name__)
     DESIGNS[name] = Design(name, what, origin, build)
     return build
 
@@ -624,7 +624,7 @@ class ChunkedPrefillSession(ReferenceSession):
         return torch.cat([first, rest], dim=1)
 
 
-chunked_prefill = runner_factory("chunked_prefill", ReferenceMPT, ChunkedPrefillSession)
+chunked_prefill = runner_factory("chunked_prefill", ReferenceMPT, ChunkedPrefillSession, module=__name__)
 DESIGNS["chunked_prefill"] = Design(
     "chunked_prefill",
     "the prompt is prefilled in two chunks: a prefill of the first part, then one cached call of the rest "

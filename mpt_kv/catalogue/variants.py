@@ -52,7 +52,7 @@ def variant(name, bug, origin, killed_by, waits_for="", **pieces):
     """Register a variant and return its factory (also a module attribute of the same name)."""
     session_class = pieces.pop("session", ReferenceSession)
     model_class = pieces.pop("model", None) or model_with(**pieces)
-    build = runner_factory(name, model_class, session_class)
+    build = runner_factory(name, model_class, session_class, module=__name__)
     VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build, waits_for)
     return build
 
@@ -521,7 +521,7 @@ from mpt_kv.catalogue.designs import (POOL, BlockGrowthConcatCache, BlockGrowthS
 def paged_variant(name, bug, origin, killed_by, model):
     """A variant of the paged_cache design: its pool is the model's, declared as the design's is
     (Capabilities(cache_pool=True)), so that its one change is what kills it."""
-    build = runner_factory(name, model, PagedSession, capabilities=POOL)
+    build = runner_factory(name, model, PagedSession, capabilities=POOL, module=__name__)
     VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build)
     return build
 

@@ -140,6 +140,13 @@ def shape_of(cfg: ModelConfig) -> analytic.Shape:
     return analytic.Shape(cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len)
 
 
+def growth_block(session) -> int | None:
+    """The block size of a session whose cache declares BlockGrowth, else None. No reference to the
+    layout outlives the call: a paged layout's tensors (its lengths) would read as a leak."""
+    layout = layout_of(session)
+    return layout.block_size if isinstance(layout, BlockGrowth) else None
+
+
 def new_cache_length(length: int, block: int | None) -> int:
     """The positions a concat step's new cache holds: `length`, or for a cache declared to grow by
     blocks (BlockGrowth) its capacity, `length` rounded up to whole blocks (vLLM's 16, say)."""
@@ -512,8 +519,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                 allocated = meter.allocated() - base
                 transient, max_allocated = max(transient, step_transient), max(max_allocated, peak)
                 kv_bytes = check_retained(session, f"decode step {step}", allocated)
-                layout = layout_of(session)
-                block = layout.block_size if isinstance(layout, BlockGrowth) else None
+                block = growth_block(session)
                 bound = decode_bound(cfg, B, L + (path == "concat"), s, path, block)
                 if step_transient > bound and "decode" not in problems:
                     problems["decode"] = (

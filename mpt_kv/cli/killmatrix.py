@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -16,7 +17,10 @@ from mpt_kv import devices
 from mpt_kv.catalogue.killmatrix import CASES, CHECKS, Cell, must_pass, problems, run_matrix, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
+from mpt_kv.cli import docblocks
 from mpt_kv.cli.outputs import file_problem
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "catalogues.md"  # its block <!-- killmatrix:begin -->
 
 
 def mark(variant: Variant | None, col: str, cell: Cell) -> str:
@@ -47,7 +51,9 @@ def format_text(matrix: dict, checks: list[str]) -> str:
     return "\n".join(lines)
 
 
-def format_markdown(matrix: dict, checks: list[str], seconds: float) -> str:
+def format_markdown(matrix: dict, checks: list[str], seconds: float | None) -> str:
+    """The matrix as Markdown; `seconds` None: without the run's time (docs/catalogues.md's block,
+    which --check-docs compares, must not change with the machine's speed)."""
     designs = must_pass()
     out = ["Must pass: the reference and legitimate designs (a FAIL is a false positive of that check).", "",
            "| design | what it does | " + " | ".join(checks) + " |", "|" + "---|" * (len(checks) + 2)]
@@ -60,8 +66,9 @@ def format_markdown(matrix: dict, checks: list[str], seconds: float) -> str:
         v = VARIANTS.get(name)
         out.append(f"| `{variant_name(name, cells)}` | {v.bug if v else ''} | "
                    + " | ".join(mark(v, c, cells[c]) for c in checks) + " |")
-    out += ["", f"{legend(matrix)} Regenerate with `python -m mpt_kv killmatrix --markdown FILE` "
-                f"({seconds:.0f} s on CPU).", ""]
+    regenerate = ("`python -m mpt_kv killmatrix --update-docs` (`--check-docs`: exit 1 when this block is stale)"
+                  if seconds is None else f"`python -m mpt_kv killmatrix --markdown FILE` ({seconds:.0f} s on CPU)")
+    out += ["", f"{legend(matrix)} Regenerate with {regenerate}.", ""]
     _, _, notes = problems(matrix)
     if notes:
         out += ["Waiting for a check this build lacks (reported, not failed):", ""]
@@ -139,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="append", default=[], metavar="NAME",
                         help=f"run only this column (repeatable): {', '.join(CHECKS)}")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--markdown", metavar="FILE", help="also write the matrix as Markdown (for the README)")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the matrix as Markdown")
+    docs = parser.add_mutually_exclusive_group()
+    docs.add_argument("--update-docs", action="store_true", help=f"rewrite the matrix block of {DOC} (a full run)")
+    docs.add_argument("--check-docs", action="store_true", help=f"exit 1 if the matrix block of {DOC} is not this run's")
     parser.add_argument("--json", metavar="FILE", help="also write the matrix, with each first failure, as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each kill's and failure's first message")
     args = parser.parse_args(argv)
@@ -167,6 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         problem = path is not None and file_problem(path)
         if problem:
             parser.error(f"{flag} {path}: {problem}")
+    if (args.update_docs or args.check_docs) and (args.design or args.variant or args.check or kind != "cpu"):
+        parser.error("--update-docs and --check-docs compare the whole matrix on cpu: name no --design, --variant, "
+                     "--check or other --device")
+    if args.update_docs or args.check_docs:
+        try:
+            doc_text, doc_start, doc_end = docblocks.read_block(DOC, "killmatrix")
+        except (OSError, ValueError) as e:
+            parser.error(f"{DOC}: {e}")
+        problem = args.update_docs and file_problem(str(DOC))
+        if problem:
+            parser.error(f"{DOC}: {problem}")
     chosen = args.design or args.variant  # naming some rows runs only those (and the reference)
     rows = [designs[n] for n in (args.design if chosen else designs)]
     variants = [VARIANTS[n] for n in (args.variant if chosen else VARIANTS)]
@@ -194,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(to_json(matrix, checks, seconds), f, indent=1)
 
+    stale = False
+    if args.update_docs or args.check_docs:
+        block = format_markdown(matrix, checks, None)
+        if args.update_docs:
+            docblocks.rewrite(DOC, doc_text, doc_start, doc_end, block)
+            print(f"{DOC}: kill matrix block rewritten")
+        elif not docblocks.is_current(doc_text, doc_start, doc_end, block):
+            stale = True
+            print(f"FAIL: the kill matrix in {DOC} is not this run's: run python -m mpt_kv killmatrix --update-docs",
+                  file=sys.stderr)
     false_positives, missed, notes = problems(matrix)
     for msg in notes:
         print("WAITING:", msg)
@@ -201,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print("FAIL:", msg, file=sys.stderr)
     if false_positives:
         return 2
-    return 1 if missed else 0
+    return 1 if missed or stale else 0
 
 
 if __name__ == "__main__":
