@@ -123,9 +123,10 @@ class Attention(nn.Module):
         if past is not None:
             k, v = past.update(i, k, v, position)
         K = k.shape[2]
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) + bias[:, :, -K:]
+        # scores in float32 from the ALiBi bias on, as MPT: a bf16 bias rounds away its large values
+        scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(self.head_dim) + bias[:, :, -K:]
         scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-        out = F.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+        out = F.softmax(scores, dim=-1).to(v.dtype) @ v
         return self.out_proj(out.transpose(1, 2).reshape(B, T, D))
 
 
@@ -154,6 +155,12 @@ class OwnMptForCausalLM(nn.Module):
         ))
         self.register_buffer("alibi", alibi(config), persistent=False)
         self.kv_views = os.environ.get("OWNMPT_KV_VIEWS") == "1"
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` leaves the ALiBi bias in float32 (see Attention.forward)."""
+        super()._apply(fn, recurse)
+        self.alibi = alibi(self.config).to(self.alibi.device)
+        return self
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         own = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}  # tied
