@@ -7,6 +7,7 @@ The public API (docs/targets.md), importable from here:
     Runner, Capabilities      what a target's factory returns, and what it declares unsupported
     GaudiStyleRunner, TransformersRunner, ReferenceRunner
                               ready-made runners (mpt_kv.targets.wrappers)
+    CallableRunner            a runner from callables, for a model with its own forward signature
     load_gaudi_mpt_module     optimum-habana's MPT module, loaded on CPU too (mpt_kv.targets.gaudi)
     ModelConfig, Case         the model shape a factory receives; one drawn input
     Session, PagedLayout, BlockGrowth
@@ -42,6 +43,7 @@ _EXPORTS = {
     "Unsupported": "mpt_kv.errors",
     "TargetUnavailable": "mpt_kv.errors",
     "InputError": "mpt_kv.errors",
+    "CallableRunner": "mpt_kv.targets.callables",
 }
 __all__ = list(_EXPORTS)
 

@@ -140,3 +140,74 @@ def test_without_its_known_failures_file_the_bug_fails_the_run(installed):
     assert done.returncode == 1, out
     assert "P3 cache aliasing after step prefill" in out and "mixed_qkv" in out, out
     assert row(out, "concat")[3] == "failed", out
+
+
+# --- examples/own_signature: a model with its own forward signature, through mpt_kv.CallableRunner --------
+
+OWN = REPO / "examples" / "own_signature"
+OWN_TARGET = "ownmpt.mpt_kv_target:build"
+
+
+def own_recipe() -> list[list[str]]:
+    """The pytest commands of the example's CPU workflow as written there; its tox env runs the same."""
+    workflow, tox = (OWN / ".github" / "workflows" / "cpu.yml").read_text(), (OWN / "tox.ini").read_text()
+    cmds = [line.split("run: ", 1)[1] for line in workflow.splitlines() if line.strip().startswith("- run: python -m pytest")]
+    assert len(cmds) == 2, f"the CPU workflow runs {cmds}: expected the conformance suite and the project's own tests"
+    missing = [c for c in cmds if c not in tox]
+    assert not missing, f"tox.ini [testenv:cpu] does not run {missing}: the two recipes differ"
+    return [c.split() for c in cmds]
+
+
+def own_run(installed, cmd: list[str], **env) -> subprocess.CompletedProcess:
+    """One recipe command in a copy of the example outside the repo, with the wheel's mpt-kv, under CI=true."""
+    python, project, base, _ = installed
+    where = project.parent / "ownmpt"
+    if not where.exists():
+        shutil.copytree(OWN, where)
+    return subprocess.run([str(python), *cmd[1:], "-p", "no:cacheprovider"], cwd=where, capture_output=True,
+                          text=True, timeout=600, env={**base, "CI": "true", **env})
+
+
+def own_row(out: str, dtype: str, path: str) -> dict[str, str]:
+    """The conformance matrix row of the example's target: {column (P0, ..., ops-memory): cell}."""
+    columns = None
+    for line in out.splitlines():
+        cells = line.split()
+        if cells[:4] == ["target", "device", "dtype", "path"]:
+            columns = cells[4:]
+        elif columns and cells[:4] == [OWN_TARGET, "cpu", dtype, path]:
+            return dict(zip(columns, cells[4:]))
+    raise AssertionError(f"no matrix row for {OWN_TARGET} cpu {dtype} {path}:\n{out}")
+
+
+def test_own_signature_recipe_passes_through_callable_runner(installed):
+    """Its CI recipe, both commands: every check runs on the CallableRunner adapter and passes (buckets,
+    which CallableRunner has not, are unsupported with the reason); then its own unmarked tests."""
+    conformance, own = own_recipe()
+    done = own_run(installed, conformance)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert f"{installed[3].name}/mpt_kv/" in out and "reference" not in out.split("mpt-kv conformance")[1], out
+    for dtype in ("float32", "bfloat16"):
+        concat, static = own_row(out, dtype, "concat"), own_row(out, dtype, "static")
+        assert all(concat[p] == "passed" for p in ("P1", "P3", "P4", "memory", "ops-P1", "ops-P3", "ops-memory")), out
+        assert all(static[p] == "passed" for p in ("P1", "P2", "P3", "P4", "memory", "ops-P1", "ops-P2", "ops-P3")), out
+    assert own_row(out, "float32", "static")["static-shape"] == "passed", out
+    assert "CallableRunner has no cache_idx buckets" in out, out
+    done = own_run(installed, own)
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
+    assert (installed[1].parent / "ownmpt" / "reports" / "conformance-cpu.xml").is_file()
+
+
+def test_own_signature_recipe_fails_with_kv_views_of_wqkv(installed):
+    """The seed bug planted (OWNMPT_KV_VIEWS=1: the concat prefill keeps K/V as views of Wqkv's
+    output): the same recipe fails, P3 and memory naming the views; the static path still passes."""
+    conformance, _ = own_recipe()
+    done = own_run(installed, conformance + ["--dtype", "fp32"], OWNMPT_KV_VIEWS="1")
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    row = own_row(out, "float32", "concat")
+    assert row["P3"] == "failed" and row["memory"] == "failed", out
+    assert "are views of layer 0's mixed_qkv" in out and "it is that layer's Wqkv output, views of it" in out, out
+    static = own_row(out, "float32", "static")
+    assert all(static[p] == "passed" for p in ("P1", "P2", "P3", "memory", "static-shape")), out
