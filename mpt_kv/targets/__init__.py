@@ -25,7 +25,8 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from mpt_kv.model.config import ModelConfig, random_state_dict
+from mpt_kv.devices import as_device
+from mpt_kv.model.config import ModelConfig, as_dtype, check_state_dict, random_state_dict
 from mpt_kv.errors import InputError, TargetUnavailable, Unsupported
 from mpt_kv.model.session import Session
 
@@ -194,7 +195,8 @@ class ResolvedTarget:
 
     def build(self, cfg: ModelConfig, state_dict: dict, device, dtype) -> Runner:
         """One runner of this target; a factory that returns something else is a TypeError naming it."""
-        runner = self.factory(cfg, state_dict, torch.device(device), dtype)
+        check_state_dict(cfg, state_dict)  # once here, for every target: a mismatch names the key and the config
+        runner = self.factory(cfg, state_dict, as_device(device), as_dtype(dtype))
         if not isinstance(runner, Runner):
             raise TypeError(f"target {self.name}: the factory returned {type(runner).__name__}, expected a "
                             "mpt_kv.targets.Runner (see docs/targets.md; mpt_kv.targets.wrappers has ready-made ones)")
@@ -203,7 +205,7 @@ class ResolvedTarget:
 
     def capabilities(self, device, dtype: torch.dtype) -> Capabilities:
         """What it declares, read from a tiny runner (`PROBE`) built once per device and dtype."""
-        device = str(torch.device(device))
+        device, dtype = str(as_device(device)), as_dtype(dtype)
         try:
             return _declared(self, device, dtype)
         except TypeError as e:  # an unhashable factory (a callable object): read it without the cache
