@@ -15,6 +15,11 @@ class TargetUnavailable(RuntimeError):
     """A target could not be imported or built here; the message is the reason it is skipped."""
 
 
+class TargetBroken(RuntimeError):
+    """A target's factory raised while building a runner: the message names the target, the
+    device and the factory's own exception (chained as the cause). An error, never a skip."""
+
+
 class Unsupported(pytest.skip.Exception):
     """A case needs a feature the target declares it does not implement (`Capabilities`); the
     message is the target's own reason. A pytest skip, so it reads as one in any test; the kill

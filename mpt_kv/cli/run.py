@@ -18,6 +18,7 @@ import sys
 
 from mpt_kv import devices
 from mpt_kv.cli.outputs import file_problem
+from mpt_kv.errors import TargetBroken
 
 # the conformance suite shipped in the package: properties, memory ceilings, static shapes
 CONFORMANCE = "mpt_kv.conformance"
@@ -46,6 +47,7 @@ def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
             version = getattr(runner, "version", "")
             lines.append(f"target {spec:<15} ok {version}".rstrip())
         except Exception as e:  # a user's factory can raise anything: report it, do not crash here
+            e = e.__cause__ if isinstance(e, TargetBroken) else e  # the factory's own error (sweep parses this line)
             lines.append(f"target {spec:<15} does not build on {kind}: {type(e).__name__}: {e}")
     return lines
 

@@ -10,6 +10,7 @@ from numbers import Integral, Real
 import torch
 
 from mpt_kv.errors import InputError
+from mpt_kv.model.config import check_bytes_free
 
 
 def check_size(what: str, value, low: int = 1) -> int:
@@ -114,6 +115,10 @@ class StaticCache:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InputError(f"StaticCache dtype={dtype!r}: must be a floating torch.dtype")
         shape = (batch, n_heads, max_len, head_dim)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        check_bytes_free(2 * n_layers * batch * n_heads * max_len * head_dim * itemsize, torch.device(device).type,
+                         f"StaticCache of {n_layers} layers x (batch={batch}, n_heads={n_heads}, max_len={max_len}, "
+                         f"head_dim={head_dim})", f"K and V in {dtype}")
 
         def alloc():
             # zeros, not torch.empty (optimum-habana's cache_idx path): a masked slot still

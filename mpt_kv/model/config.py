@@ -104,16 +104,22 @@ def check_fits_in_memory(cfg: ModelConfig, what: str) -> None:
     free memory is read only for configs above 256 MiB (reading it for every tiny case is waste)."""
     weights = 4 * cfg.n_params
     alibi = (4 * cfg.n_heads + 12) * cfg.max_seq_len  # the (H, 1, L) float32 bias and its int64/float32 positions
-    need = weights + alibi
+    check_bytes_free(weights + alibi, "cpu", f"{what}: ModelConfig({cfg.describe()})",
+                     f"float32 weights {cfg.n_params:,} x 4 bytes = {weights / GiB:.1f} GiB + ALiBi {alibi / GiB:.1f} GiB")
+
+
+def check_bytes_free(need: int, kind: str, what: str, detail: str) -> None:
+    """Refuse, before it is allocated, `need` bytes on device `kind` that are not free there (the
+    allocator failing half way, or the OOM killer, is a worse message). The free memory is read
+    only above 256 MiB (reading it for every tiny case is waste)."""
     if need < 256 << 20:
         return
     from mpt_kv import devices
 
-    free, source = devices.available_memory("cpu")
+    free, source = devices.available_memory(kind)
     if need > free:
-        raise InputError(f"{what}: ModelConfig({cfg.describe()}) needs about {need / GiB:.1f} GiB of cpu memory "
-                         f"(float32 weights {cfg.n_params:,} x 4 bytes = {weights / GiB:.1f} GiB + ALiBi "
-                         f"{alibi / GiB:.1f} GiB), but only {free / GiB:.1f} GiB is free ({source})")
+        raise InputError(f"{what} needs about {need / GiB:.1f} GiB of {kind} memory ({detail}), but only "
+                         f"{free / GiB:.1f} GiB is free ({source})")
 
 
 def state_dict_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
