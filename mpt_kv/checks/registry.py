@@ -499,12 +499,18 @@ def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: 
 
     def expected(target) -> Mapping[str, str]:
         found = expected_failed_checks(target) if callable(expected_failed_checks) else (expected_failed_checks or {})
+        if not isinstance(found, Mapping):  # a list of ids has no reasons: .items() would be a raw AttributeError
+            raise TypeError(f"expected_failed_checks={found!r} ({type(found).__name__}): give a mapping check id -> "
+                            "reason, e.g. {'P3/concat': 'why it fails'}")
         for check_id, reason in found.items():
             if check_id not in CHECKS:
                 raise ValueError(f"expected_failed_checks: unknown check id {check_id!r}; known: {list(CHECKS)}")
             if not isinstance(reason, str) or not reason.strip():
                 raise ValueError(f"expected_failed_checks[{check_id!r}]: give the reason as a non-empty string")
         return found
+
+    if not callable(expected_failed_checks):
+        expected(None)  # its errors now, at the decorator, even where no case reads it
 
     def param(check: Check, *target):
         marks = [pytest.mark.property(check.property)]

@@ -50,6 +50,7 @@ from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import InputError, Registry, Unsupported
 from mpt_kv.families import FAMILIES
 from mpt_kv.families.base import Family
+from mpt_kv.model.config import as_dtype
 
 BATCH, PROMPT, PAD, STEPS, EXTEND = 2, 6, 2, 2, 3  # row 0 has PAD left-padding tokens
 MAX_LEN = 16          # every session's cache length: prompt + steps + extend + decode fit
@@ -215,6 +216,7 @@ class Case:
 def case_of(implementation, family, variant: str, path: str, dtype=torch.float32, check: str = "") -> Case:
     if path not in PATHS:
         raise InputError(f"unknown path {path!r}: the family paths are {PATHS}")
+    dtype = as_dtype(dtype)
     family = family_of(family)
     options = {"reuse_cache": True} if path == "static+reuse" else {}
     runner = runner_for(implementation, family, variant, dtype, options)
