@@ -7,6 +7,7 @@ on every target the plugin parametrizes (reference, transformers, optimum-habana
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import re
@@ -570,6 +571,100 @@ def test_bad_family_name_or_entry_is_a_clear_error(bad, error, match):
     e = expect(bad, error, match)
     if isinstance(e, UnknownName):  # still a KeyError: `in`, `.get` and `except KeyError` keep working
         assert isinstance(e, KeyError) and not str(e).startswith(("'", '"')), str(e)
+
+
+
+def sweep(*argv):
+    from mpt_kv.cli import sweep as sweep_cli
+
+    return sweep_cli.main(list(argv))
+
+
+def report(tmp_path, **fields):
+    from mpt_kv.cli import report as report_cli
+
+    result = {"target": "reference", "property": "P1", "outcome": "passed", "device": "cpu"}
+    data = {"results": [{**result, **fields.pop("result", {})}], **fields}
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    return report_cli.main([str(tmp_path / "r.json")])
+
+
+def render_rows(tmp_path, rows):
+    (tmp_path / "rows.json").write_text(json.dumps({"made": "by hand", "rows": rows}))
+    return sweep("--render", "--out", str(tmp_path))
+
+
+def reference_model(tmp_path, values):
+    from mpt_kv.checks.reach import load_reference_model
+
+    (tmp_path / "model.json").write_text(json.dumps({"name": "m", "values": values}))
+    return load_reference_model(tmp_path / "model.json")
+
+
+def only_targets_with_ini(value):
+    from mpt_kv.plugin import options
+
+    class Config:  # --only-targets given, the ini option as pytest's getini parses it
+        def getoption(self, name):
+            return True
+
+        def getini(self, name):
+            raise ValueError(f"invalid truth value {value!r}")
+    return options.only_targets(Config())
+
+
+SPEC = "transformers==4.55.4"
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    pytest.param(lambda t: sweep(SPEC, "--out", "/proc/x"), SystemExit, r"--out /proc/x: /proc/x cannot be written",
+                 id="sweep-out-proc"),
+    pytest.param(lambda t: sweep(SPEC, "--out", __file__), SystemExit, r"--out .*test_bad_inputs.py: .* exists and is not a "
+                 r"folder", id="sweep-out-file"),
+    pytest.param(lambda t: sweep(SPEC, "--out", str(t), "--envs", "/proc/x"), SystemExit,
+                 r"--envs /proc/x: /proc/x cannot be written", id="sweep-envs-proc"),
+    pytest.param(lambda t: sweep(SPEC, "--timeout", "nan"), SystemExit, r"--timeout nan: give a positive, finite number",
+                 id="sweep-timeout-nan"),
+    pytest.param(lambda t: sweep("optimum-habana=1.2"), SystemExit,
+                 r"'optimum-habana=1.2' is not a requirement \(.*\): give optimum-habana==X or transformers==X",
+                 id="sweep-spec-single-="),
+    pytest.param(lambda t: render_rows(t, [{"package": "transformers", "version": "4.55.4"}]), SystemExit,
+                 r"rows.json: row 0 has no 'pins', 'problem', 'seconds'", id="sweep-render-row-fields"),
+    pytest.param(lambda t: report(t, result={"outcome": "banana"}), SystemExit,
+                 r"r.json: result 0 has outcome 'banana': expected one of passed, failed, error, skipped, xfail, XPASS, "
+                 r"unsupported", id="report-outcome-banana"),
+    pytest.param(lambda t: report(t, memory="x"), SystemExit, r"r.json: field 'memory' is str \('x'\): expected list",
+                 id="report-memory-str"),
+    pytest.param(lambda t: report(t, absent_devices=["cuda"]), SystemExit,
+                 r"field 'absent_devices' is list .*: expected dict", id="report-absent-list"),
+    pytest.param(lambda t: report(t, result={"device": 0}), SystemExit, r"result 0 has device 0 \(int\): expected a str",
+                 id="report-device-int"),
+    pytest.param(lambda t: reference_model(t, {"batch": "lots"}), ValueError,
+                 r"model.json: batch='lots': expected a number >= 0 or a list of them", id="reference-model-batch-str"),
+    pytest.param(lambda t: reference_model(t, {"prompt_len": [128, None]}), ValueError,
+                 r"prompt_len=\[128, None\]: expected a number", id="reference-model-list-None"),
+    pytest.param(lambda t: only_targets_with_ini("maybe"), pytest.UsageError,
+                 r"ini option mpt_kv_only_targets: invalid truth value 'maybe'; expected true or false",
+                 id="ini-only-targets-maybe-with-flag"),
+])
+def test_bad_cli_input_is_a_usage_error_before_any_work(tmp_path, capsys, bad, error, match):
+    with pytest.raises(error) as e:
+        bad(tmp_path)
+    if error is SystemExit:  # argparse's p.error and report's usage_error: exit 2, the line on stderr
+        message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err
+        assert isinstance(e.value.code, str) or e.value.code == 2, (e.value.code, message)
+    else:
+        message = str(e.value)
+    assert re.search(match, message), f"{message!r} does not match {match!r}"
+    assert not os.path.exists("/proc/x")
+
+
+def test_main_help_lists_every_command(capsys):
+    from mpt_kv import cli
+
+    assert cli.main(["--help"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert set(cli.COMMANDS) <= listed, f"not in python -m mpt_kv --help: {sorted(set(cli.COMMANDS) - listed)}"
 
 
 if __name__ == "__main__":
