@@ -623,7 +623,7 @@ SPEC = "transformers==4.55.4"
                  r"folder", id="sweep-out-file"),
     pytest.param(lambda t: sweep(SPEC, "--out", str(t), "--envs", "/proc/x"), SystemExit,
                  r"--envs /proc/x: /proc/x cannot be written", id="sweep-envs-proc"),
-    pytest.param(lambda t: sweep(SPEC, "--timeout", "nan"), SystemExit, r"--timeout nan: give a positive, finite number",
+    pytest.param(lambda t: sweep(SPEC, "--timeout", "nan"), SystemExit, r"--timeout nan: give a positive number of seconds, a finite one",
                  id="sweep-timeout-nan"),
     pytest.param(lambda t: sweep("optimum-habana=1.2"), SystemExit,
                  r"'optimum-habana=1.2' is not a requirement \(.*\): give optimum-habana==X or transformers==X",

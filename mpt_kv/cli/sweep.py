@@ -518,7 +518,7 @@ def main(argv: list[str]) -> int:
     if not 1 <= args.parallel <= cores:
         p.error(f"-p {args.parallel}: between 1 and the {cores} cores")
     if not math.isfinite(args.timeout) or args.timeout <= 0:  # nan <= 0 is False: nan would pass a bare <= 0
-        p.error(f"--timeout {args.timeout}: give a positive, finite number of seconds")
+        p.error(f"--timeout {args.timeout}: give a positive number of seconds, a finite one")
     for option, folder in (("--out", args.out), ("--envs", args.envs)):  # before any install or run
         problem = dir_problem(folder)
         if problem:
