@@ -237,6 +237,12 @@ def resolve_target(target: Target) -> ResolvedTarget:
     return ResolvedTarget(name, factory, target)
 
 
+def factory_error(e: BaseException) -> BaseException:
+    """The factory's own exception where `build` wrapped it in a TargetBroken (what a one-line
+    report names after "does not build on <device>: "), else `e`."""
+    return e.__cause__ if isinstance(e, TargetBroken) and e.__cause__ is not None else e
+
+
 def check_factory(name: str, factory) -> None:
     """A factory takes (cfg, state_dict, device, dtype): one that cannot is a TypeError naming its
     signature now, not a TypeError from deep inside the first check that builds it."""
