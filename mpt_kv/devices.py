@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 
-from mpt_kv.errors import DeviceUnavailable
+from mpt_kv.errors import DeviceUnavailable, InputError
 
 KINDS = ("cpu", "cuda", "hpu")
 # the variable that makes a process see only some cards: HABANA_VISIBLE_MODULES takes Gaudi
@@ -63,6 +63,26 @@ def _probe(kind: str) -> str | None:
             return "habana_frameworks.torch imported but torch.hpu.is_available() is False"
         return None
     raise DeviceUnavailable(f"unknown device kind {kind!r}: expected one of {KINDS}")
+
+
+def as_device(device):
+    """A torch.device of a kind the suite runs on (KINDS), from a str ("cpu", "cuda:0") or a
+    torch.device: an int, "xyz", "meta" or any other kind is an InputError naming it and the
+    kinds, where torch would fail later with its own message (or, for meta, compute nothing)."""
+    import torch
+
+    parsed = None
+    if isinstance(device, torch.device):
+        parsed = device
+    elif isinstance(device, str):
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, ValueError):
+            pass
+    if parsed is None or parsed.type not in KINDS:
+        raise InputError(f"device {device!r} ({type(device).__name__}): expected a str or torch.device of kind "
+                         f"{', '.join(KINDS)} (e.g. 'cpu', 'cuda:0', 'hpu')")
+    return parsed
 
 
 def unavailable_reason(kind: str) -> str | None:

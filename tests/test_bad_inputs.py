@@ -7,6 +7,7 @@ on every target the plugin parametrizes (reference, transformers, optimum-habana
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import re
@@ -21,11 +22,13 @@ from mpt_kv.checks import properties as P
 from mpt_kv.checks.registry import CHECKS
 from mpt_kv.cli import bench, killmatrix, memory, run
 from mpt_kv.cli.outputs import dir_problem, file_problem
-from mpt_kv.errors import InputError
+from mpt_kv.errors import InputError, TargetBroken, TargetUnavailable, UnknownName, Unsupported
 from mpt_kv.model.cache import ConcatCache, StaticCache
 from mpt_kv.model.config import ModelConfig, random_state_dict
 from mpt_kv.model.reference import ReferenceMPT
+import mpt_kv.targets.layouts
 from mpt_kv.targets import build
+from mpt_kv.targets.wrappers import GaudiStyleRunner
 
 CFG = ModelConfig(d_model=8, n_heads=2, n_layers=2, vocab_size=16, max_seq_len=8)
 HUGE = dict(d_model=65536, n_heads=64, n_layers=64, vocab_size=50432, max_seq_len=2048)  # ~13 TB of fp32 weights
@@ -354,6 +357,314 @@ def test_the_p4_graphs_note_names_the_suites_stand_in_not_the_target():
     notes = CHECKS["P4/static/graphs"]("reference", "cpu", "fp32")
     assert notes and all("as declared by the suite's CPU graph stand-in (graphs.StaticOutputs" in n for n in notes), notes
     assert not any("the target (its Capabilities" in n for n in notes), notes
+
+
+# --- issue 25: bad inputs by class, each a clear error before any work --------------------------------------
+def expect(bad, error, match):
+    with pytest.raises(error) as e:
+        bad()
+    assert re.search(match, str(e.value)), f"{type(e.value).__name__}: {e.value!s} does not match {match!r}"
+    return e.value
+
+
+def without(key, sd=None):
+    sd = dict(sd or random_state_dict(CFG))
+    del sd[key]
+    return sd
+
+
+def with_value(key, value):
+    return {**random_state_dict(CFG), key: value}
+
+
+def load(sd):
+    return ReferenceMPT(CFG).load_hf_state_dict(sd)
+
+
+def build_reference(device="cpu", dtype=torch.float32, sd=None):
+    return build("reference", CFG, random_state_dict(CFG) if sd is None else sd, device, dtype)
+
+
+WQKV = "transformer.blocks.0.attn.Wqkv.weight"
+
+
+@pytest.mark.parametrize("bad, match", [
+    pytest.param(lambda: CHECKS["static-shape/static"]("reference", "xyz", "fp32"),
+                 r"device 'xyz' \(str\): expected a str or torch.device of kind cpu, cuda, hpu", id="CHECKS-device-xyz"),
+    pytest.param(lambda: CHECKS["static-shape/static"]("reference", 0, "fp32"), r"device 0 \(int\)", id="CHECKS-device-int"),
+    pytest.param(lambda: CHECKS["static-shape/static"]("reference", "meta", "fp32"), r"device 'meta' \(str\)",
+                 id="CHECKS-device-meta"),
+    pytest.param(lambda: build_reference("xyz"), r"device 'xyz' \(str\)", id="build-device-xyz"),
+    pytest.param(lambda: build_reference(torch.device("meta")), r"device device\(type='meta'\)", id="build-device-meta"),
+    pytest.param(lambda: build_reference(dtype="fp32x"), r"dtype 'fp32x': the suite supports fp32, bf16 only",
+                 id="build-dtype-str"),
+    pytest.param(lambda: build_reference(dtype=torch.int32), r"dtype torch.int32: the suite supports", id="build-dtype-int32"),
+    pytest.param(lambda: build_reference(dtype=1), r"dtype 1: the suite supports", id="build-dtype-int"),
+    pytest.param(lambda: load(None), r"state_dict is NoneType: expected a dict .*for ModelConfig\(d_model=8", id="sd-None"),
+    pytest.param(lambda: load(without("transformer.norm_f.weight")),
+                 r"state_dict keys: missing \['transformer.norm_f.weight'\], unexpected \[\] .*ModelConfig\(d_model=8",
+                 id="sd-missing-key"),
+    pytest.param(lambda: load(with_value("transformer.blocks.2.attn.Wqkv.weight", torch.zeros(24, 8))),
+                 r"missing \[\], unexpected \['transformer.blocks.2.attn.Wqkv.weight'\] \(of 15 keys for ModelConfig\(",
+                 id="sd-extra-key"),
+    pytest.param(lambda: load(with_value(WQKV, torch.zeros(24, 4))),
+                 rf"{WQKV} shape \(24, 4\): expected \(24, 8\) for ModelConfig\(d_model=8", id="sd-wrong-shape"),
+    pytest.param(lambda: load(with_value(WQKV, torch.zeros(24, 8, device="meta"))),
+                 rf"state_dict\['{WQKV}'\] is a torch.float32 tensor on meta: expected a floating tensor with data",
+                 id="sd-meta-tensor"),
+    pytest.param(lambda: load(with_value(WQKV, torch.zeros(24, 8, dtype=torch.long))),
+                 r"is a torch.int64 tensor on cpu", id="sd-int-tensor"),
+    pytest.param(lambda: build_reference(sd=without(WQKV)), rf"missing \['{WQKV}'\]", id="build-sd-missing-key"),
+])
+def test_bad_device_dtype_or_state_dict_is_an_input_error(bad, match):
+    expect(bad, InputError, match)
+
+
+TARGET_MODULES = {
+    "badfactories25": FACTORIES + "\nNOT_A_FACTORY = 3\n\ndef one_argument(cfg):\n    return None\n",
+    "badsyntax25": "def build(cfg, sd, device, dtype)\n    return None\n",
+}
+
+
+@pytest.fixture
+def target_modules(tmp_path, monkeypatch):
+    for name, text in TARGET_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def one_argument(cfg):
+    return None
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    pytest.param(lambda: mpt_kv.targets.resolve_target("badfactories25:NOT_A_FACTORY"), TargetUnavailable,
+                 r"target 'badfactories25:NOT_A_FACTORY': badfactories25.NOT_A_FACTORY is a int, not a factory",
+                 id="spec-not-callable"),
+    pytest.param(lambda: mpt_kv.targets.resolve_target(":build"), TargetUnavailable,
+                 r"target ':build': expected 'package.module:factory', both parts non-empty", id="spec-no-module"),
+    pytest.param(lambda: mpt_kv.targets.resolve_target("os.path:"), TargetUnavailable, r"both parts non-empty",
+                 id="spec-no-factory"),
+    pytest.param(lambda: mpt_kv.targets.resolve_target("badsyntax25:build"), TargetUnavailable,
+                 r"target 'badsyntax25:build': importing badsyntax25 raised SyntaxError", id="spec-SyntaxError"),
+    pytest.param(lambda: mpt_kv.targets.resolve_target("badfactories25:one_argument"), TypeError,
+                 r"target badfactories25:one_argument: the factory 'one_argument'\(cfg\) cannot be called as "
+                 r"build\(cfg, state_dict, device, dtype\)", id="spec-wrong-signature"),
+    pytest.param(lambda: mpt_kv.targets.resolve_target(one_argument), TypeError,
+                 r"the factory 'one_argument'\(cfg\) cannot be called", id="factory-wrong-signature"),
+    pytest.param(lambda: build("badfactories25:raises", CFG, random_state_dict(CFG), "cpu", torch.float32), TargetBroken,
+                 r"target badfactories25:raises does not build on cpu: RuntimeError: boom in the factory",
+                 id="factory-raises"),
+    pytest.param(lambda: build("os.path:join", CFG, random_state_dict(CFG), "cpu", torch.float32), TargetBroken,
+                 r"target os.path:join does not build on cpu: TypeError: ", id="os.path:join"),
+    pytest.param(lambda: GaudiStyleRunner(model(), "cpu", capabilities={"bf16": "fp32 only"}, cfg=CFG), TypeError,
+                 r"capabilities=\{'bf16': 'fp32 only'\} \(dict\): pass a mpt_kv.Capabilities", id="Capabilities-dict"),
+    pytest.param(lambda: mpt_kv.parametrize_with_checks(["reference"], expected_failed_checks=["P0"]), TypeError,
+                 r"expected_failed_checks=\['P0'\] \(list\): give a mapping check id -> reason",
+                 id="expected_failed_checks-list"),
+])
+def test_bad_target_spec_or_factory_is_one_clear_error(target_modules, bad, error, match):
+    expect(bad, error, match)
+
+
+def concat_cache(length=3):
+    cache = model().new_cache("concat", 2)
+    model()(*prompt(2, length), cache)
+    return cache
+
+
+def paged(lengths):
+    pool = torch.zeros(4, CFG.n_heads, 2, CFG.head_dim)
+    return mpt_kv.targets.layouts.PagedLayout([(pool, pool.clone())], torch.tensor([[0, 1], [2, 3]]), 2, lengths)
+
+
+@pytest.mark.parametrize("bad, match", [
+    pytest.param(lambda: concat_cache().crop(-1), r"ConcatCache.crop to n=-1: expected an int in 1..3", id="concat-crop--1"),
+    pytest.param(lambda: concat_cache().crop(100), r"ConcatCache.crop to n=100: expected an int in 1..3",
+                 id="concat-crop-100"),
+    pytest.param(lambda: concat_cache().crop(2.5), r"ConcatCache.crop to n=2.5", id="concat-crop-float"),
+    pytest.param(lambda: static_after_prefill().crop(6), r"StaticCache.crop to n=6: expected an int in 1..5",
+                 id="static-crop-past-written"),
+    pytest.param(lambda: static_after_prefill().crop(-1), r"StaticCache.crop to n=-1", id="static-crop--1"),
+    pytest.param(lambda: concat_cache().reorder(torch.tensor([0, 2])),
+                 r"ConcatCache.reorder index out of range \[0, 2\): min 0, max 2", id="concat-reorder-out-of-range"),
+    pytest.param(lambda: concat_cache().reorder(torch.tensor([0.0, 1.0])),
+                 r"ConcatCache.reorder index torch.float32: expected a torch.int64 tensor", id="concat-reorder-float"),
+    pytest.param(lambda: static_after_prefill().reorder(torch.tensor([-1, 0])), r"StaticCache.reorder index out of range",
+                 id="static-reorder-negative"),
+    pytest.param(lambda: static_after_prefill().reorder(torch.tensor([0])),
+                 r"StaticCache.reorder index shape \(1,\): expected \(2,\)", id="static-reorder-short"),
+    pytest.param(lambda: model()(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), concat_cache(),
+                                 None, 4), r"cache_idx=4 on a ConcatCache: only a StaticCache attends", id="concat-cache_idx"),
+    pytest.param(lambda: StaticCache(2, 1, 1, 10 ** 8, 10 ** 4, torch.float32, "cpu"),
+                 r"StaticCache of 2 layers x \(batch=1, n_heads=1, max_len=100000000, head_dim=10000\) needs about "
+                 r"\d+\.\d GiB of cpu memory \(K and V in torch.float32\), but only \d+\.\d GiB is free",
+                 id="static-too-big"),
+    pytest.param(lambda: paged([2.5, 2]).lengths_list(), r"PagedLayout.lengths \[2.5, 2\]: \[2.5\] are not positions",
+                 id="paged-lengths-float"),
+    pytest.param(lambda: paged(torch.tensor([2.0, 2.0])).lengths_list(), r"PagedLayout.lengths \[2.0, 2.0\]",
+                 id="paged-lengths-float-tensor"),
+])
+def test_bad_raw_cache_operation_is_an_input_error(bad, match):
+    expect(bad, InputError, match)
+
+
+def declaring_session(unsupported):
+    """A prefilled session of transformers' MPT (it implements extend, crop and reorder) whose
+    runner declares `unsupported`."""
+    pytest.importorskip("transformers")
+    runner = build("transformers", CFG, random_state_dict(CFG), "cpu", torch.float32)
+    runner.capabilities = Capabilities(unsupported)
+    session = runner.session("concat", 8)
+    session.prefill(*prompt(2, 3))
+    return session
+
+
+@pytest.mark.parametrize("operation, call", [
+    pytest.param("extend", lambda s: s.extend(torch.zeros(2, 2, dtype=torch.long)), id="extend"),
+    pytest.param("crop", lambda s: s.crop(2), id="crop"),
+    pytest.param("reorder", lambda s: s.reorder(torch.tensor([1, 0])), id="reorder"),
+])
+def test_a_session_operation_its_target_declares_unsupported_raises_unsupported(operation, call):
+    session = declaring_session({operation: f"we do not implement {operation}"})
+    written = session.written
+    expect(lambda: call(session), Unsupported, rf"transformers: we do not implement {operation}")
+    assert session.written == written, "the refused operation moved the session"
+
+
+def entry_with_zero_kv_heads():
+    import dataclasses
+
+    from mpt_kv.families import FAMILIES
+
+    llama = FAMILIES["llama"]
+    return dataclasses.replace(llama, kv_heads=lambda c: 0).kv_bytes_per_token(llama.config("mha"), torch.float32)
+
+
+def family_names():
+    from mpt_kv.families import FAMILIES
+    from mpt_kv.families.checks import CHECKS as FAMILY_CHECKS
+    from mpt_kv.families.implementations import IMPLEMENTATIONS
+
+    return FAMILIES, FAMILY_CHECKS, IMPLEMENTATIONS
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    pytest.param(lambda: family_names()[0]["nosuch"], UnknownName, r"unknown family 'nosuch': known: mpt, falcon",
+                 id="FAMILIES-nosuch"),
+    pytest.param(lambda: family_names()[0]["lama"], UnknownName, r"unknown family 'lama': closest: llama", id="FAMILIES-typo"),
+    pytest.param(lambda: family_names()[1]["family-P9"], UnknownName,
+                 r"unknown family check id 'family-P9': closest: family-P4, family-P3", id="family-CHECKS-P9"),
+    pytest.param(lambda: family_names()[2]["optimum-habanna"], UnknownName,
+                 r"unknown implementation 'optimum-habanna': closest: optimum-habana", id="IMPLEMENTATIONS-typo"),
+    pytest.param(lambda: __import__("mpt_kv.families.gaudi").families.gaudi.fork_loader("lama", "my_fork"), UnknownName,
+                 r"unknown family 'lama': closest: llama", id="fork_loader-unknown-family"),
+    pytest.param(lambda: CHECKS["P9"], UnknownName, r"unknown check id 'P9'", id="CHECKS-P9"),
+    pytest.param(entry_with_zero_kv_heads, InputError, r"family entry llama: kv_heads\(config\)=0 must be >= 1",
+                 id="entry-kv_heads-0"),
+    pytest.param(lambda: family_names()[2]["optimum-habana"](family_names()[0]["llama"], "mha", frobnicate=1), InputError,
+                 r"gaudi_runner: unknown options \['frobnicate'\]; it takes \['reuse_cache'\]", id="gaudi_runner-option"),
+    pytest.param(lambda: family_names()[1]["family-P1"]("transformers", "llama", "mha", "concat", "fp16"), InputError,
+                 r"dtype 'fp16': the suite supports fp32, bf16 only", id="family-check-dtype"),
+])
+def test_bad_family_name_or_entry_is_a_clear_error(bad, error, match):
+    e = expect(bad, error, match)
+    if isinstance(e, UnknownName):  # still a KeyError: `in`, `.get` and `except KeyError` keep working
+        assert isinstance(e, KeyError) and not str(e).startswith(("'", '"')), str(e)
+
+
+
+def sweep(*argv):
+    from mpt_kv.cli import sweep as sweep_cli
+
+    return sweep_cli.main(list(argv))
+
+
+def report(tmp_path, **fields):
+    from mpt_kv.cli import report as report_cli
+
+    result = {"target": "reference", "property": "P1", "outcome": "passed", "device": "cpu"}
+    data = {"results": [{**result, **fields.pop("result", {})}], **fields}
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    return report_cli.main([str(tmp_path / "r.json")])
+
+
+def render_rows(tmp_path, rows):
+    (tmp_path / "rows.json").write_text(json.dumps({"made": "by hand", "rows": rows}))
+    return sweep("--render", "--out", str(tmp_path))
+
+
+def reference_model(tmp_path, values):
+    from mpt_kv.checks.reach import load_reference_model
+
+    (tmp_path / "model.json").write_text(json.dumps({"name": "m", "values": values}))
+    return load_reference_model(tmp_path / "model.json")
+
+
+def only_targets_with_ini(value):
+    from mpt_kv.plugin import options
+
+    class Config:  # --only-targets given, the ini option as pytest's getini parses it
+        def getoption(self, name):
+            return True
+
+        def getini(self, name):
+            raise ValueError(f"invalid truth value {value!r}")
+    return options.only_targets(Config())
+
+
+SPEC = "transformers==4.55.4"
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    pytest.param(lambda t: sweep(SPEC, "--out", "/proc/x"), SystemExit, r"--out /proc/x: /proc/x cannot be written",
+                 id="sweep-out-proc"),
+    pytest.param(lambda t: sweep(SPEC, "--out", __file__), SystemExit, r"--out .*test_bad_inputs.py: .* exists and is not a "
+                 r"folder", id="sweep-out-file"),
+    pytest.param(lambda t: sweep(SPEC, "--out", str(t), "--envs", "/proc/x"), SystemExit,
+                 r"--envs /proc/x: /proc/x cannot be written", id="sweep-envs-proc"),
+    pytest.param(lambda t: sweep(SPEC, "--timeout", "nan"), SystemExit, r"--timeout nan: give a positive number of seconds, a finite one",
+                 id="sweep-timeout-nan"),
+    pytest.param(lambda t: sweep("optimum-habana=1.2"), SystemExit,
+                 r"'optimum-habana=1.2' is not a requirement \(.*\): give optimum-habana==X or transformers==X",
+                 id="sweep-spec-single-="),
+    pytest.param(lambda t: render_rows(t, [{"package": "transformers", "version": "4.55.4"}]), SystemExit,
+                 r"rows.json: row 0 has no 'pins', 'problem', 'seconds'", id="sweep-render-row-fields"),
+    pytest.param(lambda t: report(t, result={"outcome": "banana"}), SystemExit,
+                 r"r.json: result 0 has outcome 'banana': expected one of passed, failed, error, skipped, xfail, XPASS, "
+                 r"unsupported", id="report-outcome-banana"),
+    pytest.param(lambda t: report(t, memory="x"), SystemExit, r"r.json: field 'memory' is str \('x'\): expected list",
+                 id="report-memory-str"),
+    pytest.param(lambda t: report(t, absent_devices=["cuda"]), SystemExit,
+                 r"field 'absent_devices' is list .*: expected dict", id="report-absent-list"),
+    pytest.param(lambda t: report(t, result={"device": 0}), SystemExit, r"result 0 has device 0 \(int\): expected a str",
+                 id="report-device-int"),
+    pytest.param(lambda t: reference_model(t, {"batch": "lots"}), ValueError,
+                 r"model.json: batch='lots': expected a number >= 0 or a list of them", id="reference-model-batch-str"),
+    pytest.param(lambda t: reference_model(t, {"prompt_len": [128, None]}), ValueError,
+                 r"prompt_len=\[128, None\]: expected a number", id="reference-model-list-None"),
+    pytest.param(lambda t: only_targets_with_ini("maybe"), pytest.UsageError,
+                 r"ini option mpt_kv_only_targets: invalid truth value 'maybe'; expected true or false",
+                 id="ini-only-targets-maybe-with-flag"),
+])
+def test_bad_cli_input_is_a_usage_error_before_any_work(tmp_path, capsys, bad, error, match):
+    with pytest.raises(error) as e:
+        bad(tmp_path)
+    if error is SystemExit:  # argparse's p.error and report's usage_error: exit 2, the line on stderr
+        message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err
+        assert isinstance(e.value.code, str) or e.value.code == 2, (e.value.code, message)
+    else:
+        message = str(e.value)
+    assert re.search(match, message), f"{message!r} does not match {match!r}"
+    assert not os.path.exists("/proc/x")
+
+
+def test_main_help_lists_every_command(capsys):
+    from mpt_kv import cli
+
+    assert cli.main(["--help"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert set(cli.COMMANDS) <= listed, f"not in python -m mpt_kv --help: {sorted(set(cli.COMMANDS) - listed)}"
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Iterable
@@ -105,7 +106,19 @@ def load_reference_model(path: str | Path | None = None) -> dict:
     unknown = sorted(set(data["values"]) - set(KNOBS))
     if unknown:
         raise ValueError(f"reference model file {path}: unknown knobs {unknown}; known: {list(KNOBS)}")
+    for knob, value in data["values"].items():
+        check_knob_value(path, knob, value)
     return data
+
+
+def check_knob_value(path, knob: str, value) -> None:
+    """A numeric knob's value is a finite number >= 0 or a list of them ("batch": "lots" would be
+    compared as text, so the table's range would be nonsense); a NON_NUMERIC knob takes any."""
+    if knob in NON_NUMERIC:
+        return
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"reference model file {path}: {knob}={value!r}: expected a number >= 0 or a list of them")
 
 
 def _range(stats: dict | None) -> str:

@@ -53,8 +53,9 @@ from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.graphs import graphed
 from mpt_kv.checks.properties import Case, Context
 from mpt_kv.checks.strategies import EDGE_CASES, P3_EDGES, edge_cases
-from mpt_kv.errors import Unsupported
-from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
+from mpt_kv.errors import UnknownName, Unsupported
+from mpt_kv.devices import as_device
+from mpt_kv.model.config import DTYPES, ModelConfig, as_dtype, random_state_dict  # noqa: F401  (as_dtype: its home was here)
 from mpt_kv.targets import Capabilities, ResolvedTarget, Runner, Target, required_features, resolve_target, target_name
 
 PROPERTIES = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory", "ops-P1", "ops-P2", "ops-P3", "ops-memory")
@@ -163,19 +164,6 @@ def one_thread(device: torch.device):
         torch.set_num_threads(n)
 
 
-def as_dtype(dtype) -> torch.dtype:
-    """"fp32"/"bf16" or torch.float32/torch.bfloat16: the dtypes the tolerances are calibrated for
-    (docs/calibration.md). Any other (float16, float64) is refused: a check must not pass in a
-    dtype nobody calibrated, and no Capabilities feature could declare it unsupported."""
-    if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
-            return dtype
-    elif isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype {dtype!r}: the suite supports {', '.join(DTYPES)} only "
-                     f"({', '.join(map(str, DTYPES.values()))}; its tolerances are calibrated for those)")
-
-
 # --- the checks ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -200,7 +188,7 @@ class Check:
     def __call__(self, target: Target, device="cpu", dtype=torch.float32, *,
                  ceilings: StoredCeilings | None = None) -> list[str]:
         target = resolve_target(target)  # a spec string, a factory or already resolved
-        device, dtype = torch.device(device), as_dtype(dtype)
+        device, dtype = as_device(device), as_dtype(dtype)
         with one_thread(device):
             return self._call(target, device, dtype, ceilings)
 
@@ -240,7 +228,7 @@ class Check:
         and P2 the same target in float32 (its fp32 twin; the reference's where the target
         declares no fp32), so each bf16 path carries one rounding error, not two."""
         target = resolve_target(target)  # public: a spec string, a factory or already resolved
-        device, dtype = torch.device(device), as_dtype(dtype)
+        device, dtype = as_device(device), as_dtype(dtype)
         if self.property.startswith("ops-"):  # `case` is a programs.Program (hypothesis prints it)
             from mpt_kv.checks import programs
 
@@ -443,7 +431,7 @@ class CheckRegistry(collections.abc.Mapping):
         else:
             close = difflib.get_close_matches(str(check_id), list(self._checks), n=6, cutoff=0.5)
             hint = f"closest ids: {', '.join(close)}" if close else f"properties: {', '.join(PROPERTIES)}"
-        raise KeyError(f"unknown check id {check_id!r}: {hint}; list(mpt_kv.CHECKS) has all {len(self._checks)}")
+        raise UnknownName(f"unknown check id {check_id!r}: {hint}; list(mpt_kv.CHECKS) has all {len(self._checks)}")
 
     def __iter__(self):
         return iter(self._checks)
@@ -511,12 +499,18 @@ def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: 
 
     def expected(target) -> Mapping[str, str]:
         found = expected_failed_checks(target) if callable(expected_failed_checks) else (expected_failed_checks or {})
+        if not isinstance(found, Mapping):  # a list of ids has no reasons: .items() would be a raw AttributeError
+            raise TypeError(f"expected_failed_checks={found!r} ({type(found).__name__}): give a mapping check id -> "
+                            "reason, e.g. {'P3/concat': 'why it fails'}")
         for check_id, reason in found.items():
             if check_id not in CHECKS:
                 raise ValueError(f"expected_failed_checks: unknown check id {check_id!r}; known: {list(CHECKS)}")
             if not isinstance(reason, str) or not reason.strip():
                 raise ValueError(f"expected_failed_checks[{check_id!r}]: give the reason as a non-empty string")
         return found
+
+    if not callable(expected_failed_checks):
+        expected(None)  # its errors now, at the decorator, even where no case reads it
 
     def param(check: Check, *target):
         marks = [pytest.mark.property(check.property)]

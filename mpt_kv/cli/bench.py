@@ -48,7 +48,7 @@ from mpt_kv.errors import TargetUnavailable
 from mpt_kv.model.generate import greedy_generate
 from mpt_kv.memory.meter import meter_for
 from mpt_kv.model.session import Session, TokenIdxSession
-from mpt_kv.targets import BUILTIN, PATHS, Runner, build
+from mpt_kv.targets import BUILTIN, PATHS, Runner, build, factory_error
 
 GiB, MiB = 1 << 30, 1 << 20
 BASELINE = ("reference", "static")  # the row the ratios are taken against
@@ -299,6 +299,7 @@ def load(cfg: ModelConfig, targets: list[str], paths: list[str], kind: str, dtyp
             log(f"skipped {spec}: {e}")
             continue
         except Exception as e:  # noqa: BLE001  a factory that raises, or returns no Runner: its error, not a traceback
+            e = factory_error(e)  # the factory's own error, as before
             raise BuildError(f"target {spec} does not build on {kind}: {type(e).__name__}: {e}") from e
         for path in paths:
             if path in runners[spec].unsupported:

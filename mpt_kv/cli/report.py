@@ -25,6 +25,11 @@ BAD = ("failed", "error", "XPASS")
 
 
 RESULT_FIELDS = ("target", "property", "outcome")  # what the matrix reads of every result
+# every outcome the plugin writes (mpt_kv.plugin.outcomes): another word would be counted as neither good nor bad
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfail", "XPASS", "unsupported")
+# the optional fields the merge reads, with their type: another type would be a traceback in merge()
+REPORT_FIELDS = {"absent_devices": dict, "memory": list, "capabilities": dict, "unrecorded": list, "reach": list,
+                 "allow_missing_device": bool, "environment": dict, "hypothesis_profile": (str, type(None))}
 
 
 def usage_error(message: str):
@@ -45,7 +50,20 @@ def load(path: Path) -> dict:
         if missing:
             usage_error(f"{path}: result {i} has no {' or '.join(map(repr, missing))} (every result of an mpt-kv "
                         f"report has {', '.join(RESULT_FIELDS)}): not a report pytest --mpt-kv-report wrote")
+        if r["outcome"] not in OUTCOMES:
+            usage_error(f"{path}: result {i} has outcome {r['outcome']!r}: expected one of {', '.join(OUTCOMES)}")
+        if not isinstance(r.get("device", ""), str):
+            usage_error(f"{path}: result {i} has device {r['device']!r} ({type(r['device']).__name__}): expected a str")
+    check_report_fields(path, data)
     return data
+
+
+def check_report_fields(path: Path, data: dict) -> None:
+    """Each optional field the merge reads has its type (REPORT_FIELDS), or the report is refused."""
+    for name, kind in REPORT_FIELDS.items():
+        if name in data and not isinstance(data[name], kind):
+            want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            usage_error(f"{path}: field {name!r} is {type(data[name]).__name__} ({data[name]!r:.60}): expected {want}")
 
 
 def merge(reports: list[dict]) -> dict:

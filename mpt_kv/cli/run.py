@@ -29,7 +29,7 @@ def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
     import torch
 
     from mpt_kv.model.config import ModelConfig, random_state_dict
-    from mpt_kv.targets import build
+    from mpt_kv.targets import build, factory_error
 
     lines = [f"python {platform.python_version()}, torch {torch.__version__}"]
     for kind in devices.KINDS:
@@ -46,6 +46,7 @@ def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
             version = getattr(runner, "version", "")
             lines.append(f"target {spec:<15} ok {version}".rstrip())
         except Exception as e:  # a user's factory can raise anything: report it, do not crash here
+            e = factory_error(e)  # the factory's own error (sweep parses this line)
             lines.append(f"target {spec:<15} does not build on {kind}: {type(e).__name__}: {e}")
     return lines
 

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -48,9 +49,11 @@ import time
 import zipfile
 from pathlib import Path
 
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from mpt_kv.cli.outputs import dir_problem
 
 PACKAGES = {"optimum-habana": "optimum-habana", "transformers": "transformers"}  # package -> its target
 TORCH = "torch==2.13.0"  # the CPU build in the local store; never unpinned (a CUDA build is GBs)
@@ -91,7 +94,11 @@ class Row:
 # --- which releases ------------------------------------------------------------------------------
 
 def parse_spec(text: str) -> tuple[str, SpecifierSet]:
-    req = Requirement(text)
+    try:
+        req = Requirement(text)
+    except InvalidRequirement as e:  # argparse would say only "invalid parse_spec value"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a requirement ({str(e).splitlines()[0]}): give "
+                                         f"{' or '.join(f'{p}==X' for p in PACKAGES)}, or a range (>=A,<=B)") from None
     if req.name not in PACKAGES:
         raise argparse.ArgumentTypeError(f"{text!r}: the sweep knows {', '.join(PACKAGES)}, not {req.name!r}")
     if not str(req.specifier):
@@ -510,8 +517,12 @@ def main(argv: list[str]) -> int:
     cores = os.cpu_count() or 1
     if not 1 <= args.parallel <= cores:
         p.error(f"-p {args.parallel}: between 1 and the {cores} cores")
-    if args.timeout <= 0:
-        p.error(f"--timeout {args.timeout}: give a positive number of seconds")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:  # nan <= 0 is False: nan would pass a bare <= 0
+        p.error(f"--timeout {args.timeout}: give a positive number of seconds, a finite one")
+    for option, folder in (("--out", args.out), ("--envs", args.envs)):  # before any install or run
+        problem = dir_problem(folder)
+        if problem:
+            p.error(f"{option} {folder}: {problem}")
     releases = expand(args.specs, args.per_minor)
     run_args = [f"--dtype={d}" for d in (args.dtype or ["fp32"])] + (["-k", args.keyword] if args.keyword else [])
     args.envs.mkdir(parents=True, exist_ok=True)
@@ -548,12 +559,31 @@ def write_table(out: Path, made: str, rows: list[Row]) -> int:
     return 1 if any(r.problem for r in rows) else 0
 
 
+ROW_FIELDS = ("package", "version", "pins", "problem", "seconds")  # what main writes of each row to rows.json
+
+
+def check_rows(path: Path, data) -> None:
+    """rows.json as main writes it: "made" and "rows", each row with ROW_FIELDS and a package the
+    sweep knows; else one line naming the row and what it lacks (not a KeyError traceback)."""
+    if not isinstance(data, dict) or "made" not in data or not isinstance(data.get("rows"), list):
+        raise SystemExit(f"mpt-kv sweep --render: {path} has no 'made' and 'rows' list: not a sweep's rows.json")
+    for i, r in enumerate(data["rows"]):
+        missing = [k for k in ROW_FIELDS if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise SystemExit(f"mpt-kv sweep --render: {path}: row {i} has no {', '.join(map(repr, missing))} "
+                             f"(every row has {', '.join(ROW_FIELDS)})")
+        if r["package"] not in PACKAGES:
+            raise SystemExit(f"mpt-kv sweep --render: {path}: row {i} package {r['package']!r}: expected one of "
+                             f"{', '.join(PACKAGES)}")
+
+
 def render(out: Path) -> int:
     """The table again from a finished sweep's folder (rows.json, the reports and the logs)."""
     try:
         data = json.loads((out / "rows.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"mpt-kv sweep --render: cannot read {out / 'rows.json'}: {e}")
+    check_rows(out / "rows.json", data)
     rows = []
     for r in data["rows"]:
         row = Row(Release(r["package"], Version(r["version"])), pins=r["pins"], problem=r["problem"],

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from mpt_kv.families import (bloom, codegen, dbrx, falcon, gpt2, gpt_bigcode, gpt_neox, gptj, llama, mistral, mpt,
                              persimmon, phi, phi3, qwen2, stablelm, starcoder2)
+from mpt_kv.errors import Registry
 from mpt_kv.families.base import TINY, Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
+# FAMILIES["nosuch"] is an UnknownName (a KeyError) naming the known families
+FAMILIES: dict[str, Family] = Registry("family", {f.name: f for f in (
     mpt.FAMILY,
     falcon.FAMILY,
     gpt_bigcode.FAMILY,
@@ -29,7 +31,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     gptj.FAMILY,
     stablelm.FAMILY,
     dbrx.FAMILY,
-)}
+)})
 
 
 def variants() -> list[tuple[str, str]]:

@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch
 
+from mpt_kv.model.cache import check_size
+
 # Every tiny config: 2 layers, vocab 128, hidden 32-64 (the families' own names for these are
 # mapped by each config's attribute_map; families whose config spells them otherwise say so).
 TINY = {"vocab_size": 128, "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
@@ -128,7 +130,7 @@ class Family:
     def kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
         """Analytic cached bytes per token per sequence: K and V of every layer."""
         size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.layers(config) * self.kv_heads(config) * self.head_dim(config) * size
+        return 2 * self.cache_dims(config) * size
 
     def stored_kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
         """The bytes per token per sequence transformers' cache holds (the analytic size unless
@@ -136,7 +138,18 @@ class Family:
         if self.stored_kv_heads is None:
             return self.kv_bytes_per_token(config, dtype)
         size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.layers(config) * self.stored_kv_heads(config) * self.head_dim(config) * size
+        return 2 * self.cache_dims(config, stored=True) * size
+
+    def cache_dims(self, config, stored: bool = False) -> int:
+        """layers x K/V heads x head dim of `config`, each checked an int >= 1: an entry that
+        gives 0 heads is the entry's error, not an implementation's memory failure."""
+        product = 1
+        heads = ("stored_kv_heads", self.stored_kv_heads) if stored else ("kv_heads", self.kv_heads)
+        for name, fn in (("layers", self.layers), heads, ("head_dim", self.head_dim)):
+            value = fn(config)
+            check_size(f"family entry {self.name}: {name}(config)", value)
+            product *= value
+        return product
 
     def fused_modules(self, model) -> list[tuple[str, torch.nn.Module]]:
         """(qualified name, module) of every fused projection in the model, in order."""

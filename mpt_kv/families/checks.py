@@ -47,9 +47,10 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure, assert_close, describe, shares_memory, tolerance
 from mpt_kv.checks.storages import covered_bytes, storage_key
-from mpt_kv.errors import InputError, Unsupported
+from mpt_kv.errors import InputError, Registry, Unsupported
 from mpt_kv.families import FAMILIES
 from mpt_kv.families.base import Family
+from mpt_kv.model.config import as_dtype
 
 BATCH, PROMPT, PAD, STEPS, EXTEND = 2, 6, 2, 2, 3  # row 0 has PAD left-padding tokens
 MAX_LEN = 16          # every session's cache length: prompt + steps + extend + decode fit
@@ -61,9 +62,7 @@ PATHS = ("concat", "static", "static+reuse")  # the matrix's paths; static+reuse
 def family_of(name) -> Family:
     if isinstance(name, Family):
         return name
-    if name not in FAMILIES:
-        raise ValueError(f"unknown family {name!r}: families {sorted(FAMILIES)}")
-    return FAMILIES[name]
+    return FAMILIES[name]  # an unknown name: UnknownName, naming the families
 
 
 def build(family: Family, variant: str, seed: int = 0):
@@ -217,6 +216,7 @@ class Case:
 def case_of(implementation, family, variant: str, path: str, dtype=torch.float32, check: str = "") -> Case:
     if path not in PATHS:
         raise InputError(f"unknown path {path!r}: the family paths are {PATHS}")
+    dtype = as_dtype(dtype)
     family = family_of(family)
     options = {"reuse_cache": True} if path == "static+reuse" else {}
     runner = runner_for(implementation, family, variant, dtype, options)
@@ -694,7 +694,7 @@ def check_memory(implementation, family, variant: str, path: str = "concat", dty
             + f" [{describe(c.ctx(step='after the session'))}]")
 
 
-CHECKS = {
+CHECKS = Registry("family check id", {
     "family-P0": check_uncached,
     "family-P1": check_cached,
     "family-P2": check_static_concat,
@@ -702,4 +702,4 @@ CHECKS = {
     "family-P4": check_outputs_not_reused,
     "family-ops": check_operations,
     "family-memory": check_memory,
-}
+})

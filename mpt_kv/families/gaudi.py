@@ -111,9 +111,11 @@ def fork_loader(family_name: str, module_name: str):
     port of `family_name` is loaded first (its parent packages bare, under the stand-in where the
     registry's entry says so), then the fork, under the stand-in too where that entry needs it.
     Where a real habana_frameworks is installed, the fork is imported normally."""
-    def load():
-        from mpt_kv.families import FAMILIES
+    from mpt_kv.families import FAMILIES
 
+    FAMILIES[family_name]  # an unknown family: UnknownName now, naming the families, not at the first load
+
+    def load():
         family = FAMILIES[family_name]
         load_port_module(family)
         if module_name in sys.modules:

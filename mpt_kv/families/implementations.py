@@ -21,7 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from mpt_kv.errors import InputError, TargetUnavailable
+from mpt_kv.errors import InputError, Registry, TargetUnavailable
 from mpt_kv.families.base import Family
 from mpt_kv.targets import Capabilities, Runner
 
@@ -61,12 +61,17 @@ def static_support(model) -> str | None:
     return None
 
 
+def check_options(who: str, options: dict, known: tuple[str, ...], why: str) -> None:
+    """An implementation's runner options: one not in `known` is an InputError naming it and the known ones."""
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise InputError(f"{who}: unknown options {unknown}; it takes {list(known) or 'none'} ({why})")
+
+
 def transformers_runner(family: Family, variant: str, dtype: torch.dtype = torch.float32, *, seed: int = 0,
                         **options) -> Runner:
     """transformers' implementation of the family (module doc)."""
-    if options:
-        raise InputError(f"transformers_runner: unknown options {sorted(options)} (transformers' implementation "
-                         "takes none; reuse_cache is optimum-habana's)")
+    check_options("transformers_runner", options, (), "reuse_cache is optimum-habana's")
     try:
         import transformers  # noqa: F401
     except ImportError as e:
@@ -97,6 +102,7 @@ def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float3
     """optimum-habana's Gaudi port of the family on CPU (`mpt_kv.families.gaudi.gaudi_runner`).
     Not installed: TargetUnavailable. Installed, but mpt-kv's loader of its ports does not
     import: that ImportError, an error (never a skip: the run has optimum-habana)."""
+    check_options("gaudi_runner", options, ("reuse_cache",), "optimum-habana's reuse_cache")  # before the install check
     if not installed("optimum-habana"):
         raise TargetUnavailable("optimum-habana is not installed")
     from mpt_kv.families.gaudi import gaudi_runner as build_port  # noqa: I001  (lazy: fam-gaudi's module)
@@ -104,7 +110,7 @@ def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float3
     return build_port(family, variant, dtype, seed=seed, **options)
 
 
-IMPLEMENTATIONS = {"transformers": transformers_runner, "optimum-habana": gaudi_runner}
+IMPLEMENTATIONS = Registry("implementation", {"transformers": transformers_runner, "optimum-habana": gaudi_runner})
 # the distribution whose absence makes an implementation's cases skip (as the MPT targets'
 # mpt_kv.plugin.options.BUILTIN_PACKAGES)
 PACKAGES = {"transformers": "transformers", "optimum-habana": "optimum-habana"}

@@ -10,6 +10,7 @@ from numbers import Integral, Real
 import torch
 
 from mpt_kv.errors import InputError
+from mpt_kv.model.config import check_bytes_free
 
 
 def check_size(what: str, value, low: int = 1) -> int:
@@ -19,6 +20,29 @@ def check_size(what: str, value, low: int = 1) -> int:
     if value < low:
         raise InputError(f"{what}={value} must be >= {low}")
     return int(value)
+
+
+def check_crop(n, length: int, what: str = "crop") -> int:
+    """crop(n): an int in 1..length, the positions held. -1 would slice off the last position
+    and 100 keep everything, silently; 2.5 is no position."""
+    if isinstance(n, bool) or not isinstance(n, Integral) or not 1 <= n <= length:
+        raise InputError(f"{what} to n={n!r}: expected an int in 1..{length} (the positions written)")
+    return int(n)
+
+
+def check_reorder(index, batch: int, device=None, what: str = "reorder") -> None:
+    """reorder(index): a (batch,) int64 tensor of source rows in 0..batch-1 (repeats allowed), on
+    the cache's device (None: not checked). A float index or one out of range is no row."""
+    if not torch.is_tensor(index) or index.dtype != torch.int64:
+        raise InputError(f"{what} index {type(index).__name__ if not torch.is_tensor(index) else index.dtype}: "
+                         "expected a torch.int64 tensor")
+    if tuple(index.shape) != (batch,):
+        raise InputError(f"{what} index shape {tuple(index.shape)}: expected ({batch},), one source row per "
+                         "row of the cache")
+    if device is not None and index.device != torch.device(device):
+        raise InputError(f"{what} index on {index.device} but the cache is on {device}")
+    if int(index.min()) < 0 or int(index.max()) >= batch:
+        raise InputError(f"{what} index out of range [0, {batch}): min {int(index.min())}, max {int(index.max())}")
 
 
 class ConcatCache:
@@ -51,12 +75,15 @@ class ConcatCache:
 
     def crop(self, n: int) -> None:
         """Keep positions [0, n) of every layer (transformers' `DynamicCache.crop`, but copied)."""
+        n = check_crop(n, self.length(), "ConcatCache.crop")
         for layer, pair in enumerate(self.kv):
             if pair is not None:
                 self.kv[layer] = (pair[0][:, :, :n].clone(), pair[1][:, :, :n].clone())
 
     def reorder(self, index: torch.Tensor) -> None:
         """Row b of the cache becomes row index[b] (beam search; repeats allowed), layer by layer."""
+        if self.kv[0] is not None:
+            check_reorder(index, self.kv[0][0].shape[0], self.kv[0][0].device, "ConcatCache.reorder")
         for layer, pair in enumerate(self.kv):
             if pair is not None:
                 self.kv[layer] = (pair[0].index_select(0, index), pair[1].index_select(0, index))
@@ -88,6 +115,10 @@ class StaticCache:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InputError(f"StaticCache dtype={dtype!r}: must be a floating torch.dtype")
         shape = (batch, n_heads, max_len, head_dim)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        check_bytes_free(2 * n_layers * batch * n_heads * max_len * head_dim * itemsize, torch.device(device).type,
+                         f"StaticCache of {n_layers} layers x (batch={batch}, n_heads={n_heads}, max_len={max_len}, "
+                         f"head_dim={head_dim})", f"K and V in {dtype}")
 
         def alloc():
             # zeros, not torch.empty (optimum-habana's cache_idx path): a masked slot still
@@ -117,9 +148,11 @@ class StaticCache:
         return ck, cv
 
     def crop(self, n: int) -> None:
-        self.written = n
+        # written is None only under graph capture (not tracked): the cache length is the limit then
+        self.written = check_crop(n, self.max_len if self.written is None else self.written, "StaticCache.crop")
 
     def reorder(self, index: torch.Tensor) -> None:
+        check_reorder(index, self.kv[0][0].shape[0], self.kv[0][0].device, "StaticCache.reorder")
         for ck, cv in self.kv:
             ck.copy_(ck.index_select(0, index))  # the copy is read whole before any row is written
             cv.copy_(cv.index_select(0, index))

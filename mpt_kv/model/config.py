@@ -85,22 +85,79 @@ def positive_number(name: str, value, alternative: str = "") -> int | float:
     return value
 
 
+def as_dtype(dtype) -> torch.dtype:
+    """"fp32"/"bf16" or torch.float32/torch.bfloat16: the dtypes the tolerances are calibrated for
+    (docs/calibration.md). Any other (float16, float64) is refused: a check must not pass in a
+    dtype nobody calibrated, and no Capabilities feature could declare it unsupported."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise InputError(f"dtype {dtype!r}: the suite supports {', '.join(DTYPES)} only "
+                     f"({', '.join(map(str, DTYPES.values()))}; its tolerances are calibrated for those)")
+
+
 def check_fits_in_memory(cfg: ModelConfig, what: str) -> None:
     """Refuse, before anything is allocated, a config whose float32 CPU weights (and ALiBi buffer)
     do not fit in the memory free here: the allocator failing half way is a worse message. The
     free memory is read only for configs above 256 MiB (reading it for every tiny case is waste)."""
     weights = 4 * cfg.n_params
     alibi = (4 * cfg.n_heads + 12) * cfg.max_seq_len  # the (H, 1, L) float32 bias and its int64/float32 positions
-    need = weights + alibi
+    check_bytes_free(weights + alibi, "cpu", f"{what}: ModelConfig({cfg.describe()})",
+                     f"float32 weights {cfg.n_params:,} x 4 bytes = {weights / GiB:.1f} GiB + ALiBi {alibi / GiB:.1f} GiB")
+
+
+def check_bytes_free(need: int, kind: str, what: str, detail: str) -> None:
+    """Refuse, before it is allocated, `need` bytes on device `kind` that are not free there (the
+    allocator failing half way, or the OOM killer, is a worse message). The free memory is read
+    only above 256 MiB (reading it for every tiny case is waste)."""
     if need < 256 << 20:
         return
     from mpt_kv import devices
 
-    free, source = devices.available_memory("cpu")
+    free, source = devices.available_memory(kind)
     if need > free:
-        raise InputError(f"{what}: ModelConfig({cfg.describe()}) needs about {need / GiB:.1f} GiB of cpu memory "
-                         f"(float32 weights {cfg.n_params:,} x 4 bytes = {weights / GiB:.1f} GiB + ALiBi "
-                         f"{alibi / GiB:.1f} GiB), but only {free / GiB:.1f} GiB is free ({source})")
+        raise InputError(f"{what} needs about {need / GiB:.1f} GiB of {kind} memory ({detail}), but only "
+                         f"{free / GiB:.1f} GiB is free ({source})")
+
+
+def state_dict_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every `MptForCausalLM` key of `cfg` and its shape (lm_head.weight: tied to wte, optional)."""
+    D, V = cfg.d_model, cfg.vocab_size
+    shapes = {"transformer.wte.weight": (V, D)}
+    for i in range(cfg.n_layers):
+        p = f"transformer.blocks.{i}."
+        shapes.update({p + "norm_1.weight": (D,), p + "attn.Wqkv.weight": (3 * D, D), p + "attn.out_proj.weight": (D, D),
+                       p + "norm_2.weight": (D,), p + "ffn.up_proj.weight": (4 * D, D),
+                       p + "ffn.down_proj.weight": (D, 4 * D)})
+    shapes["transformer.norm_f.weight"] = (D,)
+    shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
+def check_state_dict(cfg: ModelConfig, sd) -> None:
+    """`sd` holds exactly `cfg`'s MptForCausalLM keys (lm_head.weight optional: tied), each a
+    floating tensor of its shape with data (not on meta): an error naming the key and the config,
+    where torch's load_state_dict lists every key of a module it cannot match, or a target loads
+    what it happens to find."""
+    from collections.abc import Mapping
+
+    where = f"for ModelConfig({cfg.describe()})"
+    if not isinstance(sd, Mapping):
+        raise InputError(f"state_dict is {type(sd).__name__}: expected a dict of MptForCausalLM weights {where}")
+    shapes = state_dict_shapes(cfg)
+    missing = [k for k in shapes if k not in sd and k != "lm_head.weight"]
+    extra = [k for k in sd if k not in shapes]
+    if missing or extra:
+        raise InputError(f"state_dict keys: missing {missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected "
+                         f"{extra[:4]}{' ...' if len(extra) > 4 else ''} (of {len(shapes)} keys {where})")
+    for key, value in sd.items():
+        if not torch.is_tensor(value) or not value.dtype.is_floating_point or value.is_meta:
+            what = type(value).__name__ if not torch.is_tensor(value) else f"a {value.dtype} tensor on {value.device}"
+            raise InputError(f"state_dict[{key!r}] is {what}: expected a floating tensor with data {where}")
+        if tuple(value.shape) != shapes[key]:
+            raise InputError(f"{key} shape {tuple(value.shape)}: expected {shapes[key]} {where}")
 
 
 def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.3) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpt_kv.model.cache import ConcatCache, StaticCache, check_size
-from mpt_kv.model.config import ModelConfig, check_fits_in_memory
+from mpt_kv.model.config import ModelConfig, check_fits_in_memory, check_state_dict
 from mpt_kv.errors import InputError
 
 
@@ -189,6 +189,7 @@ class ReferenceMPT(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]):
         """Load `MptForCausalLM` weights. MPT ties lm_head to wte: an `lm_head.weight` that is
         not the same (V, D) values is refused, since the reference would silently ignore it."""
+        check_state_dict(self.cfg, sd)
         head, wte = sd.get("lm_head.weight"), sd.get("transformer.wte.weight")
         if head is not None and wte is not None:
             if tuple(head.shape) != tuple(wte.shape):
@@ -347,6 +348,9 @@ def check_cache(cfg, dtype, input_ids, cache, token_idx, cache_idx) -> None:
             raise InputError(f"{name} dtype {k.dtype} does not match the model's {dtype}")
         lengths.append(k.shape[2])
     if isinstance(cache, ConcatCache):
+        if cache_idx is not None:  # a concat step attends over every position: the limit would be ignored silently
+            raise InputError(f"cache_idx={position(cache_idx)} on a ConcatCache: only a StaticCache attends over its "
+                             "first cache_idx slots; pass cache_idx=None")
         if any(x != lengths[0] for x in lengths):
             raise InputError(f"cache layers hold {lengths} positions (layer 0 first): every layer must hold "
                              "the same number (an empty or shorter later layer would give wrong logits)")

@@ -20,7 +20,8 @@ from numbers import Integral
 
 import torch
 
-from mpt_kv.errors import InputError
+from mpt_kv.errors import InputError, Unsupported
+from mpt_kv.model.cache import check_crop, check_reorder
 from mpt_kv.model.reference import check_mask, check_token_ids
 
 PAD_ID = 0  # right padding of the static path; never attended, so any valid id does
@@ -83,6 +84,7 @@ class Session:
         """(B, k) next k tokens of every row, k >= 1, in ONE cached call -> logits (B, k, V).
         What assisted decoding's verification step and a chunked prefill do: k new positions on
         a filled cache, causal inside the chunk."""
+        self._require("extend")
         self._check_cached_call(tokens, "extend")
         if tokens.dim() != 2 or tokens.shape[0] != self.batch or tokens.shape[1] < 1:
             raise InputError(f"extend tokens shape {tuple(tokens.shape)}: expected ({self.batch}, k), k >= 1 tokens "
@@ -98,30 +100,30 @@ class Session:
     def crop(self, n: int) -> None:
         """Keep the first n positions, 1 <= n <= written (assisted decoding after a rejected
         candidate; `DynamicCache.crop`); `written` and `mask` follow."""
+        self._require("crop")
         if self.batch is None:
             raise InputError("crop before prefill: the cache holds nothing yet")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.written:
-            raise InputError(f"crop to n={n!r}: expected an int in 1..{self.written} (the positions written)")
+        n = check_crop(n, self.written)
         self._crop(n)
         self.written = n
 
     def reorder(self, index: torch.Tensor) -> None:
         """Row b of the cache becomes row index[b] (beam search's `beam_idx`): a (B,) int64
         index on the cache's device, each entry in 0..B-1, repeats allowed; `mask` follows."""
+        self._require("reorder")
         if self.batch is None:
             raise InputError("reorder before prefill: the cache holds nothing yet")
-        if not torch.is_tensor(index) or index.dtype != torch.int64:
-            raise InputError(f"reorder index {type(index).__name__ if not torch.is_tensor(index) else index.dtype}: "
-                             "expected a torch.int64 tensor")
-        if tuple(index.shape) != (self.batch,):
-            raise InputError(f"reorder index shape {tuple(index.shape)}: expected ({self.batch},), one source row per "
-                             f"row of the cache")
-        if index.device != self.device:
-            raise InputError(f"reorder index on {index.device} but the cache is on {self.device}")
-        if int(index.min()) < 0 or int(index.max()) >= self.batch:
-            raise InputError(f"reorder index out of range [0, {self.batch}): min {int(index.min())}, "
-                             f"max {int(index.max())}")
+        check_reorder(index, self.batch, self.device)
         self._reorder(index)
+
+    def _require(self, feature: str) -> None:
+        """The `Unsupported` the checks raise, with the target's own reason, when the session's
+        runner declares `feature` unsupported (its Capabilities) and it is called anyway, before
+        anything reaches the target. A session without a `runner` declares nothing."""
+        runner = getattr(self, "runner", None)
+        reason = getattr(runner, "capabilities", None) and runner.capabilities.reason(feature)
+        if reason:
+            raise Unsupported(f"{getattr(runner, 'name', type(runner).__name__)}: {reason}")
 
     def _check_cached_call(self, tokens: torch.Tensor, what: str) -> None:
         if self.batch is None:

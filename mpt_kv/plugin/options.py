@@ -105,12 +105,11 @@ def reference_model(config) -> dict:
 
 def only_targets(config) -> bool:
     """--only-targets or the ini option mpt_kv_only_targets (a bool: true/false, yes/no, 1/0)."""
-    if config.getoption("only_targets"):
-        return True
-    try:
-        return bool(config.getini("mpt_kv_only_targets"))
+    try:  # read even when --only-targets is given: a bad ini value is an error whatever the command line says
+        ini = bool(config.getini("mpt_kv_only_targets"))
     except (ValueError, pytest.UsageError) as e:  # pytest's own parse: "invalid truth value 'maybe'"
         raise pytest.UsageError(f"ini option mpt_kv_only_targets: {e}; expected true or false") from None
+    return bool(config.getoption("only_targets")) or ini
 
 
 def named_targets(config) -> list[str]:

@@ -88,7 +88,10 @@ def target_for(request, device):
         target = resolved(request.config, spec)
         target.capabilities(device, torch.float32)
     except Exception as e:
+        from mpt_kv.targets import factory_error
+
         why = " (named with --target: an error, not a skip)" if named else ""
+        e = factory_error(e)
         pytest.fail(f"target {spec} cannot be built here{why}: {type(e).__name__}: {e}", pytrace=False)
     return target
 

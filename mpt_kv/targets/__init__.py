@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import sys
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from mpt_kv.model.config import ModelConfig, random_state_dict
-from mpt_kv.errors import InputError, TargetUnavailable, Unsupported
+from mpt_kv.devices import as_device
+from mpt_kv.model.config import ModelConfig, as_dtype, check_state_dict, random_state_dict
+from mpt_kv.errors import DeviceUnavailable, InputError, TargetBroken, TargetUnavailable, Unsupported
 from mpt_kv.model.session import Session
 
 PATHS = ("concat", "static")
@@ -194,7 +196,14 @@ class ResolvedTarget:
 
     def build(self, cfg: ModelConfig, state_dict: dict, device, dtype) -> Runner:
         """One runner of this target; a factory that returns something else is a TypeError naming it."""
-        runner = self.factory(cfg, state_dict, torch.device(device), dtype)
+        check_state_dict(cfg, state_dict)  # once here, for every target: a mismatch names the key and the config
+        device, dtype = as_device(device), as_dtype(dtype)
+        try:
+            runner = self.factory(cfg, state_dict, device, dtype)
+        except (InputError, TargetUnavailable, DeviceUnavailable, Unsupported):
+            raise  # mpt-kv's own: they already say what is wrong (or why it is skipped)
+        except Exception as e:  # one message for every caller (checks, plugin, CLIs), the factory's error named
+            raise TargetBroken(f"target {self.name} does not build on {device}: {type(e).__name__}: {e}") from e
         if not isinstance(runner, Runner):
             raise TypeError(f"target {self.name}: the factory returned {type(runner).__name__}, expected a "
                             "mpt_kv.targets.Runner (see docs/targets.md; mpt_kv.targets.wrappers has ready-made ones)")
@@ -203,7 +212,7 @@ class ResolvedTarget:
 
     def capabilities(self, device, dtype: torch.dtype) -> Capabilities:
         """What it declares, read from a tiny runner (`PROBE`) built once per device and dtype."""
-        device = str(torch.device(device))
+        device, dtype = str(as_device(device)), as_dtype(dtype)
         try:
             return _declared(self, device, dtype)
         except TypeError as e:  # an unhashable factory (a callable object): read it without the cache
@@ -223,7 +232,29 @@ def resolve_target(target: Target) -> ResolvedTarget:
     if isinstance(target, ResolvedTarget):
         return target
     name = target_name(target)  # TypeError for anything that is neither a string nor callable
-    return ResolvedTarget(name, target if not isinstance(target, str) else _load(target), target)
+    factory = target if not isinstance(target, str) else _load(target)
+    check_factory(name, factory)
+    return ResolvedTarget(name, factory, target)
+
+
+def factory_error(e: BaseException) -> BaseException:
+    """The factory's own exception where `build` wrapped it in a TargetBroken (what a one-line
+    report names after "does not build on <device>: "), else `e`."""
+    return e.__cause__ if isinstance(e, TargetBroken) and e.__cause__ is not None else e
+
+
+def check_factory(name: str, factory) -> None:
+    """A factory takes (cfg, state_dict, device, dtype): one that cannot is a TypeError naming its
+    signature now, not a TypeError from deep inside the first check that builds it."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: its call will tell
+        return
+    try:
+        signature.bind(PROBE, {}, torch.device("cpu"), torch.float32)
+    except TypeError as e:
+        raise TypeError(f"target {name}: the factory {getattr(factory, '__qualname__', factory)!r}{signature} cannot be "
+                        f"called as build(cfg, state_dict, device, dtype) ({e})") from None
 
 
 def _load(spec: str) -> Factory:
@@ -232,15 +263,22 @@ def _load(spec: str) -> Factory:
         raise TargetUnavailable(
             f"target {spec!r} is neither built in ({', '.join(BUILTIN)}) nor 'package.module:factory'")
     module_name, attr = path.split(":", 1)
+    if not module_name or not attr:
+        raise TargetUnavailable(f"target {spec!r}: expected 'package.module:factory', both parts non-empty")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise TargetUnavailable(f"target {spec!r}: cannot import {module_name} ({e}){_sys_path_hint(module_name, e)}") \
             from e
-    try:
-        return getattr(module, attr)
-    except AttributeError as e:
-        raise TargetUnavailable(f"target {spec!r}: {module_name} has no {attr!r}") from e
+    except Exception as e:  # a SyntaxError, or the module raising as it runs: the same "does not load", its error named
+        raise TargetUnavailable(f"target {spec!r}: importing {module_name} raised {type(e).__name__}: {e}") from e
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise TargetUnavailable(f"target {spec!r}: {module_name} has no {attr!r}")
+    if not callable(factory):
+        raise TargetUnavailable(f"target {spec!r}: {module_name}.{attr} is a {type(factory).__name__}, not a "
+                                "factory build(cfg, state_dict, device, dtype)")
+    return factory
 
 
 def _sys_path_hint(module_name: str, error: ImportError) -> str:

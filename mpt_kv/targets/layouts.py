@@ -20,11 +20,13 @@ Slack beyond what a layout declares is a failure, like any other retained byte.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Sequence
 
 import torch
 
 from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,13 @@ class PagedLayout:
     lengths: torch.Tensor | Sequence[int]
 
     def lengths_list(self) -> list[int]:
-        return [int(n) for n in (self.lengths.tolist() if torch.is_tensor(self.lengths) else self.lengths)]
+        """Each row's length, an int >= 0: int() of 2.5 would be 2, a wrong length read as a right one."""
+        values = self.lengths.tolist() if torch.is_tensor(self.lengths) else list(self.lengths)
+        bad = [n for n in values if isinstance(n, bool) or not isinstance(n, Integral) or n < 0]
+        if bad:
+            raise InputError(f"PagedLayout.lengths {values}: {bad} are not positions; expected ints >= 0 "
+                             "(an integer tensor or a list of ints)")
+        return [int(n) for n in values]
 
     def rows(self) -> list[list[int]]:
         """Each row's handed-out pool blocks, in table order."""

@@ -51,6 +51,9 @@ def device_sync(device) -> Callable[[], None]:
 
 def with_declared(detected: dict[str, str], declared: Capabilities | None) -> Capabilities:
     """The user's declaration wins where both name a feature; detected gaps are added to it."""
+    if declared is not None and not isinstance(declared, Capabilities):  # a dict would fail inside dataclasses.replace
+        raise TypeError(f"capabilities={declared!r} ({type(declared).__name__}): pass a mpt_kv.Capabilities, e.g. "
+                        "Capabilities({'bf16': 'our kernels are fp32 only'})")
     declared = declared or Capabilities()
     return dataclasses.replace(declared, unsupported={**detected, **declared.unsupported})
 
