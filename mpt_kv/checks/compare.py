@@ -105,8 +105,8 @@ class Crash(PropertyFailure):
         """What a failure of an earlier step says of this crash: the operation and the exception's
         type, not its message (a known-failure pattern of the crash must not match the earlier
         step's failure)."""
-        return (f"; the run did not get past a later {self.operation} (step {self.ctx.get('step', '?')}), which "
-                f"crashed with {type(self.error).__name__}: that crash is a separate finding")
+        return (f"; the run did not get past {self.ctx.get('step', 'a later step')}, whose {self.operation} "
+                f"crashed with {type(self.error).__name__} (not judged here: a finding of its own)")
 
 
 # never a crash of the target: mpt-kv's own verdicts, its skips and its input checks pass through
