@@ -28,7 +28,8 @@ pytest.importorskip("transformers")
 
 FAMILY, VARIANT = "llama", "gqa"
 # the port's shipped k-token extend crash (optimum-habana <= 1.21.2): the known failure a fork inherits
-EXTEND_CRASH = next(k for k in family_known.load() if k.property == "family-P1" and "extend raised" in k.pattern.pattern)
+EXTEND_CRASH = next(k for k in family_known.load()
+                    if k.property == "family-P1" and "extend raised" in k.pattern.pattern)
 CRASH = "The expanded size of the tensor (9) must match the existing size (6) at non-singleton dimension 3"
 
 
@@ -186,3 +187,16 @@ def test_a_family_copy_under_the_same_name_gets_its_own_runner_and_model():
     assert checks.oracle_model(copy, VARIANT, torch.float32).config.vocab_size == copy.config(VARIANT).vocab_size
     assert checks.runner_for("transformers", family, VARIANT, torch.float32, {}).model.config.vocab_size == \
         family.config(VARIANT).vocab_size
+
+
+def test_optimum_habanas_generation_function_is_cached_by_the_file_it_comes_from(tmp_path, monkeypatch):
+    """Two releases' generation/utils.py in one process: each gives its own function (cached by the
+    name alone, the second was handed the first's)."""
+    from mpt_kv.targets import gaudi_generation as G
+
+    for release in ("1.19.0", "1.21.2"):
+        path = tmp_path / release / "utils.py"
+        path.parent.mkdir()
+        path.write_text(f"def _which_release():\n    return {release!r}\n")
+        monkeypatch.setattr(G, "generation_utils_path", lambda path=path: path)
+        assert G.optimum_habana_function("_which_release")() == release, path

@@ -27,7 +27,9 @@ program: on HPU every new shape is a graph compile. HPU programs take k from `HP
 each check notes how many distinct input shapes it fed the target (`shapes fed`).
 
 A target whose operation raises (not an `InputError` of mpt-kv's own Session checks) fails the
-property with the exception named: beam search or assisted decoding would crash at that step.
+property with the exception named and the steps judged before it that held (the crash rule,
+`mpt_kv.checks.compare.Crash`): beam search or assisted decoding would crash at that step. Every
+step is judged as it comes, so a wrong value before a crash is that step's failure.
 Two exceptions are not the target's verdict but its environment's or its adapter's, and stay
 errors: an `ImportError` (an adapter reaching for what the installed release lacks) and a
 `NotImplementedError` (a session that neither implements an operation nor declares it

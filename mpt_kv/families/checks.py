@@ -31,7 +31,11 @@ family-memory  after the prefill and every call, the bytes of the distinct stora
 A property that does not hold raises `PropertyFailure` (its message: target, implementation,
 family, variant, path, dtype, batch, step, operation, layer, error or bytes). A session call of
 the implementation that raises is a PropertyFailure too (generation would crash there), its
-exception named; a feature the implementation does not have is `Unsupported` with its reason;
+exception named, and the steps judged before it that held (the crash rule,
+`mpt_kv.checks.compare.Crash`): every step before a crash is judged first (P1: against an uncached
+forward over the tokens seen so far; P2: the static path up to the step the concat path crashed
+at), so a wrong value there is that step's failure, noting the crash, which a known failure of the
+crash does not match; a feature the implementation does not have is `Unsupported` with its reason;
 anything else (a model that does not build, a family entry that misdescribes its model) is an
 error.
 """
