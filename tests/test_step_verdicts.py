@@ -200,3 +200,21 @@ def test_optimum_habanas_generation_function_is_cached_by_the_file_it_comes_from
         path.write_text(f"def _which_release():\n    return {release!r}\n")
         monkeypatch.setattr(G, "generation_utils_path", lambda path=path: path)
         assert G.optimum_habana_function("_which_release")() == release, path
+
+
+def test_the_mpt_ports_patched_classes_are_cached_by_the_module_object():
+    """Two modules under one name and file (a reloaded port, a fork substituted in sys.modules):
+    each gets classes of its own values (cached by name and file, the second got the first's)."""
+    import types
+
+    from mpt_kv.targets import gaudi as gaudi_target
+
+    patch = gaudi_target.MptPatch(1, "MptBlock", None, "GaudiMptBlock")
+    modules = []
+    for which in ("port", "fork"):
+        module = types.ModuleType("optimum.habana.transformers.models.mpt.modeling_mpt")
+        module.__file__ = "/same/modeling_mpt.py"
+        module.GaudiMptBlock = type(f"{which}Block", (), {})
+        modules.append(module)
+    for module in modules:
+        assert gaudi_target.patched_classes(module, [patch])["MptBlock"] is module.GaudiMptBlock, module.GaudiMptBlock
