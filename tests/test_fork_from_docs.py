@@ -98,3 +98,12 @@ def test_the_fork_fails_p3_and_memory_naming_query_key_value_and_the_bytes(fork,
             assert excess, message
             assert tuple(map(int, excess.groups())) == (
                 want["held"], BATCH, TOKENS[path], want["analytic"], want["layers"] * want["pinned"]), message
+
+
+@pytest.mark.parametrize("check", CHECKED)
+def test_the_fork_named_optimum_habana_fails_after_the_port_passed_in_one_process(fork, check):
+    """The fork is a Family copy under the port's name: the runner cache is keyed by the Family
+    object, so the name "optimum-habana" builds the fork's own runner, not the port's cached one."""
+    CHECKS[check]("optimum-habana", FAMILY, VARIANT, "concat")
+    with pytest.raises(PropertyFailure, match=r"layer 0 value \([\d, ]+\) is a view of \S+query_key_value's output"):
+        CHECKS[check]("optimum-habana", fork, VARIANT, "concat")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpt_kv.errors import InputError, Unsupported
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -76,6 +78,56 @@ def tolerance(dtype: torch.dtype, quantity: str) -> Tolerance:
 
 class PropertyFailure(AssertionError):
     """A property does not hold; the message carries the whole context."""
+
+
+class Crash(PropertyFailure):
+    """The crash rule, the one place a target's (or an implementation's) own call that raised
+    becomes a verdict (`crash_of`): generation would crash there. Every check that drives several
+    calls compares each step before this propagates (an earlier step's wrong values are that
+    step's PropertyFailure, which a known failure of the later crash does not match); `held`
+    names, in the message, the steps that were judged before it and held."""
+
+    def __init__(self, what: str, who: str, operation: str, error: BaseException, ctx: dict, at: str = "",
+                 held=()):
+        self.what, self.who, self.operation, self.error, self.ctx, self.at = what, who, operation, error, ctx, at
+        self.held_steps = tuple(held)
+        judged = f" (judged before it and held: {', '.join(map(str, self.held_steps))})" if self.held_steps else ""
+        super().__init__(f"{what}: {who}'s {operation} raised {type(error).__name__}: {error}{at}{judged} "
+                         f"[{describe(ctx)}]")
+
+    def held(self, steps) -> "Crash":
+        """The same crash, naming the steps judged before it that held."""
+        again = Crash(self.what, self.who, self.operation, self.error, self.ctx, self.at, steps)
+        again.__cause__ = self.error
+        return again
+
+    def note(self) -> str:
+        """What a failure of an earlier step says of this crash: the operation and the exception's
+        type, not its message (a known-failure pattern of the crash must not match the earlier
+        step's failure)."""
+        return (f"; the run did not get past {self.ctx.get('step', 'a later step')}, whose {self.operation} "
+                f"crashed with {type(self.error).__name__} (not judged here: a finding of its own)")
+
+
+# never a crash of the target: mpt-kv's own verdicts, its skips and its input checks pass through
+NOT_CRASHES = (PropertyFailure, Unsupported, InputError)
+
+
+def crash_of(what: str, who: str, operation: str, error: BaseException, ctx: dict, at: str = "") -> Crash:
+    """The crash rule (`Crash`) for `error`, raised by a call that is no NOT_CRASHES."""
+    crash = Crash(what, who, operation, error, ctx, at)
+    crash.__cause__ = error
+    return crash
+
+
+def judged_before(crash: Crash, judge, steps) -> None:
+    """Raise for a drive that crashed after recording `steps`: `judge()` compares them first (a
+    failure there is the verdict, noting the crash), then the crash, naming the steps that held."""
+    try:
+        judge()
+    except PropertyFailure as failure:
+        raise PropertyFailure(f"{failure}{crash.note()}") from crash
+    raise crash.held(steps)
 
 
 class AliasedComparison(AssertionError):

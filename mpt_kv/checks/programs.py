@@ -27,7 +27,9 @@ program: on HPU every new shape is a graph compile. HPU programs take k from `HP
 each check notes how many distinct input shapes it fed the target (`shapes fed`).
 
 A target whose operation raises (not an `InputError` of mpt-kv's own Session checks) fails the
-property with the exception named: beam search or assisted decoding would crash at that step.
+property with the exception named and the steps judged before it that held (the crash rule,
+`mpt_kv.checks.compare.Crash`): beam search or assisted decoding would crash at that step. Every
+step is judged as it comes, so a wrong value before a crash is that step's failure.
 Two exceptions are not the target's verdict but its environment's or its adapter's, and stay
 errors: an `ImportError` (an adapter reaching for what the installed release lacks) and a
 `NotImplementedError` (a session that neither implements an operation nor declares it
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
+from mpt_kv.checks.compare import NOT_CRASHES, PropertyFailure, assert_close, crash_of, describe
 from mpt_kv.checks.properties import (Case, Context, WqkvCapture, aliasing_problems, fresh_memory_holds_nan,
                                       poison_unwritten, twin_of)
 from mpt_kv.checks.results import copied, snapshot
@@ -282,12 +284,11 @@ class History:
         return pad_right(self.ids, length, 0), pad_right(self.mask, length, 0)
 
 
-def run_op(session, op: Op, tokens, step, what: str, c: Context, fed: Fed):
+def run_op(session, op: Op, tokens, step, what: str, c: Context, fed: Fed, held=()):
     """One operation on the target's live session; logits (B, k, V) copied at once, or None. A
-    target that raises fails the property, the exception named, unless it is an ImportError or
-    NotImplementedError (module doc)."""
-    from mpt_kv.errors import InputError
-
+    target that raises fails the property, the exception named (the crash rule,
+    `mpt_kv.checks.compare.Crash`; `held`: the steps judged before it that held), unless it is an
+    ImportError or NotImplementedError (module doc)."""
     live = getattr(session, "live", session)
     try:
         if op.kind == "decode":
@@ -301,11 +302,11 @@ def run_op(session, op: Op, tokens, step, what: str, c: Context, fed: Fed):
         else:
             live.reorder(torch.tensor(op.index, device=live.device))
         return None
-    except (PropertyFailure, Unsupported, InputError, ImportError, NotImplementedError):
+    except (*NOT_CRASHES, ImportError, NotImplementedError):
         raise  # ImportError, NotImplementedError: the environment's or the adapter's, an error (module doc)
     except Exception as e:  # noqa: BLE001  the target's own operation crashed
-        raise PropertyFailure(f"{what}: the target's {op.kind} raised {type(e).__name__}: {e} at step {step} "
-                              f"({op.describe()}) [{describe(c.ctx(step=step, operation=op.kind))}]") from e
+        raise crash_of(what, "the target", op.kind, e, c.ctx(step=step, operation=op.kind),
+                       at=f" at step {step} ({op.describe()})").held(held) from e
 
 
 def record_reach(check_id: str | None, program: Program) -> None:
@@ -349,9 +350,10 @@ def check_program_cached(runner, c: Context, program: Program, fed: Fed | None =
         S = ids.shape[1]
         assert_close(prefill, full[:, :S], tol, f"ops-P1 prefill logits vs {against}",
                      ctx_of(c, program, step="prefill"), where=mask.bool()[:, :, None])
+        held = ["prefill"]  # each logits call is judged as it comes (a crop or reorder: by the next one)
         for step, op in enumerate(program.ops):
             tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
-            out = run_op(session, op, tokens, step, "ops-P1", c, fed)
+            out = run_op(session, op, tokens, step, "ops-P1", c, fed, held)
             history.apply(op, tokens)
             if out is None:
                 continue
@@ -360,6 +362,7 @@ def check_program_cached(runner, c: Context, program: Program, fed: Fed | None =
             assert_close(out, full[:, t - op.k:t], tol,
                          f"ops-P1 {op.describe()} logits (batch, query, vocab) vs {against} over each row's "
                          f"surviving history (positions {t - op.k}..{t - 1})", ctx_of(c, program, step=step))
+            held.append(f"step {step} ({op.describe()})")
     return c.notes
 
 
@@ -381,14 +384,16 @@ def check_program_static_concat(runner, c: Context, program: Program, fed: Fed |
         poison_unwritten(static.live, concat.live)  # a paged pool may be shared: the concat path's blocks are its own
         o = None if oracle is None else oracle.prefill(ids, mask)
         compare_paths(c, program, "prefill", concat, outs[0], static, outs[1], oracle, o, where=mask.bool()[:, :, None])
+        held = ["prefill"]  # each step is compared as it comes
         for step, op in enumerate(program.ops):
             tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
-            a = run_op(concat, op, tokens, step, "ops-P2 (concat)", c, fed)
-            b = run_op(static, op, tokens, step, "ops-P2 (static)", c, fed)
-            o = None if oracle is None else run_op(oracle, op, tokens, step, "ops-P2 (fp32 twin)", c, Fed())
+            a = run_op(concat, op, tokens, step, "ops-P2 (concat)", c, fed, held)
+            b = run_op(static, op, tokens, step, "ops-P2 (static)", c, fed, held)
+            o = None if oracle is None else run_op(oracle, op, tokens, step, "ops-P2 (fp32 twin)", c, Fed(), held)
             if op.kind == "crop":
                 poison_unwritten(static.live, concat.live)  # the cropped slots [n, old written) must be masked again
             compare_paths(c, program, f"{step} ({op.describe()})", concat, a, static, b, oracle, o)
+            held.append(f"step {step} ({op.describe()})")
     return c.notes
 
 
@@ -473,10 +478,11 @@ def check_program_aliasing(runner, c: Context, program: Program, fed: Fed | None
             problems, storages = aliasing_problems(session.kv(), capture.outputs, {}, "prefill", last=not program.ops,
                                                    layout=declared_blocks(session))
             fail_p3(problems, "prefill", c, program)
+            held = ["prefill"]  # each step is judged as it comes
             for step, op in enumerate(program.ops):
                 tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
                 before = pinned_by_storage(session.kv())
-                run_op(session, op, tokens, step, "ops-P3", c, fed)
+                run_op(session, op, tokens, step, "ops-P3", c, fed, held)
                 kv = session.kv()
                 blocks = declared_blocks(session)
                 problems, storages = aliasing_problems(kv, capture.outputs, storages, f"{step} ({op.describe()})",
@@ -493,6 +499,7 @@ def check_program_aliasing(runner, c: Context, program: Program, fed: Fed | None
                                             + (": a crop by slicing keeps the cropped tail alive" if op.kind == "crop"
                                                else ""))
                 fail_p3(problems, step, c, program, op)
+                held.append(f"step {step} ({op.describe()})")
     finally:
         capture.close()
     return c.notes

@@ -31,7 +31,11 @@ family-memory  after the prefill and every call, the bytes of the distinct stora
 A property that does not hold raises `PropertyFailure` (its message: target, implementation,
 family, variant, path, dtype, batch, step, operation, layer, error or bytes). A session call of
 the implementation that raises is a PropertyFailure too (generation would crash there), its
-exception named; a feature the implementation does not have is `Unsupported` with its reason;
+exception named, and the steps judged before it that held (the crash rule,
+`mpt_kv.checks.compare.Crash`): every step before a crash is judged first (P1: against an uncached
+forward over the tokens seen so far; P2: the static path up to the step the concat path crashed
+at), so a wrong value there is that step's failure, noting the crash, which a known failure of the
+crash does not match; a feature the implementation does not have is `Unsupported` with its reason;
 anything else (a model that does not build, a family entry that misdescribes its model) is an
 error.
 """
@@ -45,7 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpt_kv.checks.compare import PropertyFailure, assert_close, describe, shares_memory, tolerance
+from mpt_kv.checks.compare import (NOT_CRASHES, Crash, PropertyFailure, assert_close, crash_of, describe,
+                                   judged_before, shares_memory, tolerance)
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import InputError, Registry, Unsupported
 from mpt_kv.families import FAMILIES
@@ -71,7 +76,7 @@ def build(family: Family, variant: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     config = family_of(family).config(variant)
-    key = (family_of(family).name, variant, seed)
+    key = (config_key(config), seed)
     if key in _built:  # a copy of the model built once per process: the same weights, its own modules
         return copy.deepcopy(_built[key]), config
     torch.manual_seed(seed)
@@ -80,7 +85,15 @@ def build(family: Family, variant: str, seed: int = 0):
     return copy.deepcopy(model), config
 
 
-_built: dict = {}  # (family, variant, seed) -> transformers' model, per process (build copies it)
+def config_key(config) -> str:
+    """What a transformers model built from `config` is: the config itself (its JSON, model_type
+    included), never the family's name, which a Family copy with other variants or tiny settings
+    shares."""
+    return config.to_json_string(use_diff=False)
+
+
+# (config, seed) -> transformers' model, per process (build copies it)
+_built: dict = {}
 
 
 def prompt(config, seed: int = 0, pads=(PAD, 0), length: int = PROMPT) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +141,11 @@ def named_kv(pairs) -> list[tuple[int, str, torch.Tensor]]:
 
 # --- what a check runs on ----------------------------------------------------------------------------------
 
-_runners: dict = {}   # (implementation, family, variant, dtype, seed, options) -> Runner, per process
-_oracles: dict = {}   # (family, variant, seed, dtype) -> transformers' model (fp32)
+# Keyed by what they hold, never by a name two models can share (a fork of a port is a Family copy
+# under the port's name): the implementation's builder and the Family object itself (by identity,
+# the entry keeping it alive so its id is not reused), and the transformers config.
+_runners: dict = {}   # (builder, id(family), variant, dtype, options) -> (family, Runner), per process
+_oracles: dict = {}   # (config, dtype) -> transformers' model (fp32)
 
 
 def clear_caches() -> None:
@@ -145,23 +161,24 @@ def implementation_name(implementation) -> str:
 
 
 def runner_for(implementation, family: Family, variant: str, dtype: torch.dtype, options: dict):
-    """The implementation's runner, built once per process for a named one (a callable, as the
-    tests' broken wrappers, is built every time)."""
+    """The implementation's runner, built once per process for a named one and this Family object
+    (a callable, as the tests' broken wrappers, is built every time)."""
     from mpt_kv.families.implementations import IMPLEMENTATIONS
 
     if not isinstance(implementation, str):
         return implementation(family, variant, dtype, seed=0, **options)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {implementation!r}: implementations {sorted(IMPLEMENTATIONS)}")
-    key = (implementation, family.name, variant, dtype, tuple(sorted(options.items())))
+    builder = IMPLEMENTATIONS[implementation]
+    key = (builder, id(family), variant, dtype, tuple(sorted(options.items())))
     if key not in _runners:
-        _runners[key] = IMPLEMENTATIONS[implementation](family, variant, dtype, seed=0, **options)
-    return _runners[key]
+        _runners[key] = (family, builder(family, variant, dtype, seed=0, **options))
+    return _runners[key][1]
 
 
 def oracle_model(family: Family, variant: str, dtype: torch.dtype):
     """transformers' model with the same weights, in fp32 (bf16: from the bf16-rounded weights)."""
-    key = (family.name, variant, dtype)
+    key = (config_key(family.config(variant)), dtype)
     if key not in _oracles:
         model, _ = build(family, variant)
         if dtype != torch.float32:
@@ -226,15 +243,16 @@ def case_of(implementation, family, variant: str, path: str, dtype=torch.float32
 
 def call(c: Case, what: str, step, operation: str, fn, *args):
     """One call of the implementation; one that raises fails the property with its exception named
-    (mpt-kv's own InputError and Unsupported pass through)."""
+    (the crash rule, `mpt_kv.checks.compare.Crash`; mpt-kv's own InputError and Unsupported pass
+    through)."""
     try:
         out = fn(*args)
-    except (PropertyFailure, Unsupported, InputError):
+    except NOT_CRASHES:
         raise
     except Exception as e:  # noqa: BLE001  the implementation's own call crashed
         prefix = "" if what.startswith("family-") else f"{c.check} "
-        raise PropertyFailure(f"{prefix}{what}: the implementation's {operation} raised {type(e).__name__}: {e} "
-                              f"[{describe(c.ctx(step=step, operation=operation))}]") from e
+        raise crash_of(f"{prefix}{what}", "the implementation", operation, e,
+                       c.ctx(step=step, operation=operation)) from e
     return out
 
 
@@ -251,17 +269,29 @@ class Step:
     logits: torch.Tensor  # as returned: (B, S, V), (B, V) or (B, k, V)
 
 
-def drive(c: Case, session, on_step, tokens_from=None, extend: bool = False) -> list[Step]:
+def drive(c: Case, session, on_step, tokens_from=None, extend: bool = False, judges: bool = True) -> list[Step]:
     """Prefill the left-padded prompt, then STEPS greedy decodes, an EXTEND-token cached call and
     a decode (extend=True: P1 and P2, where the implementation declares extend), or STEPS + 1
     greedy decodes (P3, P4, memory: an extend that crashes is P1's finding, not three more).
     `on_step(step, session, seq, mask)` after each (seq, mask: every row's tokens so far).
-    `tokens_from(step)`: the logits the next greedy token comes from (default: this session's last)."""
+    `tokens_from(step)`: the logits the next greedy token comes from (default: this session's last).
+    A call that crashes (`Crash`) ends the drive; with `judges` (on_step judges each step as it
+    comes) the crash names the steps before it, which on_step judged and which held; a check whose
+    on_step only records (P1) judges those itself first (`judged_before`)."""
     extend = extend and c.runner.capabilities.reason("extend") is None
+    steps: list[Step] = []
+    try:
+        return _drive(c, session, on_step, tokens_from, extend, steps)
+    except Crash as crash:
+        raise crash.held([s.name for s in steps]) if judges and steps else crash
+
+
+def _drive(c: Case, session, on_step, tokens_from, extend: bool, steps: list[Step]) -> list[Step]:
     ids, mask = prompt(c.config)
-    steps = [Step("prefill", "prefill", call(c, "prefill", "prefill", "prefill", session.prefill, ids, mask))]
+    first = Step("prefill", "prefill", call(c, "prefill", "prefill", "prefill", session.prefill, ids, mask))
     seq = ids
-    on_step(steps[-1], session, seq, mask)
+    on_step(first, session, seq, mask)
+    steps.append(first)  # after on_step: `steps` are the steps on_step saw through
     plan = [("decode", 1)] * STEPS + ([("extend", EXTEND), ("decode", 1)] if extend else [("decode", 1)])
     for i, (op, k) in enumerate(plan, 1):
         if op == "decode":
@@ -276,8 +306,9 @@ def drive(c: Case, session, on_step, tokens_from=None, extend: bool = False) -> 
             logits = call(c, name, name, "extend", session.extend, tokens)
         seq = torch.cat([seq, tokens], 1)
         mask = torch.cat([mask, torch.ones_like(tokens)], 1)
-        steps.append(Step(name, op, logits))
-        on_step(steps[-1], session, seq, mask)
+        step = Step(name, op, logits)
+        on_step(step, session, seq, mask)
+        steps.append(step)
     return steps
 
 
@@ -314,17 +345,27 @@ def check_cached(implementation, family, variant: str, path: str = "concat", dty
         got.append((step, last_positions(copy_of(step.logits)), seq.shape[1]))
         final.update(seq=seq, mask=mask)
 
+    def judge():
+        if not got:
+            return
+        mask = final["mask"]
+        # causal: one uncached forward over the final tokens (after a crash: the tokens seen so
+        # far) is every step's oracle
+        full = c.oracle(final["seq"], mask)
+        for step, logits, end in got:
+            k = logits.shape[1]
+            where = mask.bool()[:, end - k:end, None] if step.operation == "prefill" else None
+            assert_close(logits, full[:, end - k:end], tol,
+                         f"family-P1 {step.name}: cached logits vs transformers' uncached forward over each row's "
+                         "tokens", c.ctx(step=step.name, operation=step.operation), where=where)
+
     lacks_extend = c.runner.capabilities.reason("extend")
-    with torch.inference_mode():
-        drive(c, c.session(), keep, extend=True)
-    mask = final["mask"]
-    full = c.oracle(final["seq"], mask)  # causal: one uncached forward over the final tokens is every step's oracle
-    for step, logits, end in got:
-        k = logits.shape[1]
-        where = mask.bool()[:, end - k:end, None] if step.operation == "prefill" else None
-        assert_close(logits, full[:, end - k:end], tol,
-                     f"family-P1 {step.name}: cached logits vs transformers' uncached forward over each row's tokens",
-                     c.ctx(step=step.name, operation=step.operation), where=where)
+    try:
+        with torch.inference_mode():
+            drive(c, c.session(), keep, extend=True, judges=False)
+    except Crash as crash:  # the steps before it are compared first: a wrong value there is the verdict
+        judged_before(crash, judge, [step.name for step, _, _ in got])
+    judge()
     if lacks_extend:
         raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: the k-token cached call: {lacks_extend} "
                           "(the prefill and the decode steps held)")
@@ -375,7 +416,12 @@ def check_static_concat(implementation, family, variant: str, path: str = "stati
 
     compared = []
 
+    class PastTheRecord(Exception):
+        """The static path reached the step the concat path crashed at: nothing to compare it with."""
+
     def compare(step: Step, session, seq, mask):
+        if step.name not in concat_steps:
+            raise PastTheRecord(step.name)
         ref, theirs = concat_steps[step.name]
         ctx = c.ctx(step=step.name, operation=step.operation)
         got, want = last_positions(copy_of(step.logits)), last_positions(ref.logits)
@@ -397,12 +443,27 @@ def check_static_concat(implementation, family, variant: str, path: str = "stati
                          f"{n} of layer {layer} at the written token positions vs the concat path's",
                          {**ctx, "layer": layer}, where=real)
 
-    lacks_extend = c.runner.capabilities.reason("extend")
-    with torch.inference_mode():
-        drive(c, c.session("concat"), record, extend=True)
+    def static_drive():
         names = list(concat_steps)  # the static path is fed the concat path's greedy tokens
         drive(c, c.session("static"), compare, tokens_from=lambda i: concat_steps[names[i - 1]][0].logits,
               extend=True)
+
+    def judge_recorded():  # the concat path crashed: the static path's steps it recorded are compared
+        try:
+            static_drive()
+        except Crash as crash:
+            if crash.ctx.get("step") in concat_steps:
+                raise
+        except PastTheRecord:
+            pass
+
+    lacks_extend = c.runner.capabilities.reason("extend")
+    with torch.inference_mode():
+        try:
+            drive(c, c.session("concat"), record, extend=True, judges=False)
+        except Crash as crash:
+            judged_before(crash, judge_recorded, list(concat_steps))
+        static_drive()
     if not compared:
         c.notes.append("family-P2: the static and concat K/V layouts do not line up: logits compared only")
     if lacks_extend:
@@ -568,6 +629,14 @@ def run_program(c: Case, name: str, ops) -> None:
     out = copy_of(call(c, f"family-ops {name}", "prefill", "prefill", session.prefill, ids, mask))
     assert_close(out, c.oracle(ids, mask), tol, f"family-ops {name} prefill logits vs transformers' uncached forward",
                  c.ctx(program=name, step="prefill", operation="prefill"), where=mask.bool()[:, :, None])
+    held = ["prefill"]  # each step is judged as it comes: a crash names those before it
+    try:
+        program_steps(c, name, ops, session, history, tol, held)
+    except Crash as crash:
+        raise crash.held(held)
+
+
+def program_steps(c: Case, name: str, ops, session, history, tol, held: list) -> None:
     for i, op in enumerate(ops):
         what = f"family-ops {name} step {i} ({op.describe()})"
         tokens = teacher_tokens(c.config, c.batch, op.k, i) if op.kind in ("decode", "extend") else None
@@ -580,12 +649,12 @@ def run_program(c: Case, name: str, ops) -> None:
         else:
             out = call(c, what, i, "reorder", session.reorder, torch.tensor(op.index))
         history.apply(op, tokens)
-        if out is None:
-            continue
-        full = c.oracle(history.ids, history.mask)
-        assert_close(out, full[:, -op.k:], tol, f"{what}: logits vs transformers' uncached forward over each "
-                     f"row's surviving history ({history.ids.shape[1]} positions)",
-                     c.ctx(program=name, step=i, operation=op.kind))
+        if out is not None:
+            full = c.oracle(history.ids, history.mask)
+            assert_close(out, full[:, -op.k:], tol, f"{what}: logits vs transformers' uncached forward over each "
+                         f"row's surviving history ({history.ids.shape[1]} positions)",
+                         c.ctx(program=name, step=i, operation=op.kind))
+            held.append(f"step {i} ({op.describe()})")  # a crop or reorder is judged by the next logits call
 
 
 def check_operations(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:

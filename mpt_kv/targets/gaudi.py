@@ -184,14 +184,16 @@ def model_patches(module, hf_module: str, label: str, source: Path | None = None
     return patches
 
 
-_patched: dict[tuple, dict] = {}  # (module, patches) -> {name: class}: the same classes for every build
+# (the module object, patches) -> {name: class}: the same classes for every build of that module;
+# keyed by the module itself, not its name or file, which a reloaded or substituted module shares
+_patched: dict[tuple, dict] = {}
 
 
 def patched_classes(module, patches: list[MptPatch]) -> dict:
     """transformers MPT name -> what it is while a model is built. A replaced class is the Gaudi
     class; a patched attribute (`MptBlock.forward = gaudi_mpt_block_forward`) goes on a subclass
     of transformers' class, so transformers' own classes stay untouched for other targets."""
-    key = (module.__name__, getattr(module, "__file__", None), tuple(patches))
+    key = (module, tuple(patches))
     if key in _patched:
         return _patched[key]
     hf_module = patches[0].hf_module if patches else HF_MPT

@@ -57,15 +57,22 @@ def has_module_function(source: str, name: str) -> bool:
     return any(isinstance(node, ast.FunctionDef) and node.name == name for node in ast.parse(source).body)
 
 
-@functools.lru_cache(maxsize=None)
 def optimum_habana_function(name: str):
     """The module-level function `name` of optimum-habana's generation/utils.py, compiled from its
     source with the names it reads from transformers (`DynamicCache`, `EncoderDecoderCache`,
-    where the installed transformers has them: 4.40 has no EncoderDecoderCache)."""
+    where the installed transformers has them: 4.40 has no EncoderDecoderCache). Cached by the
+    file it is compiled from (path, mtime, size), not by the name alone: another release's file
+    (an installed one, a test's) is compiled anew."""
+    path = generation_utils_path()
+    stat = path.stat()
+    return _compiled_function(name, path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_function(name: str, path, mtime_ns: int, size: int):
     import torch
     import transformers.cache_utils as cache_utils
 
-    path = generation_utils_path()
     tree = ast.parse(path.read_text(), filename=str(path))
     found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name]
     if not found:
