@@ -41,8 +41,7 @@ def pytest_run(pytester, monkeypatch):
     def _run(*args, ini=""):
         if ini:
             pytester.makeini(f"[pytest]\n{ini}\n")
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--device", "cpu", "--dtype", "fp32", *args,
-                                               timeout=300)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=300)
         return result.ret, "\n".join(result.outlines + result.errlines)
 
     return _run
@@ -54,8 +53,9 @@ NO_FAMILY = "no target of this run applies to the conformance tests it selected 
 
 @pytest.mark.parametrize("args, ini, code, line", [
     # hole 2: was exit 0, "7 passed, 75 skipped": only the uncached P0 ran
-    pytest.param(("--pyargs", "mpt_kv.conformance.test_properties", "--target", "uncached_only:build",
-                  "--only-targets", "-k", "(P0 and not P0/) or (P1/ and not graphs and not bucket)"), "", 1,
+    pytest.param(("--pyargs", "mpt_kv.conformance.test_properties", "--target", "uncached_only:build", "--only-targets",
+                  "--device", "cpu", "--dtype", "fp32", "-k", "(P0 and not P0/) or (P1/ and not graphs and not bucket)"),
+                 "", 1,
                  "target uncached_only:build: no cache property passed (P0 passed 1; P1 unsupported 12 on concat, "
                  "static)", id="hole2-only-uncached-P0-ran"),
     # hole 3: was exit 0, "247 skipped" (pytest's empty-parameter placeholders)
