@@ -118,6 +118,9 @@ CHECKED = [case("t", "P0", "passed"), case("t", "P1", "passed")]
                  id="placeholders-beside-cases"),
     pytest.param([case("t", "P0", "skipped"), case("t", "P1", "unsupported")],
                  "2 conformance cases were reported and none ran", id="none-ran"),
+    pytest.param([*CHECKED, case("u", "P0", "skipped"), case("u", "P1", "unsupported")],
+                 "target u: no cache property passed (P0 skipped 1; P1 unsupported 1 on concat)",
+                 id="a-target-that-ran-nothing-beside-one-that-was-checked"),
 ])
 def test_the_rule_over_result_records(results, problem):
     problems = gate.run_problems(results)
@@ -127,6 +130,8 @@ def test_the_rule_over_result_records(results, problem):
 @pytest.mark.parametrize("results, allow_missing_device, allow_no_cache_check", [
     ([case("t", "P0", "passed")], False, True),
     ([case("t", "P0", "skipped"), case("t", "P1", "skipped")], True, False),
+    # a target none of whose cases ran, beside one that was checked (nothing_ran does not see it)
+    ([*CHECKED, case("u", "P0", "skipped"), case("u", "P1", "unsupported")], True, False),
 ])
 def test_the_opt_outs(results, allow_missing_device, allow_no_cache_check):
     assert gate.run_problems(results, allow_missing_device, allow_no_cache_check) == []
