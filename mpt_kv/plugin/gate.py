@@ -273,7 +273,9 @@ def unchecked_targets(results: list[dict], allow_missing_device: bool = False) -
 def _what_ran(cases: list[dict]) -> str:
     """`P0 passed 7; P1, P2, P3, memory unsupported 75 on concat, static`: per outcome, which
     properties, how many cases and on which paths."""
-    order = {p: i for i, p in enumerate([*NOT_CACHE_PROPERTIES, *CACHE_PROPERTIES])}
+    from mpt_kv.plugin.report import PROPERTY_NAMES  # the matrix's column order
+
+    order = {p: i for i, p in enumerate(PROPERTY_NAMES)}
     groups: dict[str, list[dict]] = {}
     for r in cases:
         groups.setdefault(r.get("outcome", "?"), []).append(r)
