@@ -1,8 +1,10 @@
 """The device gate: which device kinds a run requires (marker expressions, --device,
 --require-device), the checks before any test (a required kind absent, --update-ceilings under
-CI, an unwritable report path), and the end-of-run verdict (no case of a required kind passed;
-conformance cases collected and none ran). A misconfigured Gaudi runner cannot pass by running
-nothing (docs/gate.md).
+CI, an unwritable report path, conformance tests with no target of the run), and the end-of-run
+verdict (no case of a required kind passed; and what a green run must contain, `run_problems`:
+a target, some conformance case that ran, per target a cache property checked on a cache path;
+`python -m mpt_kv report` applies the same function). A misconfigured Gaudi runner cannot pass by
+running nothing (docs/gate.md).
 
 pytest's marker expressions are evaluated with pytest's own parser, a private API
 (`_pytest.mark.expression`): `compile_markexpr` is the one place that touches it.

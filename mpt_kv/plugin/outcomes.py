@@ -62,16 +62,14 @@ def label(item) -> dict | None:
 
 
 def no_target_reason(item) -> str | None:
-    """For the placeholder of a conformance test that has no target of this run (pytest's empty
-    parametrization of `target`, or a module's own `no_target` marker): why. The gate fails a run
-    made of such placeholders alone (gate.no_target)."""
+    """For the placeholder of a conformance test that has no target of this run (its `no_target`
+    marker, e.g. the families' case when no implementation is a target): why. The gate refuses a run
+    made of such placeholders alone (gate.no_target). A run with no target at all (--only-targets
+    without one) never gets here: options.only_targets refuses it."""
     marker = item.get_closest_marker("no_target")
-    if marker is not None:
-        return marker.args[0] if marker.args else "no target of this run applies"
-    cs = getattr(item, "callspec", None)
-    if cs is not None and cs.params.get("target", None) is NOTSET:
-        return "its targets are an empty parameter set"
-    return None
+    if marker is None:
+        return None
+    return marker.args[0] if marker.args else "no target of this run applies"
 
 
 def record_of(item) -> dict:
