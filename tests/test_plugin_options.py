@@ -86,7 +86,8 @@ def test_an_only_targets_value_that_is_not_a_bool_names_the_option(config):
     with pytest.raises(pytest.UsageError, match="ini option mpt_kv_only_targets: invalid truth value 'maybe'; "
                                                 "expected true or false"):
         options.check(config("mpt_kv_only_targets = maybe"))
-    assert options.only_targets(config("mpt_kv_only_targets = yes")) is True
+    # with a target: without one, the run would have none (tests/test_green_run.py)
+    assert options.only_targets(config("mpt_kv_only_targets = yes\nmpt_kv_targets = mine:build")) is True
 
 
 def test_an_unknown_hypothesis_profile_is_one_usage_error_naming_the_known_ones(monkeypatch):

@@ -9,8 +9,9 @@ target's versions, and the memory table of both.
 Merging: a target that could not run in one environment (skipped there: not installed) and ran
 in another shows the run it had; what the checks reached ("reach") is concatenated. Exit status
 1 if any case failed, errored or passed while expected to fail (XPASS), if the reports hold no
-result at all, or if their conformance cases all skipped (unless every run was made with
---allow-missing-device); 2 for a report that is missing, unreadable or not an mpt-kv report, or
+result at all, if their conformance cases all skipped (unless every run was made with
+--allow-missing-device), or if a target that ran had no cache property pass (unless every run was
+made with --allow-no-cache-check): the plugin's own rule, mpt_kv.plugin.gate.run_problems; 2 for a report that is missing, unreadable or not an mpt-kv report, or
 a --json path that cannot be written (checked before any work).
 """
 
@@ -89,6 +90,7 @@ def merge(reports: list[dict]) -> dict:
             "unrecorded": unrecorded, "hypothesis_profile": "/".join(profiles) or None,
             "reach": [r for rep in reports for r in rep.get("reach", [])],
             "allow_missing_device": all(rep.get("allow_missing_device", False) for rep in reports),
+            "allow_no_cache_check": all(rep.get("allow_no_cache_check", False) for rep in reports),
             "environments": [{"written": rep.get("written", "?"), **rep.get("environment", {})} for rep in reports]}
 
 
@@ -104,7 +106,7 @@ def main(argv: list[str]) -> int:
         problem = file_problem(args.json)
         if problem:
             usage_error(f"--json {args.json!r}: {problem}")
-    from mpt_kv.plugin.gate import nothing_ran
+    from mpt_kv.plugin.gate import run_problems
     from mpt_kv.plugin.report import matrix_lines, project_lines
 
     merged = merge([load(path) for path in args.reports])
@@ -140,8 +142,7 @@ def main(argv: list[str]) -> int:
     if bad:
         print(f"{len(bad)} cases failed, errored or passed unexpectedly (XPASS): see the runs above", file=sys.stderr)
         return 1
-    reason = nothing_ran(merged["results"], merged["allow_missing_device"])
-    if reason:
-        print(reason, file=sys.stderr)
-        return 1
-    return 0
+    problems = run_problems(merged["results"], merged["allow_missing_device"], merged["allow_no_cache_check"])
+    for line in problems:  # the plugin's own end-of-run rule, over the same records
+        print(line, file=sys.stderr)
+    return 1 if problems else 0

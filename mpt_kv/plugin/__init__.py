@@ -40,6 +40,8 @@ def pytest_configure(config):
     for kind in devices.KINDS:
         config.addinivalue_line("markers", f"{kind}: a case on the {kind} device")
     config.addinivalue_line("markers", "property(name): which property (P0-P3) the test checks")
+    config.addinivalue_line("markers", "no_target(reason): the placeholder of a conformance test with no target "
+                                       "of this run (a run of such placeholders alone is a usage error)")
     options.check(config)
     from mpt_kv.checks.strategies import load_profile
 
@@ -97,6 +99,10 @@ def pytest_collection_modifyitems(config, items):
         if params is not None:
             known_failures.note_case(config, item, params)
     known_failures.tell_controller(config)
+
+
+def pytest_collection_finish(session):
+    gate.check_collected(session)  # a run whose conformance tests have no target: a usage error before any test
 
 
 # --- each case: its checks' records, its known failure, its outcome ---------------------------------------------

@@ -1,8 +1,10 @@
 """The device gate: which device kinds a run requires (marker expressions, --device,
 --require-device), the checks before any test (a required kind absent, --update-ceilings under
-CI, an unwritable report path), and the end-of-run verdict (no case of a required kind passed;
-conformance cases collected and none ran). A misconfigured Gaudi runner cannot pass by running
-nothing (docs/gate.md).
+CI, an unwritable report path, conformance tests with no target of the run), and the end-of-run
+verdict (no case of a required kind passed; and what a green run must contain, `run_problems`:
+a target, some conformance case that ran, per target a cache property checked on a cache path;
+`python -m mpt_kv report` applies the same function). A misconfigured Gaudi runner cannot pass by
+running nothing (docs/gate.md).
 
 pytest's marker expressions are evaluated with pytest's own parser, a private API
 (`_pytest.mark.expression`): `compile_markexpr` is the one place that touches it.
@@ -209,11 +211,110 @@ def nothing_ran(results: list[dict], allowed: bool = False) -> str | None:
             "must not look green (pytest -rs says why each was skipped; --allow-missing-device to explore locally)")
 
 
+# --- what a green run must contain --------------------------------------------------------------------------------
+
+# The index of properties (mpt_kv.plugin.report.PROPERTY_NAMES), split: the ones that check a cache
+# (its logits, K/V storage, shapes, memory or operations on a cache path), and the ones that do not:
+# P0 and family-P0 run the model uncached; P4 and family-P4 check the returned outputs, not the cache.
+# A property in neither (a project's own) never counts as a cache check: fail closed.
+CACHE_PROPERTIES = ("P1", "P2", "P3", "memory", "static-shape", "ops-P1", "ops-P2", "ops-P3", "ops-memory",
+                    "family-P1", "family-P2", "family-P3", "family-memory", "family-ops")
+NOT_CACHE_PROPERTIES = ("P0", "P4", "family-P0", "family-P4")
+# A cache case checked its target when it passed, or when it was a known failure (xfail): a strict xfail
+# of only the PropertyFailure an entry names, so the cache ran and the check found that very finding
+# (a port whose every cache check is a shipped upstream bug is checked, and fails the day it changes).
+CHECKED = ("passed", "xfail")
+
+
+def gate_target(r: dict) -> str:
+    """The run's target a result belongs to: its target; for a family case (mpt_kv.conformance.
+    test_families, which records its `implementation`) the implementation's ports together, since a
+    family it has no port of is unsupported by design."""
+    return f"{r['implementation']} (families)" if r.get("implementation") else r.get("target", "?")
+
+
+def is_cache_check(r: dict) -> bool:
+    return r.get("property") in CACHE_PROPERTIES and r.get("path") not in (None, "", "-")
+
+
+def no_target(records: list[dict]) -> str | None:
+    """Why a run (or the collection of one) with conformance tests but no target of the run they
+    apply to is a usage error: records with `no_target` (a placeholder case, mpt_kv.plugin.outcomes.
+    label) and no conformance case at all. None otherwise."""
+    placeholders = [r for r in records if r.get("no_target")]
+    if not placeholders or any("property" in r for r in records):
+        return None
+    first = placeholders[0]
+    return (f"no target of this run applies to the conformance tests it selected ({len(placeholders)} placeholder "
+            f"cases, e.g. {first.get('nodeid', '?')}: {first['no_target']}): a run with no target checks nothing; "
+            "name one with --target (or ini mpt_kv_targets)")
+
+
+def unchecked_targets(results: list[dict], allow_missing_device: bool = False) -> list[str]:
+    """One line per target that ran (some case not skipped: a built-in target whose package is not
+    installed, or whose device is absent, did not run here) and of which no cache case was checked
+    (CHECKED) on a cache path: what it checked and what it did not. With --allow-missing-device a
+    target none of whose cases ran (all skipped or unsupported) is let through, as nothing_ran lets
+    such a run through; one that ran something but no cache check is not."""
+    waived = NOT_RUN if allow_missing_device else ("skipped",)
+    by_target: dict[str, list[dict]] = {}
+    for r in results:
+        if "property" in r:
+            by_target.setdefault(gate_target(r), []).append(r)
+    out = []
+    for target, cases in by_target.items():
+        if all(r.get("outcome") in waived for r in cases) or \
+                any(is_cache_check(r) and r.get("outcome") in CHECKED for r in cases):
+            continue
+        out.append(f"target {target}: no cache property passed ({_what_ran(cases)}): a run that checked no "
+                   "cache of a target must not look green (pytest -rs says why; --allow-no-cache-check to "
+                   "explore locally)")
+    return out
+
+
+def _what_ran(cases: list[dict]) -> str:
+    """`P0 passed 7; P1, P2, P3, memory unsupported 75 on concat, static`: per outcome, which
+    properties, how many cases and on which paths."""
+    from mpt_kv.plugin.report import PROPERTY_NAMES  # the matrix's column order
+
+    order = {p: i for i, p in enumerate(PROPERTY_NAMES)}
+    groups: dict[str, list[dict]] = {}
+    for r in cases:
+        groups.setdefault(r.get("outcome", "?"), []).append(r)
+    parts = []
+    for outcome, rs in sorted(groups.items(), key=lambda kv: (kv[0] != "passed", kv[0])):
+        props = sorted({r["property"] for r in rs}, key=lambda p: (order.get(p, len(order)), p))
+        paths = sorted({r["path"] for r in rs if r.get("path") not in (None, "", "-")})
+        parts.append(f"{', '.join(props)} {outcome} {len(rs)}" + (f" on {', '.join(paths)}" if paths else ""))
+    return "; ".join(parts)
+
+
+def run_problems(results: list[dict], allow_missing_device: bool = False,
+                 allow_no_cache_check: bool = False) -> list[str]:
+    """What a green run must contain, over its result records (mpt_kv.plugin.outcomes.results, or a
+    JSON report's: `python -m mpt_kv report` applies this same function): a target its conformance
+    tests apply to; some conformance case that ran (unless --allow-missing-device); and per target
+    that ran, a cache property checked on a cache path (unless --allow-no-cache-check). Empty: green."""
+    reason = no_target(results) or nothing_ran(results, allow_missing_device)
+    if reason:
+        return [reason]
+    return [] if allow_no_cache_check else unchecked_targets(results, allow_missing_device)
+
+
 def verdict(config) -> list[str]:
     """Every reason the gate fails this run (empty: it does not)."""
-    failures = gate_failures(config)
-    reason = nothing_ran(outcomes.results, bool(config.getoption("allow_missing_device")))
-    return failures + ([reason] if reason else [])
+    return gate_failures(config) + run_problems(outcomes.results, bool(config.getoption("allow_missing_device")),
+                                                bool(config.getoption("allow_no_cache_check")))
+
+
+def check_collected(session) -> None:
+    """Decided before any test where the items are here (not on an xdist controller, which
+    collects nothing, nor in a worker: the controller's end-of-run verdict says it then)."""
+    if hasattr(session.config, "workerinput") or not session.items:
+        return
+    reason = no_target([outcomes.record_of(item) for item in session.items])
+    if reason:
+        raise pytest.UsageError(reason)
 
 
 def summary(tw, config) -> None:
@@ -224,3 +325,6 @@ def summary(tw, config) -> None:
     if config.getoption("allow_missing_device"):
         tw.write_line("--allow-missing-device: devices selected with -m or --device were not required; this run "
                       "gates nothing on a device that is absent", yellow=True)
+    if config.getoption("allow_no_cache_check"):
+        tw.write_line("--allow-no-cache-check: a target of which no cache property passed did not fail this run; "
+                      "it gates no cache", yellow=True)

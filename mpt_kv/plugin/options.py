@@ -38,6 +38,10 @@ def add_options(parser) -> None:
     g.addoption("--allow-missing-device", action="store_true",
                 help="local exploration only, never in CI: a device selected by -m or --device may be absent "
                      "(its cases skip, and a run that ran none of them can pass); --require-device still holds")
+    g.addoption("--allow-no-cache-check", action="store_true",
+                help="local exploration only, never in CI: a run (e.g. -k P0) may pass although a target of it had "
+                     "no cache property pass (P1-P3, memory, static-shape, ops-*, family-P1-P3, family-memory, "
+                     "family-ops); the report records it")
     g.addoption("--target", action="append", default=[], metavar="SPEC",
                 help="add a target: a built-in name or package.module:factory (repeatable); one that cannot be "
                      "imported or built is an error")
@@ -104,12 +108,23 @@ def reference_model(config) -> dict:
 # --- targets and dtypes --------------------------------------------------------------------------------------------
 
 def only_targets(config) -> bool:
-    """--only-targets or the ini option mpt_kv_only_targets (a bool: true/false, yes/no, 1/0)."""
+    """--only-targets or the ini option mpt_kv_only_targets (a bool: true/false, yes/no, 1/0), which
+    needs a target to run: without one the run would have no target at all (a usage error, not a run
+    of empty-parameter skips)."""
     try:  # read even when --only-targets is given: a bad ini value is an error whatever the command line says
         ini = bool(config.getini("mpt_kv_only_targets"))
     except (ValueError, pytest.UsageError) as e:  # pytest's own parse: "invalid truth value 'maybe'"
         raise pytest.UsageError(f"ini option mpt_kv_only_targets: {e}; expected true or false") from None
-    return bool(config.getoption("only_targets")) or ini
+    if config.getoption("only_targets"):
+        source = "--only-targets"
+    elif ini:
+        source = "ini option mpt_kv_only_targets = true"
+    else:
+        return False
+    if not named_targets(config):
+        raise pytest.UsageError(f"{source} but no target is named (no --target, no ini mpt_kv_targets): the run "
+                                "would have no target and check nothing; name one with --target SPEC")
+    return True
 
 
 def named_targets(config) -> list[str]:

@@ -55,7 +55,29 @@ def label(item) -> dict | None:
     if "property" in p and "target" in p:
         item.user_properties.append(("mpt_kv", p))
         return p
+    reason = no_target_reason(item)
+    if reason:
+        item.user_properties.append(("mpt_kv_no_target", reason))
     return None
+
+
+def no_target_reason(item) -> str | None:
+    """For the placeholder of a conformance test that has no target of this run (its `no_target`
+    marker, e.g. the families' case when no implementation is a target): why. The gate refuses a run
+    made of such placeholders alone (gate.no_target). A run with no target at all (--only-targets
+    without one) never gets here: options.only_targets refuses it."""
+    marker = item.get_closest_marker("no_target")
+    if marker is None:
+        return None
+    return marker.args[0] if marker.args else "no target of this run applies"
+
+
+def record_of(item) -> dict:
+    """What a labelled item will report, before it runs (gate.check_collected)."""
+    props = dict(item.user_properties)
+    if "mpt_kv" in props:
+        return {**props["mpt_kv"], "nodeid": item.nodeid}
+    return {"no_target": props.get("mpt_kv_no_target"), "nodeid": item.nodeid}
 
 
 def params_of(item) -> dict:
@@ -67,7 +89,8 @@ def params_of(item) -> dict:
         return {}
     p = check_params(params)
     prop = item.get_closest_marker("property")
-    out = {k: p[k] for k in ("target", "device", "path", "bucket", "check") if k in p}
+    # `implementation`: a family case's (mpt_kv.conformance.test_families) run target, which the gate judges
+    out = {k: p[k] for k in ("target", "device", "path", "bucket", "check", "implementation") if k in p}
     if "dtype" in p:
         out["dtype"] = str(p["dtype"]).replace("torch.", "")
     if prop:
@@ -176,8 +199,9 @@ def collect(report) -> None:
                   "kinds": kinds, "seconds": round(report.duration, 3)}
         message = message_of(report)
         results.append({**record, "message": message} if message else record)
-    else:  # any other case: its call, or its setup where that failed
-        results.append({"outcome": report.outcome, "nodeid": report.nodeid, "kinds": kinds})
+    else:  # any other case: its call, or its setup where that failed (a placeholder says it has no target)
+        results.append({"outcome": report.outcome, "nodeid": report.nodeid, "kinds": kinds,
+                        **({"no_target": props["mpt_kv_no_target"]} if "mpt_kv_no_target" in props else {})})
     for name, value in report.user_properties:
         if name == "mpt_kv_memory":
             memory.append({**value, "outcome": _word(report), "nodeid": report.nodeid})

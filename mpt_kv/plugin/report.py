@@ -175,6 +175,7 @@ def write_report(config, path, results: list[dict], memory: list[dict], extras: 
             "hypothesis_profile": config._mpt_kv_profile, "environment": environment(),
             "written": time.strftime("%Y-%m-%d %H:%M:%S"),
             "allow_missing_device": bool(config.getoption("allow_missing_device")),
+            "allow_no_cache_check": bool(config.getoption("allow_no_cache_check")),
             "capabilities": extras["capabilities"], "unrecorded": list(extras["unrecorded"].values()),
             "reach": extras["reach"], "reach_summary": reach_summary(extras["reach"])}
     try:
