@@ -103,7 +103,7 @@ def device_to_host(args, kwargs, out) -> bool:
     copy_ into a CPU tensor)."""
     def devices(tree):
         return {x.device.type for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)}
-    return "cpu" in devices(out) and bool(devices((args, kwargs)) - {"cpu", "meta"})
+    return "cpu" in devices(out) and bool(devices((args, kwargs)) - {"cpu"})
 
 
 def fail_on_host_syncs(syncs, runner, step: int, c: Context) -> None:
