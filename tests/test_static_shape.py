@@ -111,6 +111,24 @@ def test_bad_host_sync_allowances_are_refused(host_syncs, error, message):
         Capabilities(host_syncs=host_syncs)
 
 
+def test_a_decode_that_bypasses_the_watch_is_an_error(device):
+    # fail closed: a Session overriding decode() itself would make every step look sync-free
+    runner, c = runner_and_context(reference, "reference", device)
+    make = runner.session
+
+    def session(*args):
+        s = make(*args)
+        def decode(tokens):  # right, but around _decode
+            logits = type(s)._extend(s, tokens)[:, -1]
+            s.written += 1
+            return logits
+        s.decode = decode
+        return s
+    runner.session = session
+    with pytest.raises(RuntimeError, match=r"ReferenceSession.decode did not call _decode, so no host sync"):
+        S.check_static_shape(runner, c)
+
+
 @pytest.mark.parametrize("src,dst,is_sync", [("meta", "cpu", True), ("cpu", "cpu", False), ("cpu", "meta", False)])
 def test_device_to_host_copy_is_a_host_sync(src, dst, is_sync):
     # meta stands in for a device here (this machine has none): the rule is by device type, not by op

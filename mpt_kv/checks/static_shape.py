@@ -231,9 +231,10 @@ def check_static_shape(runner, c: Context) -> None:
             target_decode = session._decode
             for step in range(c.case.new_tokens):
                 pos = session.written + 1        # token_idx of this step
-                syncs = HostSyncs()
+                syncs, ran = HostSyncs(), []
 
                 def watched(tokens):
+                    ran.append(True)
                     with syncs, validation_off(runner.model):
                         return target_decode(tokens)
                 session._decode = watched  # an instance attribute: Session.decode calls it after its checks
@@ -241,6 +242,10 @@ def check_static_shape(runner, c: Context) -> None:
                     logits = session.decode(greedy(logits))
                 finally:
                     del session._decode
+                if not ran:  # fail closed: a decode that bypasses _decode would pass unwatched
+                    raise RuntimeError(f"{runner.name}: {type(session).__name__}.decode did not call _decode, so "
+                                       "no host sync of its step could be seen: implement _decode or _extend "
+                                       "(docs/targets.md), not decode")
                 fail_on_host_syncs(syncs.syncs, runner, step, c)
                 now = cache_tensors(session)
                 if len(now) != len(first):
