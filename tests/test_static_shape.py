@@ -41,8 +41,10 @@ def with_host_syncs(runner, host_syncs):
 # the shape and pointer checks stand alone: the variants' own host syncs allowed, they still kill them
 @pytest.mark.parametrize("name,allowed,message", [
     ("static_cache_reallocated", {}, "cached key of layer 0 moved at decode step 0"),
-    ("static_sliced_to_written_length", {"catalogue/variants.py:update": "test"}, r"operands .* became"),
-    ("static_position_as_python_int", {"variants.py:_forward": "test"}, r"op #\d+ tensor: operands \(\d+,"),
+    ("static_sliced_to_written_length", {"catalogue/variants.py:WrittenPrefixStaticCache.update": "test"},
+     r"operands .* became"),
+    ("static_position_as_python_int", {"variants.py:HostPositionSession._forward": "test"},
+     r"op #\d+ tensor: operands \(\d+,"),
 ])
 def test_static_shape_catches(device, name, allowed, message):
     runner, c = runner_and_context(VARIANTS[name].build, name, device)
@@ -57,7 +59,7 @@ def line_of(func, text: str) -> str:
 
 
 @pytest.mark.parametrize("name,func,text", [
-    ("host_sync_in_static_decode", V.FiniteGuardStaticCache._decode, "bool(torch.isfinite(k).all())"),
+    ("host_sync_in_static_decode", V.FiniteGuardStaticCache.update, "bool(torch.isfinite(k).all())"),
     ("static_position_as_python_int", V.HostPositionSession._forward, "int(token_idx.reshape(-1)[0])"),
 ])
 @pytest.mark.parametrize("bucket", [None, 4])
@@ -67,7 +69,7 @@ def test_host_sync_in_decode_is_caught(device, name, func, text, bucket):
         S.check_static_shape(*runner_and_context(VARIANTS[name].build, name, device, bucket))
     msg = str(e.value)
     assert re.search(rf"decode step 0 made a host sync: aten\.(_local_scalar_dense|item|is_nonzero) from "
-                     rf"{re.escape(where)} in {func.__name__} \(`.*{re.escape(text)}", msg), msg
+                     rf"{re.escape(where)} in {func.__qualname__} \(`.*{re.escape(text)}", msg), msg
     assert f"target={name}" in msg, msg
 
 
@@ -78,11 +80,12 @@ def test_reference_makes_no_host_sync(device, bucket):
 
 
 @pytest.mark.parametrize("key,passes", [
-    ("mpt_kv/catalogue/variants.py:_decode", True),
-    ("variants.py:_decode", True),                 # the end of the path, at a '/'
-    ("iants.py:_decode", False),                   # not at a '/': another file
-    ("mpt_kv/catalogue/variants.py:update", False),  # another function of the same file
-    ("mpt_kv/catalogue/designs.py:_decode", False),  # the same function name in another file
+    ("mpt_kv/catalogue/variants.py:FiniteGuardStaticCache.update", True),
+    ("variants.py:FiniteGuardStaticCache.update", True),  # the end of the path, at a '/'
+    ("iants.py:FiniteGuardStaticCache.update", False),    # not at a '/': another file
+    ("mpt_kv/catalogue/variants.py:update", False),       # a bare name: every class's update would pass
+    ("mpt_kv/catalogue/variants.py:WrittenPrefixStaticCache.update", False),  # another class's method
+    ("mpt_kv/catalogue/designs.py:FiniteGuardStaticCache.update", False),     # the same name in another file
 ])
 def test_host_sync_allowance_names_one_function(device, key, passes):
     name = "host_sync_in_static_decode"
@@ -91,7 +94,7 @@ def test_host_sync_allowance_names_one_function(device, key, passes):
     if passes:
         check()
     else:
-        with pytest.raises(PropertyFailure, match=r"host sync: .* from mpt_kv/catalogue/variants.py:\d+ in _decode"):
+        with pytest.raises(PropertyFailure, match=r"host sync: .* from mpt_kv/catalogue/variants.py:\d+ in FiniteGuardStaticCache.update"):
             check()
 
 
@@ -105,6 +108,7 @@ def test_host_sync_allowance_names_one_function(device, key, passes):
     ({3: "why"}, ValueError, r"key 3: expected"),
     ({"variants.py:_decode": ""}, ValueError, r"host_syncs\['variants.py:_decode'\]: give the reason"),
     ({"variants.py:_decode": True}, ValueError, r"give the reason as a non-empty string"),
+    ({"variants.py:Cache..update": "why"}, ValueError, r"key 'variants.py:Cache..update': expected"),
 ])
 def test_bad_host_sync_allowances_are_refused(host_syncs, error, message):
     with pytest.raises(error, match=message):

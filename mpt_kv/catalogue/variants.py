@@ -225,11 +225,11 @@ static_position_as_python_int = variant(
     ["static-shape"], static=HostPositionStaticCache, session=HostPositionSession)
 
 
-class FiniteGuardStaticCache(StaticAt):
-    def _decode(self, ck, cv, k, v, token_idx):
-        if not bool(torch.isfinite(k).all()):  # bool() of a device tensor: the host waits for the step
+class FiniteGuardStaticCache(StaticCache):
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.prefilled[layer] and not bool(torch.isfinite(k).all()):  # bool() of a device tensor: a host sync
             raise FloatingPointError("a non-finite key reached the static cache")
-        return super()._decode(ck, cv, k, v, token_idx)
+        return super().update(layer, k, v, token_idx, cache_idx)
 
 
 host_sync_in_static_decode = variant(

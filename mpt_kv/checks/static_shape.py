@@ -19,7 +19,8 @@ import contextlib
 import copy
 import os
 import sys
-import traceback
+import linecache
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -53,12 +54,24 @@ def short_path(filename: str) -> str:
     return min(under, key=len) if under else filename
 
 
-def sync_site() -> traceback.FrameSummary | None:
+@dataclass(frozen=True)
+class SyncSite:
+    path: str      # short_path of the file
+    lineno: int
+    function: str  # its qualified name (Class.method), what Capabilities.host_syncs names
+    line: str
+
+
+def sync_site() -> SyncSite | None:
     """The innermost frame outside torch and mpt_kv/checks: the line that made the host sync."""
-    for frame in reversed(traceback.extract_stack()):
-        if not os.path.abspath(frame.filename).startswith(_NOT_WHERE):
-            return frame
-    return None
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_WHERE):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    return SyncSite(short_path(code.co_filename), frame.f_lineno, getattr(code, "co_qualname", code.co_name),
+                    linecache.getline(code.co_filename, frame.f_lineno).strip())
 
 
 class HostSyncs:
@@ -66,7 +79,7 @@ class HostSyncs:
     copies the dispatcher sees (TorchDispatchMode) and .tolist()/.numpy() (TorchFunctionMode)."""
 
     def __init__(self):
-        self.syncs: list[tuple[str, traceback.FrameSummary | None]] = []
+        self.syncs: list[tuple[str, SyncSite | None]] = []
         outer = self
 
         class Ops(TorchDispatchMode):
@@ -108,21 +121,21 @@ def device_to_host(args, kwargs, out) -> bool:
 
 def fail_on_host_syncs(syncs, runner, step: int, c: Context) -> None:
     """A PropertyFailure for the first host sync that `runner.capabilities.host_syncs` does not allow."""
-    for op, frame in syncs:
-        where = short_path(frame.filename) if frame else "?"
-        if frame and host_sync_allowed(runner.capabilities, where, frame.name):
+    for op, site in syncs:
+        if site and host_sync_allowed(runner.capabilities, site.path, site.function):
             continue
-        line = f"{where}:{frame.lineno} in {frame.name} (`{(frame.line or '').strip()}`)" if frame else "an unknown line"
+        line = f"{site.path}:{site.lineno} in {site.function} (`{site.line}`)" if site else "an unknown line"
         raise PropertyFailure(
             f"static-shape: decode step {step} made a host sync: {op} from {line}: each one stalls a graph's "
             "pipeline (HPU graphs, CUDA graphs: the host waits for the device every step); keep the value on the "
-            f"device, or declare Capabilities(host_syncs={{'{where}:{frame.name if frame else '?'}': 'why'}}) "
-            f"[{describe(c.ctx(step=step))}]")
+            f"device, or declare Capabilities(host_syncs={{'{site.path if site else '?'}:"
+            f"{site.function if site else '?'}': 'why'}}) [{describe(c.ctx(step=step))}]")
 
 
 def host_sync_allowed(capabilities, path: str, func: str) -> str | None:
-    """The declared reason (Capabilities.host_syncs) a host sync made by `func` in the file `path`
-    is allowed, or None: the key's path matches as a suffix of `path` at a '/', its function by name."""
+    """The declared reason (Capabilities.host_syncs) a host sync made by `func` (a qualified name,
+    Class.method) in the file `path` is allowed, or None: the key's path matches as the end of
+    `path` at a '/', its function exactly."""
     for key, reason in capabilities.host_syncs.items():
         suffix, _, name = key.rpartition(":")
         if name == func and (path == suffix or path.endswith("/" + suffix)):

@@ -98,21 +98,21 @@ class Capabilities:
         return self.unsupported.get(feature)
 
 
-HOST_SYNC_EXAMPLE = ("Capabilities(host_syncs={'mypkg/model.py:forward': 'the sampler reads the stop flag "
-                     "on the host'})")
+HOST_SYNC_EXAMPLE = ("Capabilities(host_syncs={'mypkg/sampler.py:Sampler.stop_early': 'reads the stop flag "
+                     "once per step, by design'})")
 
 
 def check_host_syncs(host_syncs) -> None:
-    """Each key names ONE function: "path.py:function", the path matched as a suffix of the
-    syncing frame's file at a '/' (so "model.py:f" is any model.py's f), the function by its name.
-    Narrow on purpose: a new host sync anywhere else still fails."""
+    """Each key names ONE function: "path.py:function", the path matched as the end of the
+    syncing frame's file at a '/' (so "model.py:f" is any model.py's f), the function by its
+    qualified name ("Attention.forward"). Narrow on purpose: a new host sync elsewhere still fails."""
     if not isinstance(host_syncs, Mapping):
         raise TypeError(f"Capabilities.host_syncs={host_syncs!r} ({type(host_syncs).__name__}): give a mapping "
                         f"'path.py:function' -> reason, e.g. {HOST_SYNC_EXAMPLE}")
     for where, reason in host_syncs.items():
         path, _, func = where.rpartition(":") if isinstance(where, str) else ("", "", "")
         if not (path.endswith(".py") and path.strip("/") == path and " " not in path
-                and (func.isidentifier() or (func[:1], func[-1:]) == ("<", ">"))):
+                and all(part.isidentifier() or (part[:1], part[-1:]) == ("<", ">") for part in func.split("."))):
             raise ValueError(f"Capabilities.host_syncs key {where!r}: expected 'path.py:function' (a file, or the end "
                              f"of its path, and the name of the function that syncs), e.g. {HOST_SYNC_EXAMPLE}")
         if not isinstance(reason, str) or not reason.strip():
