@@ -133,6 +133,22 @@ def test_a_decode_that_bypasses_the_watch_is_an_error(device):
         S.check_static_shape(runner, c)
 
 
+X = torch.tensor([1.0, 2.0])
+HOST_READS = {"t.item()": lambda: X[0].item(), "int(t)": lambda: int(X[0]), "float(t)": lambda: float(X[0]),
+              "if t.all():": lambda: 1 if X.all() else 0, "t.tolist()": lambda: X.tolist(), "t.numpy()": lambda: X.numpy()}
+
+
+@pytest.mark.parametrize("code,sync", [(k, True) for k in HOST_READS] + [
+    ("t + 1", False), ("t.shape[0]", False), ("torch.tensor([3])", False)])
+def test_host_syncs_seen_on_cpu(code, sync):
+    run = HOST_READS.get(code) or (lambda: eval(code, {"torch": torch, "t": X}))
+    with torch.inference_mode(), S.HostSyncs() as seen:
+        run()
+    assert bool(seen.syncs) is sync, f"{code}: {seen.syncs}"
+    if sync:  # named at this file's line, not inside torch
+        assert all(site.path.endswith("test_static_shape.py") for _, site in seen.syncs), seen.syncs
+
+
 @pytest.mark.parametrize("src,dst,is_sync", [("meta", "cpu", True), ("cpu", "cpu", False), ("cpu", "meta", False)])
 def test_device_to_host_copy_is_a_host_sync(src, dst, is_sync):
     # meta stands in for a device here (this machine has none): the rule is by device type, not by op
