@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import linecache
 import os
 import sys
-import linecache
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +75,7 @@ def sync_site() -> SyncSite | None:
 
 
 class HostSyncs:
-    """While active, records each host sync as (op, frame): the scalar reads and device-to-host
+    """While active, records each host sync as (op, SyncSite): the scalar reads and device-to-host
     copies the dispatcher sees (TorchDispatchMode) and .tolist()/.numpy() (TorchFunctionMode)."""
 
     def __init__(self):
