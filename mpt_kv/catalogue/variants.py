@@ -225,6 +225,22 @@ static_position_as_python_int = variant(
     ["static-shape"], static=HostPositionStaticCache, session=HostPositionSession)
 
 
+class FiniteGuardStaticCache(StaticCache):
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.prefilled[layer] and not bool(torch.isfinite(k).all()):  # bool() of a device tensor: a host sync
+            raise FloatingPointError("a non-finite key reached the static cache")
+        return super().update(layer, k, v, token_idx, cache_idx)
+
+
+host_sync_in_static_decode = variant(
+    "host_sync_in_static_decode",
+    "the static decode step guards its write with `if not bool(torch.isfinite(k).all())`: right values, same "
+    "shapes and scalars, but a host sync in every layer of every step",
+    "a debug assert / NaN guard left in the cache update (`assert torch.isfinite(x).all()`, `if x.any():`); "
+    "eager runs never show it, HPU/CUDA graph pipelines stall on it every step",
+    ["static-shape"], static=FiniteGuardStaticCache)
+
+
 class BucketOffByOneStaticCache(StaticCache):
     def update(self, layer, k, v, token_idx=None, cache_idx=None):
         if not self.prefilled[layer] or cache_idx is None:

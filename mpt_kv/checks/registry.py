@@ -389,7 +389,8 @@ def _build_registry() -> dict[str, Check]:
                              "buffer per shape)"))
     for path, bucket in paths[1:]:
         out.append(Check(f"static-shape/{path_label(path, bucket)}", "static-shape", path, bucket,
-                         doc="static decode keeps attention's shapes and scalars, and the cache storages never move"))
+                         doc="static decode keeps attention's shapes and scalars, the cache storages never move, "
+                             "and no step makes a host sync"))
     for path, bucket in (("concat", None), ("static", None), ("static", MEMORY_BUCKET)):
         for config in C.CONFIGS:
             out.append(Check(f"memory/{path_label(path, bucket)}/{config.id}", "memory", path, bucket, config,

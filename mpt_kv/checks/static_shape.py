@@ -2,8 +2,8 @@
 `index_copy_` (static) path.
 
 check_static_shape   across decode steps every op inside attention is handed tensors of the same
-                     shapes and the same Python scalars, and the cache storages never move (same
-                     data pointers)
+                     shapes and the same Python scalars, the cache storages never move (same
+                     data pointers), and no decode step reads a device value on the host
 check_no_recompile   a torch.compile'd decode step runs every step without recompiling
 check_graph_replay   the static path captured as a graph (CUDA graphs; HPU graphs through
                      `wrap_in_hpu_graph`, as optimum-habana's --use_hpu_graphs) matches its eager run
@@ -17,15 +17,130 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import linecache
+import os
+import sys
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
 from mpt_kv.checks.properties import Context, greedy
 from mpt_kv.checks.results import copied
 from mpt_kv.targets.layouts import PagedLayout, layout_of
+
+
+# --- host syncs ------------------------------------------------------------------------------------
+# A host sync (.item(), int(t), float(t), bool(t) in an `if`, .tolist(), .cpu() of a device tensor)
+# makes the host wait for the device: on HPU and CUDA the next step's launches cannot run ahead,
+# every step. The dispatcher shows it on any device, CPU included: the scalar reads below, and a
+# copy that takes a non-CPU tensor and returns a CPU one.
+SCALAR_READS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero")
+# on CPU .tolist() and .numpy() read the memory without a scalar op: seen as torch functions
+HOST_READ_METHODS = {torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.numpy: "Tensor.numpy"}
+# frames of torch and of this suite's checks are never "where": the target's own line is
+_NOT_WHERE = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+def short_path(filename: str) -> str:
+    """`filename` relative to the sys.path entry it is under (transformers/models/mpt/modeling_mpt.py,
+    mpt_kv/catalogue/variants.py), or as it is."""
+    filename = os.path.abspath(filename)
+    under = [os.path.relpath(filename, p) for p in map(os.path.abspath, filter(None, sys.path))
+             if filename.startswith(p.rstrip(os.sep) + os.sep)]
+    return min(under, key=len) if under else filename
+
+
+@dataclass(frozen=True)
+class SyncSite:
+    path: str      # short_path of the file
+    lineno: int
+    function: str  # its qualified name (Class.method), what Capabilities.host_syncs names
+    line: str
+
+
+def sync_site() -> SyncSite | None:
+    """The innermost frame outside torch and mpt_kv/checks: the line that made the host sync."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_WHERE):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    return SyncSite(short_path(code.co_filename), frame.f_lineno, getattr(code, "co_qualname", code.co_name),
+                    linecache.getline(code.co_filename, frame.f_lineno).strip())
+
+
+class HostSyncs:
+    """While active, records each host sync as (op, SyncSite): the scalar reads and device-to-host
+    copies the dispatcher sees (TorchDispatchMode) and .tolist()/.numpy() (TorchFunctionMode)."""
+
+    def __init__(self):
+        self.syncs: list[tuple[str, SyncSite | None]] = []
+        outer = self
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = str(func.overloadpacket)  # e.g. aten._local_scalar_dense
+                if name in SCALAR_READS:
+                    outer.syncs.append((name, sync_site()))
+                out = func(*args, **kwargs)
+                if name not in SCALAR_READS and device_to_host(args, kwargs, out):
+                    outer.syncs.append((f"{name} (a copy to the host)", sync_site()))
+                return out
+
+        class Methods(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func in HOST_READ_METHODS:
+                    outer.syncs.append((HOST_READ_METHODS[func], sync_site()))
+                return func(*args, **(kwargs or {}))
+
+        self._modes = (Methods(), Ops())
+
+    def __enter__(self):
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+def device_to_host(args, kwargs, out) -> bool:
+    """An op that takes a tensor on a non-CPU device and returns one on the CPU (.cpu(), .to('cpu'),
+    copy_ into a CPU tensor)."""
+    def devices(tree):
+        return {x.device.type for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)}
+    return "cpu" in devices(out) and bool(devices((args, kwargs)) - {"cpu"})
+
+
+def fail_on_host_syncs(syncs, runner, step: int, c: Context) -> None:
+    """A PropertyFailure for the first host sync that `runner.capabilities.host_syncs` does not allow."""
+    for op, site in syncs:
+        if site and host_sync_allowed(runner.capabilities, site.path, site.function):
+            continue
+        line = f"{site.path}:{site.lineno} in {site.function} (`{site.line}`)" if site else "an unknown line"
+        raise PropertyFailure(
+            f"static-shape: decode step {step} made a host sync: {op} from {line}: each one stalls a graph's "
+            "pipeline (HPU graphs, CUDA graphs: the host waits for the device every step); keep the value on the "
+            f"device, or declare Capabilities(host_syncs={{'{site.path if site else '?'}:"
+            f"{site.function if site else '?'}': 'why'}}) [{describe(c.ctx(step=step))}]")
+
+
+def host_sync_allowed(capabilities, path: str, func: str) -> str | None:
+    """The declared reason (Capabilities.host_syncs) a host sync made by `func` (a qualified name,
+    Class.method) in the file `path` is allowed, or None: the key's path matches as the end of
+    `path` at a '/', its function exactly."""
+    for key, reason in capabilities.host_syncs.items():
+        suffix, _, name = key.rpartition(":")
+        if name == func and (path == suffix or path.endswith("/" + suffix)):
+            return reason
+    return None
 
 
 # --- shapes and pointers -------------------------------------------------------------------------
@@ -111,7 +226,11 @@ def check_static_shape(runner, c: Context) -> None:
     """Decode `c.case.new_tokens` steps on the static path. Against the first decode step: every op
     inside every attention module sees the same operand shapes and the same Python scalars, and
     every layer's cached key and value keep their data pointer and shape. With `c.bucket`, shapes change by design when the
-    bucket (cache_idx) grows: they are compared within a bucket; pointers never move."""
+    bucket (cache_idx) grows: they are compared within a bucket; pointers never move.
+
+    No decode step makes a host sync (`HostSyncs`) outside the places `Capabilities.host_syncs`
+    allows. Watched: the target's own step, `session._decode`; not the Session's input checks
+    (`Session.decode`, before it), nor the reference's `validate` (off for the decode steps)."""
     if c.path != "static":
         raise ValueError(f"the static-shape property is about the static path, not {c.path!r}")
     ids, mask = c.case.inputs(c.device)
@@ -122,9 +241,25 @@ def check_static_shape(runner, c: Context) -> None:
             logits = session.prefill(ids, mask)[:, -1]
             first = [(what, t.data_ptr(), tuple(t.shape)) for what, _, t in cache_tensors(session)]
             seen: dict[int, tuple[int, list]] = {}  # bucket -> (step, op shapes per layer)
+            target_decode = session._decode
             for step in range(c.case.new_tokens):
                 pos = session.written + 1        # token_idx of this step
-                logits = session.decode(greedy(logits))
+                syncs, ran = HostSyncs(), []
+
+                def watched(tokens):
+                    ran.append(True)
+                    with syncs, validation_off(runner.model):
+                        return target_decode(tokens)
+                session._decode = watched  # an instance attribute: Session.decode calls it after its checks
+                try:
+                    logits = session.decode(greedy(logits))
+                finally:
+                    del session._decode
+                if not ran:  # fail closed: a decode that bypasses _decode would pass unwatched
+                    raise RuntimeError(f"{runner.name}: {type(session).__name__}.decode did not call _decode, so "
+                                       "no host sync of its step could be seen: implement _decode or _extend "
+                                       "(docs/targets.md), not decode")
+                fail_on_host_syncs(syncs.syncs, runner, step, c)
                 now = cache_tensors(session)
                 if len(now) != len(first):
                     raise PropertyFailure(f"static-shape: the cache had {len(first)} tensors after the prefill, "

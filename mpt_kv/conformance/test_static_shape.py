@@ -1,6 +1,6 @@
 """The static-shape property on every target's index_copy_ path (mpt_kv/checks/static_shape.py):
-across decode steps attention sees the same shapes and Python scalars, and the cache storages
-never move. This is what HPU graphs, CUDA graphs and torch.compile need."""
+across decode steps attention sees the same shapes and Python scalars, the cache storages never
+move, and no step makes a host sync. This is what HPU graphs, CUDA graphs and torch.compile need."""
 
 import pytest
 import torch

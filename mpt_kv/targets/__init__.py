@@ -61,11 +61,15 @@ class Capabilities:
                    every result at once either way, and the output-reuse check then passes
     cache_pool     it keeps its cache allocation across generations on purpose (optimum-habana's
                    reuse_cache): memory is then judged by growth over repeated generations
+    host_syncs     "path/file.py:function" -> why: where a static decode step may read a device
+                   value on the host (.item(), int(t), bool(t), .tolist(), .cpu()); the
+                   static-shape check fails every other one (checks/static_shape.py)
     """
 
     unsupported: Mapping[str, str] = field(default_factory=dict)
     graph_outputs: bool = False
     cache_pool: bool = False
+    host_syncs: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.unsupported, Mapping):
@@ -83,6 +87,8 @@ class Capabilities:
             if not isinstance(reason, str) or not reason.strip():
                 raise ValueError(f"Capabilities.unsupported[{feature!r}]: give the reason as a non-empty string")
         object.__setattr__(self, "unsupported", MappingProxyType(dict(self.unsupported)))
+        check_host_syncs(self.host_syncs)
+        object.__setattr__(self, "host_syncs", MappingProxyType(dict(self.host_syncs)))
 
     def reason(self, feature: str | None) -> str | None:
         """Why `feature` is not implemented, or None if it is (None: nothing needed)."""
@@ -92,6 +98,27 @@ class Capabilities:
             raise InputError(f"unknown cache path or feature {feature!r}: the cache paths are {', '.join(PATHS)}; "
                              f"the features {', '.join(FEATURES)}")
         return self.unsupported.get(feature)
+
+
+HOST_SYNC_EXAMPLE = ("Capabilities(host_syncs={'mypkg/sampler.py:Sampler.stop_early': 'reads the stop flag "
+                     "once per step, by design'})")
+
+
+def check_host_syncs(host_syncs) -> None:
+    """Each key names ONE function: "path.py:function", the path matched as the end of the
+    syncing frame's file at a '/' (so "model.py:f" is any model.py's f), the function by its
+    qualified name ("Attention.forward"). Narrow on purpose: a new host sync elsewhere still fails."""
+    if not isinstance(host_syncs, Mapping):
+        raise TypeError(f"Capabilities.host_syncs={host_syncs!r} ({type(host_syncs).__name__}): give a mapping "
+                        f"'path.py:function' -> reason, e.g. {HOST_SYNC_EXAMPLE}")
+    for where, reason in host_syncs.items():
+        path, _, func = where.rpartition(":") if isinstance(where, str) else ("", "", "")
+        if not (path.endswith(".py") and path.strip("/") == path and " " not in path
+                and all(part.isidentifier() or (part[:1], part[-1:]) == ("<", ">") for part in func.split("."))):
+            raise ValueError(f"Capabilities.host_syncs key {where!r}: expected 'path.py:function' (a file, or the end "
+                             f"of its path, and the name of the function that syncs), e.g. {HOST_SYNC_EXAMPLE}")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"Capabilities.host_syncs[{where!r}]: give the reason as a non-empty string")
 
 
 class Runner:
