@@ -15,7 +15,10 @@ def make(cfg, state_dict, device, dtype, *, bare_logits=False, seen=None, **drop
     def step(cache, ids, mask, position):
         if seen is not None:
             seen.append((tuple(ids.shape), mask, position))
-        if int(position) == 0:  # the reference's own prefill: a static one attends over the prompt alone
+        # the first call on a cache is its prefill (known on the host: reading `position` there would be a host
+        # sync, which static-shape fails); the reference's own static prefill attends over the prompt alone
+        if not getattr(cache, "adapter_prefilled", False):
+            cache.adapter_prefilled = True
             logits = model(ids, mask[:, :ids.shape[1]], cache)
         else:
             logits = model(ids, mask, cache, position + 1)  # its token_idx: 1-based
