@@ -78,6 +78,23 @@ class PropertyFailure(AssertionError):
     """A property does not hold; the message carries the whole context."""
 
 
+class TargetRaised(PropertyFailure):
+    """The target's (or implementation's) own call raised: the check's crash wrapper, which names
+    the exception but no finding of the check. A known-failures entry may still name it by its
+    message; `expected_failed_checks`, which names no message, never takes it for the expected
+    failure (Finding)."""
+
+
+class _FindingType(type):
+    def __instancecheck__(cls, exc) -> bool:
+        return isinstance(exc, PropertyFailure) and not isinstance(exc, TargetRaised)
+
+
+class Finding(metaclass=_FindingType):
+    """For `pytest.mark.xfail(raises=Finding)`: a PropertyFailure that is a check's finding, not a
+    crash of the target (TargetRaised). pytest tests `isinstance(exc, raises)`, which this answers."""
+
+
 class AliasedComparison(AssertionError):
     """Two tensors handed to `assert_close` share memory: the comparison would prove nothing
     (a buffer compared with itself). A bug in the calling check, or a target result that was

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
+from mpt_kv.checks.compare import PropertyFailure, TargetRaised, assert_close, describe
 from mpt_kv.checks.properties import (Case, Context, WqkvCapture, aliasing_problems, fresh_memory_holds_nan,
                                       poison_unwritten, twin_of)
 from mpt_kv.checks.results import copied, snapshot
@@ -304,8 +304,8 @@ def run_op(session, op: Op, tokens, step, what: str, c: Context, fed: Fed):
     except (PropertyFailure, Unsupported, InputError, ImportError, NotImplementedError):
         raise  # ImportError, NotImplementedError: the environment's or the adapter's, an error (module doc)
     except Exception as e:  # noqa: BLE001  the target's own operation crashed
-        raise PropertyFailure(f"{what}: the target's {op.kind} raised {type(e).__name__}: {e} at step {step} "
-                              f"({op.describe()}) [{describe(c.ctx(step=step, operation=op.kind))}]") from e
+        raise TargetRaised(f"{what}: the target's {op.kind} raised {type(e).__name__}: {e} at step {step} "
+                           f"({op.describe()}) [{describe(c.ctx(step=step, operation=op.kind))}]") from e
 
 
 def record_reach(check_id: str | None, program: Program) -> None:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpt_kv.checks.compare import PropertyFailure, assert_close, describe, shares_memory, tolerance
+from mpt_kv.checks.compare import PropertyFailure, TargetRaised, assert_close, describe, shares_memory, tolerance
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import InputError, Unsupported
 from mpt_kv.families import FAMILIES
@@ -233,8 +233,8 @@ def call(c: Case, what: str, step, operation: str, fn, *args):
         raise
     except Exception as e:  # noqa: BLE001  the implementation's own call crashed
         prefix = "" if what.startswith("family-") else f"{c.check} "
-        raise PropertyFailure(f"{prefix}{what}: the implementation's {operation} raised {type(e).__name__}: {e} "
-                              f"[{describe(c.ctx(step=step, operation=operation))}]") from e
+        raise TargetRaised(f"{prefix}{what}: the implementation's {operation} raised {type(e).__name__}: {e} "
+                           f"[{describe(c.ctx(step=step, operation=operation))}]") from e
     return out
 
 
