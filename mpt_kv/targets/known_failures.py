@@ -3,7 +3,7 @@ with the package versions it applies to (default: `known_failures.json` beside t
 
     {"target": "transformers", "property": "P3", "path": "concat",
      "when": {"transformers": "<4.56"},
-     "pattern": "cached (key|value) .* is a view of mixed_qkv",
+     "pattern": "(key|value) \\([0-9, ]+\\) (is a view|are views) of (layer \\d+'s )?mixed_qkv",
      "reason": "transformers <4.56: DynamicLayer.update stores the first K/V as is ..."}
 
 required  target, property (one of PROPERTIES), pattern (a regular expression), reason
@@ -16,7 +16,8 @@ optional  path (one of PATHS; absent: any), bucket (true/false; absent: either),
 A matching case is expected to fail with a `PropertyFailure` whose message the pattern finds
 (`re.search`); only that failure xfails. Any other exception, a message the pattern does not
 find, or a pass (the day upstream fixes it) fails the case: a known failure must never hide a
-different one. The plugin lists entries that matched no case of a run, an error with
+different one. So a pattern must name its failure (`compile_pattern`): a literal text of
+MIN_LITERAL characters in every match, and no match in `generic_failures()`. The plugin lists entries that matched no case of a run, an error with
 `--strict-known-failures`. A malformed file is a `KnownFailuresError` naming the file, the
 entry and what is wrong."""
 
