@@ -81,7 +81,8 @@ class FakeConfig:
 
     def __init__(self, **options):
         self.options = {"require_device": [], "device": None, "markexpr": "", "allow_missing_device": False,
-                        "update_ceilings": False, "mpt_kv_report": None, "ceilings_dir": None, **options}
+                        "update_ceilings": False, "mpt_kv_report": None, "ceilings_dir": None, "target": [],
+                        **options}
 
     def getoption(self, name, default=None):
         return self.options.get(name, default)
@@ -423,7 +424,7 @@ def test_case(target, device, path, what):
 """
 ENTRY = {"target": "reference", "property": "P3", "path": "concat", "pattern": r"is a view of mixed_qkv",
          "reason": "test: views of mixed_qkv"}
-TYPO = {"target": "refrence", "property": "P3", "pattern": "x", "reason": "test: a typo in the target"}
+TYPO = {"target": "refrence", "property": "P3", "pattern": "a typo entry, never matched", "reason": "test: a typo in the target"}
 
 
 @pytest.fixture
@@ -443,8 +444,8 @@ def test_a_known_failure_xfails_only_the_failure_its_pattern_names(run, known_fi
     assert text.count("entry 0 (reference P3 concat) in") == 2, text  # other_message and runtime_error
     assert "expects a PropertyFailure whose message matches /is a view of mixed_qkv/" in text
     assert "RuntimeError: synStatus 26" in text
-    assert "entry 1 (refrence P3) in" in text and "matched no case of this run: a typo, or its target, property or " \
-        "path is gone (--strict-known-failures: an error)" in text
+    assert "entry 1 (refrence P3) in" in text and "matched no case of this run: its target 'refrence' is no target " \
+        "of this run (" in text and "a typo, or the target is gone (--strict-known-failures: an error)" in text
 
 
 def test_strict_known_failures_makes_an_entry_that_matched_nothing_an_error(known_file, monkeypatch):

@@ -140,7 +140,7 @@ def test_a_known_failure_with_a_check_covers_that_check_only(tmp_path):
     assert known_failures.match("transformers", "P0", None, entries, None, "P0") is None
     assert known_failures.match("transformers", "P0", None, entries, None) is None  # check unknown: no xfail
     bad = tmp_path / "kf.json"
-    bad.write_text(json.dumps([{"target": "t", "property": "P0", "check": "P1/concat", "pattern": "x", "reason": "r"}]))
+    bad.write_text(json.dumps([{"target": "t", "property": "P0", "check": "P1/concat", "pattern": "a P0 finding, quoted", "reason": "r"}]))
     with pytest.raises(known_failures.KnownFailuresError, match="not a check of property 'P0'"):
         known_failures.load(bad)
 

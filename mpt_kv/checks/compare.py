@@ -80,7 +80,24 @@ class PropertyFailure(AssertionError):
     """A property does not hold; the message carries the whole context."""
 
 
-class Crash(PropertyFailure):
+class TargetRaised(PropertyFailure):
+    """The target's (or implementation's) own call raised: the check's crash wrapper, which names
+    the exception but no finding of the check. A known-failures entry may still name it by its
+    message; `expected_failed_checks`, which names no message, never takes it for the expected
+    failure (Finding)."""
+
+
+class _FindingType(type):
+    def __instancecheck__(cls, exc) -> bool:
+        return isinstance(exc, PropertyFailure) and not isinstance(exc, TargetRaised)
+
+
+class Finding(metaclass=_FindingType):
+    """For `pytest.mark.xfail(raises=Finding)`: a PropertyFailure that is a check's finding, not a
+    crash of the target (TargetRaised). pytest tests `isinstance(exc, raises)`, which this answers."""
+
+
+class Crash(TargetRaised):
     """The crash rule, the one place a target's (or an implementation's) own call that raised
     becomes a verdict (`crash_of`): generation would crash there. Every check that drives several
     calls compares each step before this propagates (an earlier step's wrong values are that

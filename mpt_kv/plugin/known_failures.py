@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import pytest
 
-from mpt_kv.plugin.options import ENV_KNOWN_FAILURES, ini_relative
+from mpt_kv.plugin.options import BUILTIN_PACKAGES, ENV_KNOWN_FAILURES, ini_relative, target_specs
 
 KNOWN = pytest.StashKey[object]()  # item -> its known_failures.Entry
 _xfailed: defaultdict = defaultdict(int)  # entry index -> cases it xfailed
@@ -109,10 +109,19 @@ def count(report) -> None:
 def unmatched(config) -> list:
     """Entries that apply to the installed versions but cover no case this run collected (a
     typo, or a target, property or path that is gone). None judged if no conformance case was
-    collected at all (e.g. only the suite's own tests ran)."""
+    collected at all (e.g. only the suite's own tests ran). An entry about a built-in target this
+    run does not run (--only-targets: mpt-kv's own entries for its transformers target) is not
+    unmatched: it has no case here to match (`elsewhere`)."""
     if not config._mpt_kv_known_cases:
         return []
-    return [e for e in config._mpt_kv_known if e.applies() and e.index not in config._mpt_kv_known_covered]
+    return [e for e in config._mpt_kv_known if e.applies() and e.index not in config._mpt_kv_known_covered
+            and not elsewhere(config, e)]
+
+
+def elsewhere(config, entry) -> bool:
+    """The entry is about a built-in target that is not a target of this run. A target that is
+    neither built in nor run stays unmatched: it may be a typo of the project's own target."""
+    return entry.target in BUILTIN_PACKAGES and entry.target not in target_specs(config)
 
 
 def strict_failure(config) -> bool:
@@ -123,15 +132,24 @@ def summary(tw, config) -> None:
     entries = config._mpt_kv_known
     missing = unmatched(config)
     used = [e for e in entries if _xfailed.get(e.index)]
-    if not (used or missing):
+    away = [e for e in entries if config._mpt_kv_known_cases and e.applies()
+            and e.index not in config._mpt_kv_known_covered and elsewhere(config, e)]
+    if not (used or missing or away):
         return
     tw.write_sep("=", "mpt-kv known failures")
     for e in used:
         tw.write_line(f"{e.name}: {_xfailed[e.index]} cases xfailed as known")
     strict = config.getoption("strict_known_failures")
+    targets = target_specs(config)
     for e in missing:
-        tw.write_line(f"{e.name} in {e.file} matched no case of this run: a typo, or its target, property or path "
-                      f"is gone{' (--strict-known-failures: an error)' if strict else ''}", red=strict)
+        why = (f"a typo, or its property, path or check is gone (its target {e.target!r} runs)"
+               if e.target in targets else
+               f"its target {e.target!r} is no target of this run ({', '.join(targets)}): a typo, or the target is gone")
+        tw.write_line(f"{e.name} in {e.file} matched no case of this run: {why}"
+                      f"{' (--strict-known-failures: an error)' if strict else ''}", red=strict)
+    if away:
+        tw.write_line(f"{len(away)} entries are about built-in targets this run does not run "
+                      f"({', '.join(sorted({e.target for e in away}))})")
     rest = len([e for e in entries if not e.applies()])
     if rest:
         tw.write_line(f"{rest} entries do not apply to the installed versions")
