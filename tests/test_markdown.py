@@ -51,3 +51,29 @@ def test_a_gate_failure_fails_a_run_without_failed_cells_and_a_change_is_listed(
     md = render(passing, [], previous=stored)
     (row,) = [line for line in md.splitlines() if "| P2/static |" in line]
     assert "| xfail (was passed) |" in row and "### What broke or changed" in md
+
+
+def test_the_plugin_and_report_write_the_summary_with_every_failure(tmp_path):
+    """A run of a target that caches views of mixed_qkv: `--mpt-kv-markdown` names each failed case with
+    its message and rerun command, and `python -m mpt_kv report --markdown` of its JSON says the same."""
+    import json
+    import subprocess
+    import sys
+
+    target = "mpt_kv.catalogue.variants:kv_views_of_mixed_qkv"
+    run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "--target", target,
+                          "--only-targets", "-m", "cpu", "--dtype", "fp32", "-k", "P3/concat or P1/concat", "-q",
+                          "-p", "no:cacheprovider", "--mpt-kv-report", "r.json", "--mpt-kv-markdown", "summary.md"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 1, run.stdout[-2000:]
+    failed = [r for r in json.loads((tmp_path / "r.json").read_text())["results"] if r["outcome"] == "failed"]
+    assert failed
+    merged = subprocess.run([sys.executable, "-m", "mpt_kv", "report", "r.json", "--markdown", "merged.md"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert merged.returncode == 1, merged.stderr
+    for name in ("summary.md", "merged.md"):
+        md = (tmp_path / name).read_text()
+        assert md.startswith("## mpt-kv: FAILED"), md[:200]
+        for r in failed:
+            (row,) = [line for line in md.splitlines() if f"-k \"[{r['nodeid'].split('[')[1]}\"" in line]
+            assert "views of layer 0's mixed_qkv" in row or "mixed_qkv" in row, row

@@ -99,13 +99,21 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("reports", nargs="+", type=Path, help="JSON reports (pytest --mpt-kv-report FILE)")
     p.add_argument("--json", help="also write the merged report here (checked before any work)")
+    p.add_argument("--markdown", metavar="FILE",
+                   help="also write a short Markdown summary (verdict, what broke, known failures, the matrix "
+                        "collapsed) for a CI job summary or a pull-request comment")
+    p.add_argument("--previous", metavar="REPORT", type=Path,
+                   help="a stored run's JSON report: the summary also lists every case whose outcome changed")
     args = p.parse_args(argv)
-    if args.json is not None:
-        from mpt_kv.cli.outputs import file_problem
+    from mpt_kv.cli.outputs import file_problem
 
-        problem = file_problem(args.json)
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        problem = path is not None and file_problem(path)
         if problem:
-            usage_error(f"--json {args.json!r}: {problem}")
+            usage_error(f"{flag} {path!r}: {problem}")
+    if args.previous is not None and args.markdown is None:
+        usage_error("--previous is only read with --markdown")
+    previous = load(args.previous)["results"] if args.previous is not None else None
     from mpt_kv.plugin.gate import run_problems
     from mpt_kv.plugin.report import matrix_lines, project_lines
 
@@ -136,13 +144,20 @@ def main(argv: list[str]) -> int:
                                    "reach_summary": reach_summary(merged["reach"])}, indent=1,
                                   default=str))
     bad = [r for r in merged["results"] if r.get("outcome") in BAD]
+    problems = run_problems(merged["results"], merged["allow_missing_device"], merged["allow_no_cache_check"])
+    if args.markdown:
+        from mpt_kv.plugin.markdown import render
+
+        verdict = (["no results in the reports: nothing ran, which is not a pass"] if not merged["results"]
+                   else problems)
+        Path(args.markdown).write_text(render(merged["results"], verdict, merged["absent_devices"],
+                                              merged["hypothesis_profile"], previous), encoding="utf-8")
     if not merged["results"]:
         print("no results in the reports: nothing ran, which is not a pass", file=sys.stderr)
         return 1
     if bad:
         print(f"{len(bad)} cases failed, errored or passed unexpectedly (XPASS): see the runs above", file=sys.stderr)
         return 1
-    problems = run_problems(merged["results"], merged["allow_missing_device"], merged["allow_no_cache_check"])
     for line in problems:  # the plugin's own end-of-run rule, over the same records
         print(line, file=sys.stderr)
     return 1 if problems else 0

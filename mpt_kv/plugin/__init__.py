@@ -138,7 +138,8 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if getattr(config, "workerinput", None) is not None:
         return  # xdist worker: the controller sees every report and decides
-    failed = bool(gate.verdict(config))
+    verdict = gate.verdict(config)
+    failed = bool(verdict)
     failed |= known_failures.strict_failure(config)
     failed |= ceilings.update_ceilings(config)
     path = config.getoption("mpt_kv_report")
@@ -146,6 +147,10 @@ def pytest_sessionfinish(session, exitstatus):
         config._mpt_kv_report_problem = report.write_report(config, path, outcomes.results, outcomes.memory,
                                                             outcomes.extras)
         failed |= config._mpt_kv_report_problem is not None
+    markdown = config.getoption("mpt_kv_markdown")
+    if markdown:
+        config._mpt_kv_markdown_problem = report.write_markdown(config, markdown, outcomes.results, verdict)
+        failed |= config._mpt_kv_markdown_problem is not None
     if failed:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -159,9 +164,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     cards.summary(tw, config)
     known_failures.summary(tw, config)
     ceilings.summary(tw, config)
-    problem = getattr(config, "_mpt_kv_report_problem", None)
-    if problem:
-        tw.write_line(problem, red=True)
+    for problem in (getattr(config, "_mpt_kv_report_problem", None), getattr(config, "_mpt_kv_markdown_problem", None)):
+        if problem:
+            tw.write_line(problem, red=True)
     hint = report.short_traceback_hint(tw, config)
     if hint:
         tw.write_line(hint, yellow=True)

@@ -134,13 +134,14 @@ def configure(config) -> None:
     if config.getoption("update_ceilings") and in_ci():
         raise pytest.UsageError("--update-ceilings is refused under CI: recording a baseline is a local step whose "
                                 "diff a reviewer reads; run it locally, review the diff and commit the file")
-    report = config.getoption("mpt_kv_report")
-    if report:
-        from mpt_kv.cli.outputs import file_problem
+    for flag, name in (("--mpt-kv-report", "mpt_kv_report"), ("--mpt-kv-markdown", "mpt_kv_markdown")):
+        path = config.getoption(name)
+        if path:
+            from mpt_kv.cli.outputs import file_problem
 
-        problem = file_problem(report)
-        if problem:
-            raise pytest.UsageError(f"--mpt-kv-report {report}: {problem}")
+            problem = file_problem(path)
+            if problem:
+                raise pytest.UsageError(f"{flag} {path}: {problem}")
     config._mpt_kv_required = device_requirements(config)
 
 

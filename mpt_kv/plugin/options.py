@@ -50,6 +50,9 @@ def add_options(parser) -> None:
     g.addoption("--dtype", action="append", choices=DTYPE_NAMES, default=None,
                 help="dtypes to run (repeatable; default fp32 and bf16)")
     g.addoption("--mpt-kv-report", metavar="FILE", default=None, help="write the conformance matrix as JSON")
+    g.addoption("--mpt-kv-markdown", metavar="FILE", default=None,
+                help="write a short Markdown summary of the run (verdict, what broke with its rerun command, known "
+                     "failures and the matrix collapsed) for a CI job summary or a pull-request comment")
     g.addoption("--strict-known-failures", action="store_true",
                 help="a known-failures entry that matches no case of this run is an error (CI's tox envs use it)")
     g.addoption("--no-mpt-kv-matrix", action="store_true",

@@ -187,6 +187,19 @@ def write_report(config, path, results: list[dict], memory: list[dict], extras: 
     return None
 
 
+def write_markdown(config, path, results: list[dict], verdict: list[str]) -> str | None:
+    """The run's Markdown summary (mpt_kv/plugin/markdown.py); returns why it could not be written."""
+    from mpt_kv.plugin.markdown import render
+
+    results = with_versions([r for r in results if "property" in r])
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render(results, verdict, absent_devices(config, results), config._mpt_kv_profile))
+    except OSError as e:
+        return f"--mpt-kv-markdown {path}: the summary could not be written: {e}"
+    return None
+
+
 def reach_summary(records: list[dict]) -> dict:
     """What the checks reached, per knob and check (mpt_kv.checks.reach.summarize): in the JSON report."""
     if not records:
