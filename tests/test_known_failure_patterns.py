@@ -206,3 +206,16 @@ def test_expected_failed_checks_xfails_a_finding_never_a_crash_the_check_wraps()
     assert isinstance(finding, xfail.kwargs["raises"]), "a finding must satisfy the expected failure"
     assert not isinstance(crash.value, xfail.kwargs["raises"]), f"a crash satisfied it: {crash.value}"
     assert not isinstance(RuntimeError("boom"), xfail.kwargs["raises"])
+
+
+def test_shipped_entries_are_upstreams_and_a_projects_are_its_own(tmp_path):
+    from mpt_kv.plugin.known_failures import words_for
+    from mpt_kv.targets import known_failures
+
+    shipped = known_failures.load()[0]
+    assert words_for(shipped) == ("known upstream failure", "upstream fixed it")
+    own = tmp_path / "mpt_kv_known_failures.json"
+    own.write_text((known_failures.FILE.parent.parent.parent / "examples" / "downstream" /
+                    "mpt_kv_known_failures.json").read_text())
+    assert words_for(known_failures.load(own)[0]) == (
+        "known failure of this project (mpt_kv_known_failures.json)", "it is fixed")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +78,16 @@ def expected_to_fail(item) -> bool:
     return item.get_closest_marker("xfail") is not None or item.stash.get(KNOWN, None) is not None
 
 
+def words_for(entry) -> tuple[str, str]:
+    """How a case's entry is named: mpt-kv's own file records upstream's failures; a project's own
+    file records the project's (its own bug kept on purpose, or an upstream one it depends on)."""
+    from mpt_kv.targets.known_failures import FILE
+
+    if Path(entry.file).resolve() == FILE.resolve():
+        return "known upstream failure", "upstream fixed it"
+    return f"known failure of this project ({Path(entry.file).name})", "it is fixed"
+
+
 def apply(item, report, call) -> None:
     """A case with a known-failure entry, after its call: xfail only the PropertyFailure its
     pattern names. A pass (upstream fixed it) or any other failure fails the case, saying why."""
@@ -84,13 +95,14 @@ def apply(item, report, call) -> None:
     if entry is None or report.when != "call":
         return
     excinfo = call.excinfo
+    kind, fixed = words_for(entry)
     if report.passed:
         report.outcome = "failed"
-        report.longrepr = (f"[XPASS(strict)] known upstream failure {entry.name} did not happen: {entry.reason} "
-                           f"-- if upstream fixed it, remove or narrow the entry in {entry.file}")
+        report.longrepr = (f"[XPASS(strict)] {kind} {entry.name} did not happen: {entry.reason} "
+                           f"-- if {fixed}, remove or narrow the entry in {entry.file}")
     elif report.failed and excinfo is not None and entry.explains(excinfo.value):
         report.outcome = "skipped"
-        report.wasxfail = f"known upstream failure, {entry.name}: {entry.reason}"
+        report.wasxfail = f"{kind}, {entry.name}: {entry.reason}"
         report.user_properties = [*report.user_properties, ("mpt_kv_known_xfail", entry.index)]
     elif report.failed:
         report.sections.append(("mpt-kv known failure", (
