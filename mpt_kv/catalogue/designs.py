@@ -650,7 +650,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = N
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.float() * scales).to(dtype)
+    return codes.to(dtype).mul_(scales)  # in place: one (B, H, T, hd) tensor of the model's dtype per call
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -680,6 +680,10 @@ class QuantizedCache:
         """Codes and scales of the new positions `x` (B, H, T, hd) written at position `at` of the
         cache (scales[layer][i]: the key's (0) or value's (1) scales so far, for a variant's bug)."""
         return quantize(x, self.storage)
+
+    def _cached(self, layer) -> bool:
+        """Whether a call to `update` for `layer` is a cached call (its prefill is done)."""
+        return self.q[layer] is not None
 
     def _dequantized(self, layer, n=None):
         (kc, vc), (ks, vs) = self.q[layer]
@@ -714,6 +718,9 @@ class QuantizedConcatCache(QuantizedCache, ConcatCache):
 
 
 class QuantizedStaticCache(QuantizedCache, StaticCache):
+    def _cached(self, layer) -> bool:
+        return self.prefilled[layer]
+
     def __init__(self, n_layers, batch, n_heads, max_len, head_dim, dtype, device, fill=None):
         codes = lambda: torch.zeros(batch, n_heads, max_len, head_dim, dtype=self.storage, device=device)  # noqa: E731
         scales = lambda: torch.zeros(batch, n_heads, max_len, 1, dtype=torch.float32, device=device)  # noqa: E731
@@ -776,3 +783,23 @@ quantized_kv_int8 = layout_design(
     "vLLM's kv_cache_dtype='fp8' and SGLang's and TGI's fp8 KV caches, Intel Neural Compressor's FP8 KVCache on "
     "Gaudi; per-token int8 scales as KIVI, QServe and LMDeploy's kv int8",
     QuantizedMPT, QuantizedSession)
+
+
+class Fp8QuantizedConcatCache(QuantizedConcatCache):
+    storage = torch.float8_e4m3fn
+
+
+class Fp8QuantizedStaticCache(QuantizedStaticCache):
+    storage = torch.float8_e4m3fn
+
+
+class Fp8QuantizedMPT(QuantizedMPT):
+    concat_class, static_class = Fp8QuantizedConcatCache, Fp8QuantizedStaticCache
+
+
+quantized_kv_fp8 = layout_design(
+    "quantized_kv_fp8",
+    "the same quantized cache with float8_e4m3fn codes (scale: max |x| / 448, no rounding step: e4m3 rounds "
+    "to its 3 mantissa bits): QuantizedKV(float8_e4m3fn, scales='token')",
+    "vLLM's kv_cache_dtype='fp8' (e4m3), Intel Neural Compressor's FP8 KVCache on Gaudi",
+    Fp8QuantizedMPT, QuantizedSession)
