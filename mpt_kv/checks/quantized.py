@@ -31,10 +31,10 @@ from mpt_kv.targets.layouts import QuantizedKV, layout_of
 # correct per-token quantizer over the drawn cases; the comment gives that worst and the smallest
 # worst of the wrong-scale and wrong-row quantizers, both as a fraction of max|expected|.
 QUANTIZED: dict[tuple[str, str], Tolerance] = {
-    ("int8", "logits"): Tolerance(1e-4, 0.02, ("int8", "logits")),
-    ("int8", "kv"): Tolerance(1e-4, 0.02, ("int8", "kv")),
-    ("float8_e4m3fn", "logits"): Tolerance(1e-4, 0.15, ("float8_e4m3fn", "logits")),
-    ("float8_e4m3fn", "kv"): Tolerance(1e-4, 0.15, ("float8_e4m3fn", "kv")),
+    ("int8", "logits"): Tolerance(1e-4, 0.08, ("int8", "logits")),                    # worst 0.0384
+    ("int8", "kv"): Tolerance(1e-4, 0.02, ("int8", "kv")),                            # worst 0.0079 (1 step: 1/127)
+    ("float8_e4m3fn", "logits"): Tolerance(1e-4, 0.3, ("float8_e4m3fn", "logits")),   # worst 0.136
+    ("float8_e4m3fn", "kv"): Tolerance(1e-4, 0.15, ("float8_e4m3fn", "kv")),          # worst 0.071
 }
 # The granularities calibrated: a per-token scale. A coarser one (per head, per tensor) puts a
 # larger step on every small element; its bound is not measured, so it is refused (fail closed).
@@ -137,6 +137,9 @@ def main(argv=None) -> int:
                   f"{within}/{len(v)} |")
         print(f"| {name} | greedy token beyond a near-tie | {int(sum(result[name]['token']))} of {a.cases} cases "
               "| | | | |")
+        over = sum(t > 0 or any(result[name][k][i] > QUANTIZED[(dtype, k)].rtol for k in ("logits", "kv"))
+                   for i, t in enumerate(result[name]["token"]))
+        print(f"| {name} | any (a case P1 or P2 fails under the bound) | {over} of {a.cases} cases | | | | |")
     return 0
 
 
