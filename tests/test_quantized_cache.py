@@ -150,3 +150,21 @@ def test_the_bound_of_a_target_that_declares_no_quantized_cache_is_unchanged(dty
     q = QUANTIZED[("int8", quantity.split(":")[0])]
     wide = widened(tol, sessions[2])
     assert (wide.atol, wide.rtol) == (tol.atol + q.atol, tol.rtol + q.rtol)
+
+
+class CopiedCodesSession(designs.QuantizedSession):
+    """Declares a QuantizedKV whose codes are copies: poison written there lands in no cache."""
+
+    def cache_layout(self):
+        layout = super().cache_layout()
+        if layout is None:
+            return None
+        return mpt_kv.QuantizedKV(layout.dtype, layout.scales, layout.scale_dtype,
+                                  [tuple(t.clone() for t in pair) for pair in layout.codes], layout.scale_tensors)
+
+
+def test_p2_refuses_a_quantized_declaration_whose_codes_are_copies():
+    runner, c = context(runner_factory("quantized_copied_codes", designs.QuantizedMPT, CopiedCodesSession), CASE,
+                        "static")
+    with pytest.raises(RuntimeError, match=r"poisoned through cache_layout\(\)'s QuantizedKV codes are not poisoned"):
+        P.check_static_equals_concat(runner, c)

@@ -777,7 +777,7 @@ class QuantizedSession(ReferenceSession):
 
 quantized_kv_int8 = layout_design(
     "quantized_kv_int8",
-    "both paths store K and V as int8 codes with one fp32 scale per row, head and position (max |x| over head_dim "
+    "both paths store K and V as int8 codes with one fp32 scale per row, head and position (max abs(x) over head_dim "
     "/ 127), dequantized for attention; declared by cache_layout() as QuantizedKV(int8, scales='token'): its "
     "values within the int8 bound, its bytes the codes and scales",
     "vLLM's kv_cache_dtype='fp8' and SGLang's and TGI's fp8 KV caches, Intel Neural Compressor's FP8 KVCache on "
@@ -799,7 +799,7 @@ class Fp8QuantizedMPT(QuantizedMPT):
 
 quantized_kv_fp8 = layout_design(
     "quantized_kv_fp8",
-    "the same quantized cache with float8_e4m3fn codes (scale: max |x| / 448, no rounding step: e4m3 rounds "
+    "the same quantized cache with float8_e4m3fn codes (scale: max abs(x) / 448, no rounding step: e4m3 rounds "
     "to its 3 mantissa bits): QuantizedKV(float8_e4m3fn, scales='token')",
     "vLLM's kv_cache_dtype='fp8' (e4m3), Intel Neural Compressor's FP8 KVCache on Gaudi",
     Fp8QuantizedMPT, QuantizedSession)
