@@ -10,8 +10,8 @@ The public API (docs/targets.md), importable from here:
     CallableRunner            a runner from callables, for a model with its own forward signature
     load_gaudi_mpt_module     optimum-habana's MPT module, loaded on CPU too (mpt_kv.targets.gaudi)
     ModelConfig, Case         the model shape a factory receives; one drawn input
-    Session, PagedLayout, BlockGrowth
-                              one generation; how a paged or block-grown cache describes itself
+    Session, PagedLayout, BlockGrowth, QuantizedKV
+                              one generation; how a paged, block-grown or quantized cache describes itself
     PropertyFailure, Unsupported, TargetUnavailable, InputError
 
 Names load on first use, so `import mpt_kv` (and the pytest plugin) does not import torch.
@@ -39,6 +39,7 @@ _EXPORTS = {
     "Session": "mpt_kv.model.session",
     "PagedLayout": "mpt_kv.targets.layouts",
     "BlockGrowth": "mpt_kv.targets.layouts",
+    "QuantizedKV": "mpt_kv.targets.layouts",
     "PropertyFailure": "mpt_kv.checks.compare",
     "Unsupported": "mpt_kv.errors",
     "TargetUnavailable": "mpt_kv.errors",

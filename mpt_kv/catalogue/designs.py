@@ -632,3 +632,174 @@ DESIGNS["chunked_prefill"] = Design(
     "chunked prefill (vLLM's enable_chunked_prefill, transformers' generate with prefill_chunk_size): long "
     "prompts in pieces, each a multi-token cached call",
     chunked_prefill)
+
+# --- a quantized KV cache (int8 codes, a scale per token; declared QuantizedKV) -------------------------
+
+def quant_max(dtype: torch.dtype) -> float:
+    return float(torch.iinfo(dtype).max if not dtype.is_floating_point else torch.finfo(dtype).max)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None):
+    """(codes of `dtype`, fp32 scales (B, H, T, 1)): each position's scale its own max |x| over
+    head_dim / the dtype's max (`scale` given: those scales, a code beyond the range clipped)."""
+    top = quant_max(dtype)
+    if scale is None:
+        scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-30) / top
+    q = (x.float() / scale).clamp(-top, top)
+    return (q.round() if not dtype.is_floating_point else q).to(dtype), scale
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return codes.to(dtype).mul_(scales)  # in place: one (B, H, T, hd) tensor of the model's dtype per call
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """int8 and fp8 codes as uint8: index_copy_ has no fp8 kernel on CPU, a byte copy is the same."""
+    return t.view(torch.uint8)
+
+
+class QuantizedCache:
+    """What both quantized paths share: `q[layer]` = ((key codes, value codes), (key scales, value
+    scales)), `kv` the dequantized values (copies, in the model's dtype). The prefill attends over
+    its own k, v at full precision (vLLM's prefill reads the fresh k, v, not the cache); every
+    cached call attends over the dequantized cache."""
+
+    storage = torch.int8
+
+    @property
+    def kv(self):
+        return [None if q is None else tuple(dequantize(c, s, self.out_dtype) for c, s in zip(*q)) for q in self.q]
+
+    def layout(self):
+        from mpt_kv.targets.layouts import QuantizedKV
+
+        return QuantizedKV(self.storage, "token", torch.float32, [q[0] for q in self.q if q is not None],
+                           [q[1] for q in self.q if q is not None])
+
+    def _quantize(self, x, layer, i, at):
+        """Codes and scales of the new positions `x` (B, H, T, hd) written at position `at` of the
+        cache (scales[layer][i]: the key's (0) or value's (1) scales so far, for a variant's bug)."""
+        return quantize(x, self.storage)
+
+    def _cached(self, layer) -> bool:
+        """Whether a call to `update` for `layer` is a cached call (its prefill is done)."""
+        return self.q[layer] is not None
+
+    def _dequantized(self, layer, n=None):
+        (kc, vc), (ks, vs) = self.q[layer]
+        return tuple(dequantize(c[:, :, :n], s[:, :, :n], self.out_dtype) for c, s in ((kc, ks), (vc, vs)))
+
+
+class QuantizedConcatCache(QuantizedCache, ConcatCache):
+    def __init__(self, n_layers, dtype):
+        self.q, self.out_dtype = [None] * n_layers, dtype
+
+    def length(self, layer: int = 0) -> int:
+        return 0 if self.q[layer] is None else self.q[layer][0][0].shape[2]
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        at = self.length(layer)
+        new = [self._quantize(t, layer, i, at) for i, t in enumerate((k, v))]
+        if self.q[layer] is None:
+            self.q[layer] = ((new[0][0], new[1][0]), (new[0][1], new[1][1]))
+            return k, v
+        (kc, vc), (ks, vs) = self.q[layer]
+        self.q[layer] = ((torch.cat([kc, new[0][0]], 2), torch.cat([vc, new[1][0]], 2)),
+                         (torch.cat([ks, new[0][1]], 2), torch.cat([vs, new[1][1]], 2)))
+        return self._dequantized(layer)
+
+    def crop(self, n: int) -> None:
+        self.q = [None if q is None else tuple(tuple(t[:, :, :n].clone() for t in pair) for pair in q) for q in self.q]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for layer, q in enumerate(self.q):  # one layer at a time: the transient is one layer's
+            if q is not None:
+                self.q[layer] = tuple(tuple(t.index_select(0, index) for t in pair) for pair in q)
+
+
+class QuantizedStaticCache(QuantizedCache, StaticCache):
+    def _cached(self, layer) -> bool:
+        return self.prefilled[layer]
+
+    def __init__(self, n_layers, batch, n_heads, max_len, head_dim, dtype, device, fill=None):
+        codes = lambda: torch.zeros(batch, n_heads, max_len, head_dim, dtype=self.storage, device=device)  # noqa: E731
+        scales = lambda: torch.zeros(batch, n_heads, max_len, 1, dtype=torch.float32, device=device)  # noqa: E731
+        self.q = [((codes(), codes()), (scales(), scales())) for _ in range(n_layers)]
+        self.out_dtype, self.prefilled, self.max_len, self.written = dtype, [False] * n_layers, max_len, 0
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        from mpt_kv.model.cache import write_slots
+
+        (kc, vc), (ks, vs) = self.q[layer]
+        if not self.prefilled[layer]:
+            T = k.shape[2]
+            for i, (t, c, s) in enumerate(((k, kc, ks), (v, vc, vs))):
+                c[:, :, :T], s[:, :, :T] = self._quantize(t, layer, i, 0)
+            self.prefilled[layer] = True
+            return k, v
+        if token_idx is None:
+            raise ValueError("QuantizedStaticCache decode needs token_idx (1-based position of the new token)")
+        slots = write_slots(token_idx, k.shape[2])
+        for i, (t, c, s) in enumerate(((k, kc, ks), (v, vc, vs))):
+            codes, scale = self._quantize(t, layer, i, slots)
+            byte_view(c).index_copy_(2, slots, byte_view(codes))
+            s.index_copy_(2, slots, scale)
+        return self._dequantized(layer, cache_idx)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for q in self.q:
+            for t in (*q[0], *q[1]):
+                t.copy_(t.index_select(0, index))  # the copy is read whole before any row is written
+
+
+class QuantizedMPT(ReferenceMPT):
+    concat_class, static_class = QuantizedConcatCache, QuantizedStaticCache
+
+    def new_cache(self, path, batch, max_len=None, fill=None):
+        from mpt_kv.errors import InputError
+        from mpt_kv.model.cache import check_size
+
+        batch = check_size("cache batch", batch)  # the reference's checks, without its full-precision buffers
+        if path == "concat":
+            return self.concat_class(self.cfg.n_layers, self.transformer.wte.weight.dtype)
+        if path != "static":
+            raise InputError(f"unknown cache path {path!r}: expected 'concat' or 'static'")
+        max_len = self.cfg.max_seq_len if max_len is None else check_size("static cache length max_len", max_len)
+        if max_len > self.cfg.max_seq_len:
+            raise InputError(f"static cache length {max_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+        return static_cache(self, self.static_class, batch, max_len, fill)
+
+
+class QuantizedSession(ReferenceSession):
+    def cache_layout(self):
+        return None if self.cache is None else self.cache.layout()
+
+
+quantized_kv_int8 = layout_design(
+    "quantized_kv_int8",
+    "both paths store K and V as int8 codes with one fp32 scale per row, head and position (max abs(x) over head_dim "
+    "/ 127), dequantized for attention; declared by cache_layout() as QuantizedKV(int8, scales='token'): its "
+    "values within the int8 bound, its bytes the codes and scales",
+    "vLLM's kv_cache_dtype='fp8' and SGLang's and TGI's fp8 KV caches, Intel Neural Compressor's FP8 KVCache on "
+    "Gaudi; per-token int8 scales as KIVI, QServe and LMDeploy's kv int8",
+    QuantizedMPT, QuantizedSession)
+
+
+class Fp8QuantizedConcatCache(QuantizedConcatCache):
+    storage = torch.float8_e4m3fn
+
+
+class Fp8QuantizedStaticCache(QuantizedStaticCache):
+    storage = torch.float8_e4m3fn
+
+
+class Fp8QuantizedMPT(QuantizedMPT):
+    concat_class, static_class = Fp8QuantizedConcatCache, Fp8QuantizedStaticCache
+
+
+quantized_kv_fp8 = layout_design(
+    "quantized_kv_fp8",
+    "the same quantized cache with float8_e4m3fn codes (scale: max abs(x) / 448, no rounding step: e4m3 rounds "
+    "to its 3 mantissa bits): QuantizedKV(float8_e4m3fn, scales='token')",
+    "vLLM's kv_cache_dtype='fp8' (e4m3), Intel Neural Compressor's FP8 KVCache on Gaudi",
+    Fp8QuantizedMPT, QuantizedSession)

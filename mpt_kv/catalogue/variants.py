@@ -863,3 +863,53 @@ attention_probabilities_kept = variant(
     "output_attentions / attention-map hooks that store on the module (self.attn_weights = ...) and are "
     "never cleared; each generation replaces them, so repeated generations of one shape do not grow",
     ["memory"], attention=KeepsAttentionProbabilities)
+
+
+# --- a quantized cache whose decode tokens get the wrong scale (P1 under the int8 bound) ---------------
+
+from mpt_kv.catalogue.designs import (QuantizedConcatCache, QuantizedMPT, QuantizedSession,  # noqa: E402
+                                      QuantizedStaticCache, quantize)
+
+
+class PreviousScale:
+    """A cached call's tokens are quantized with the scale stored at the position before the call
+    (the prompt's last, for the first decode step) instead of their own: larger values clip."""
+
+    def _quantize(self, x, layer, i, at):
+        if not self._cached(layer):
+            return quantize(x, self.storage)
+        first = (at if torch.is_tensor(at) else torch.tensor([at], device=x.device)).reshape(-1)[:1]
+        return quantize(x, self.storage, self.q[layer][1][i].index_select(2, first - 1))
+
+
+class RowZeroScale:
+    """A cached call's scales are computed for batch row 0 and used for every row."""
+
+    def _quantize(self, x, layer, i, at):
+        codes, scale = quantize(x, self.storage)
+        if not self._cached(layer):
+            return codes, scale
+        return quantize(x, self.storage, scale[:1].expand_as(scale).contiguous())
+
+
+def quantized_variant(name, bug, origin, killed_by, mixin):
+    concat = type(f"{mixin.__name__}Concat", (mixin, QuantizedConcatCache), {})
+    static = type(f"{mixin.__name__}Static", (mixin, QuantizedStaticCache), {})
+    model = type(f"{mixin.__name__}MPT", (QuantizedMPT,), {"concat_class": concat, "static_class": static})
+    return variant(name, bug, origin, killed_by, model=model, session=QuantizedSession)
+
+
+quantized_kv_wrong_scale = quantized_variant(
+    "quantized_kv_wrong_scale",
+    "the int8 quantized cache (quantized_kv_int8) quantizes each cached call's tokens with the scale stored at the "
+    "position before them (the prompt's last for the first decode step), not their own: values beyond it clip",
+    "a scale computed over the prompt and reused for decode tokens; an off-by-one into the per-token scale buffer "
+    "(slot token_idx - 2)",
+    ["P1", "ops"], PreviousScale)
+
+quantized_kv_wrong_row = quantized_variant(
+    "quantized_kv_wrong_row",
+    "the int8 quantized cache computes a cached call's per-token scales for batch row 0 and uses them for every "
+    "row: another row's values clip or lose their precision",
+    "a scale reduction over the wrong dimension, or a scale buffer indexed without the batch row",
+    ["P1", "ops"], RowZeroScale)

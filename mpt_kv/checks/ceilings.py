@@ -74,7 +74,7 @@ from mpt_kv.model.config import ModelConfig
 from mpt_kv.memory.meter import Meter, meter_for
 from mpt_kv.checks.properties import Case, Context
 from mpt_kv.checks.storages import covered_bytes
-from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, layout_of, storage_tensors
+from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, QuantizedKV, layout_of, storage_tensors
 
 # --- the config table --------------------------------------------------------------------------------
 
@@ -151,6 +151,23 @@ def new_cache_length(length: int, block: int | None) -> int:
     """The positions a concat step's new cache holds: `length`, or for a cache declared to grow by
     blocks (BlockGrowth) its capacity, `length` rounded up to whole blocks (vLLM's 16, say)."""
     return -(-length // block) * block if block else length
+
+
+def expected_kv_bytes(layout, cfg: ModelConfig, batch: int, length: int, s: int) -> int:
+    """The cache's analytic bytes: KV(L), or for a declared quantized cache its codes and scales
+    (`QuantizedKV.cache_bytes`): a cache that also keeps a full-precision copy is that much too many."""
+    if isinstance(layout, QuantizedKV):
+        return layout.cache_bytes(cfg.n_layers, batch, cfg.n_heads, length, cfg.head_dim)
+    return analytic.kv_cache_bytes(shape_of(cfg), batch, length, s)
+
+
+def dequantized_bytes(session, cfg: ModelConfig, batch: int, length: int, s: int) -> int:
+    """A declared quantized cache (QuantizedKV) may hold one layer's K and V dequantized to the
+    model's dtype during a decode step: what an eager attention over int8/fp8 codes reads (INC's
+    patched KVCache returns them). A fused kernel that dequantizes in registers holds none."""
+    if not isinstance(layout_of(session), QuantizedKV):
+        return 0
+    return analytic.kv_cache_bytes(dataclasses.replace(shape_of(cfg), n_layers=1), batch, length, s)
 
 
 def decode_bound(cfg: ModelConfig, batch: int, length: int, s: int, path: str, block: int | None = None) -> int:
@@ -252,11 +269,13 @@ def account(session, preexisting: set[int]) -> Accounting:
     cache's K/V storages are its pools, its block table and lengths are bookkeeping."""
     layout = layout_of(session)
     kv: dict = {}
-    for layer, (k, v) in enumerate(storage_tensors(session)):
-        for name, t in (("key", k), ("value", v)):
-            key = storage_key(t)
-            if key not in preexisting:
-                kv.setdefault(key, (t.untyped_storage().nbytes(), []))[1].append((layer, name, t))
+    # a quantized cache is its codes and its scales (layouts.QuantizedKV.stored), not kv()'s copies
+    stored = layout.stored() if isinstance(layout, QuantizedKV) else [
+        (layer, name, t) for layer, pair in enumerate(storage_tensors(session)) for name, t in zip(("key", "value"), pair)]
+    for layer, name, t in stored:
+        key = storage_key(t)
+        if key not in preexisting:
+            kv.setdefault(key, (t.untyped_storage().nbytes(), []))[1].append((layer, name, t))
     books = {storage_key(session.mask)} if isinstance(session.mask, torch.Tensor) else set()
     if isinstance(layout, PagedLayout):
         books |= {storage_key(t) for t in (layout.block_table, layout.lengths) if torch.is_tensor(t)}
@@ -463,8 +482,8 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
 
     def check_retained(session, phase: str, allocated: int) -> int:
         L = expected_len(session.written)
-        kv = analytic.kv_cache_bytes(shape_of(cfg), B, L, s)
         acc = account(session, preexisting)
+        kv = expected_kv_bytes(acc.layout, cfg, B, L, s)
         paged = paged_count(acc.layout, L, kept) if isinstance(acc.layout, PagedLayout) else None
         if paged is not None:  # the cache is its handed-out blocks, at most one block of slack per row
             cache, pooled = paged.accepted, paged.pooled
@@ -486,6 +505,11 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                         f"{cfg.head_dim} x {s} bytes)")
             if isinstance(acc.layout, BlockGrowth):
                 expected += f" + {cache - kv} bytes of declared block slack"
+            if isinstance(acc.layout, QuantizedKV):
+                expected = (f"the quantized KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x "
+                            f"L {L} x hd {cfg.head_dim} codes of {acc.layout.dtype.itemsize} byte and the "
+                            f"scales={acc.layout.scales} scales of {acc.layout.scale_dtype.itemsize}, as declared: "
+                            f"{acc.layout.describe()})")
         if abs(excess) > slack and "retained" not in problems:
             problems["retained"] = (
                 f"memory: after {phase}, {allocated} bytes allocated, {excess} bytes "
@@ -520,12 +544,14 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                 transient, max_allocated = max(transient, step_transient), max(max_allocated, peak)
                 kv_bytes = check_retained(session, f"decode step {step}", allocated)
                 block = growth_block(session)
-                bound = decode_bound(cfg, B, L + (path == "concat"), s, path, block)
+                dequantized = dequantized_bytes(session, cfg, B, L + (path == "concat"), s)
+                bound = decode_bound(cfg, B, L + (path == "concat"), s, path, block) + dequantized
                 if step_transient > bound and "decode" not in problems:
                     problems["decode"] = (
                         f"memory: {path} decode step {step} peaked {step_transient} bytes above the "
                         f"{before} allocated before it, {step_transient - bound} bytes too many: the bound "
-                        f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path, block)}) "
+                        f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path, block)}"
+                        f"{f' + one layer of dequantized K and V {dequantized} (a declared QuantizedKV)' if dequantized else ''}) "
                         f"[{describe(ctx)}]")
             del session
             returned = meter.allocated() - base

@@ -47,6 +47,7 @@ from mpt_kv.checks.compare import NOT_CRASHES, PropertyFailure, assert_close, cr
 from mpt_kv.checks.properties import (Case, Context, WqkvCapture, aliasing_problems, fresh_memory_holds_nan,
                                       poison_unwritten, twin_of)
 from mpt_kv.checks.results import copied, snapshot
+from mpt_kv.checks.quantized import widened  # a declared quantized cache's bound
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import ModelConfig
@@ -339,6 +340,7 @@ def check_program_cached(runner, c: Context, program: Program, fed: Fed | None =
         session = runner.session(c.path, L, c.bucket)
         fed.add("prefill", ids)
         prefill = session.prefill(ids, mask)
+        tol = widened(tol, session)  # a declared quantized cache's bound (checks/quantized.py)
         history = History(ids, mask)
 
         def oracle():
@@ -409,12 +411,12 @@ def compare_paths(c, program, step, concat, concat_logits, static, static_logits
     check_static_mask(c, program, step, concat, static)
     for path, session, logits in judged:
         if logits is not None:
-            assert_close(logits, ref_logits, c.tol(f"logits:{path}"), f"ops-P2 {path} vs {against} logits",
+            assert_close(logits, ref_logits, widened(c.tol(f"logits:{path}"), session), f"ops-P2 {path} vs {against} logits",
                          ctx_of(c, program, step=step), where=where)
         kv = session.kv()
         for i, name in enumerate(("key", "value")):
             got, want = (torch.stack([pair[i][:, :, :t] for pair in x]) for x in (kv, ref_kv))
-            assert_close(got, want, c.tol(f"kv:{path}"),
+            assert_close(got, want, widened(c.tol(f"kv:{path}"), session),
                          f"ops-P2 {path} vs {against} cached {name}s (layer, batch, head, position, dim) at written "
                          f"positions [0, {t})", ctx_of(c, program, step=step), where=real)
 

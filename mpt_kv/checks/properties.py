@@ -35,7 +35,8 @@ from mpt_kv.checks.results import copied, snapshot
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import Session
 from mpt_kv.checks.storages import covered_bytes, storage_key  # P3
-from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, layout_of, poison_paged
+from mpt_kv.checks.quantized import widened  # a declared quantized cache's bound (QuantizedKV)
+from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, QuantizedKV, layout_of, poison_paged, poison_quantized
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (measured: 1e30 does not)
 MASK_DTYPES = (torch.bool, torch.int64, torch.int32)  # what the targets' APIs accept (README "Targets")
@@ -283,7 +284,7 @@ def p1_generation(runner, twin, c: Context) -> None:
         full = runner.logits(all_ids, all_mask)                                # (B, S + n, V)
         oracle = full if twin is None else twin.logits(all_ids, all_mask)
     against = "full forward" if twin is None else "the fp32 twin's full forward"
-    tol = c.tol(f"logits:{c.path}")
+    tol = widened(c.tol(f"logits:{c.path}"), session)
     assert_close(prefill, oracle[:, :S], tol, f"P1 prefill logits vs {against}", c.ctx(step="prefill"),
                  where=mask.bool()[:, :, None])
     for step in range(n):
@@ -351,6 +352,14 @@ def poison_unwritten(static: Session, *others: Session) -> None:
     if isinstance(layout, PagedLayout):
         poison_paged(layout, static.written, POISON, *(layout_of(o) for o in others))
         return
+    if isinstance(layout, QuantizedKV):  # its codes and scales: 1e30 fits no int8 or fp8 code
+        poison_quantized(layout, static.written, POISON)
+        codes = layout_of(static).codes
+        if codes and codes[0][0].shape[2] > static.written and not bool(
+                (codes[0][0][:, :, static.written:].float() == poison_code(layout.dtype)).all()):
+            raise RuntimeError("P2: the never-written slots poisoned through cache_layout()'s QuantizedKV codes are "
+                               "not poisoned in the next cache_layout(): its codes must be the stored cache, not copies")
+        return
     kv = static.kv()
     for k, v in kv:
         k[:, :, static.written:] = POISON
@@ -360,6 +369,11 @@ def poison_unwritten(static: Session, *others: Session) -> None:
         raise RuntimeError("P2: the never-written slots poisoned through kv() are not poisoned in the next kv(): "
                            "kv() returns copies, not the stored cache. A paged cache declares it "
                            "(Session.cache_layout() -> mpt_kv.PagedLayout, docs/targets.md 'Cache layouts')")
+
+
+def poison_code(dtype: torch.dtype) -> float:
+    """The code a never-written slot of a quantized cache holds after `poison_quantized`."""
+    return float(torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max)
 
 
 def compare_step(c: Context, step, concat, concat_logits, static, static_logits, oracle=None, oracle_logits=None,
@@ -378,13 +392,13 @@ def compare_step(c: Context, step, concat, concat_logits, static, static_logits,
         judged = [("static", static, static_logits), ("concat", concat, concat_logits)]
         against, reference_logits, reference_kv = "the fp32 twin's concat path", oracle_logits, oracle.kv()
     for path, session, logits in judged:
-        assert_close(logits, reference_logits, c.tol(f"logits:{path}"), f"P2 {path} vs {against} logits",
+        assert_close(logits, reference_logits, widened(c.tol(f"logits:{path}"), session), f"P2 {path} vs {against} logits",
                      c.ctx(step=step), where=where)
         kv = session.kv()
         for i, name in enumerate(("key", "value")):
             # every layer at once: (layer, B, H, positions, hd); the failing index names the layer
             got, want = (torch.stack([pair[i][:, :, first:t] for pair in x]) for x in (kv, reference_kv))
-            assert_close(got, want, c.tol(f"kv:{path}"),
+            assert_close(got, want, widened(c.tol(f"kv:{path}"), session),
                          f"P2 {path} vs {against} cached {name}s (layer, batch, head, position - {first}, dim) "
                          f"at written positions [{first}, {t})", c.ctx(step=step), where=real)
 
@@ -508,7 +522,7 @@ def check_no_aliasing(runner, c: Context) -> None:
                 if step != "prefill":
                     logits = session.decode(greedy(logits))
                 layout = layout_of(session)
-                kv = layout.storage_tensors() if isinstance(layout, PagedLayout) else session.kv()
+                kv = layout.storage_tensors() if isinstance(layout, (PagedLayout, QuantizedKV)) else session.kv()
                 problems, storages = aliasing_problems(kv, capture.outputs, storages, step,
                                                        last=step == steps[-1], layout=layout)
                 if problems:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
 from mpt_kv.checks.properties import Context, greedy
 from mpt_kv.checks.results import copied
-from mpt_kv.targets.layouts import PagedLayout, layout_of
+from mpt_kv.targets.layouts import PagedLayout, QuantizedKV, layout_of
 
 
 # --- host syncs ------------------------------------------------------------------------------------
@@ -218,6 +218,8 @@ def cache_tensors(session) -> list[tuple[str, int | None, torch.Tensor]]:
         pools = [(f"{name} pool of layer {i}", i, t) for i, pair in enumerate(layout.pools)
                  for name, t in zip(("key", "value"), pair)]
         return [*pools, ("block table", None, layout.block_table)]
+    if isinstance(layout, QuantizedKV):  # kv() is dequantized copies; the cache is its codes and scales
+        return [(f"cached {what} of layer {i}", i, t) for i, what, t in layout.stored()]
     return [(f"cached {name} of layer {i}", i, t) for i, pair in enumerate(session.kv())
             for name, t in zip(("key", "value"), pair)]
 

@@ -13,12 +13,18 @@ PagedLayout   a block pool and a block table, as vLLM (and the Gaudi vLLM plugin
 BlockGrowth   a contiguous cache that grows by `block_size` positions at a time (one allocation
               per block): `kv()` returns views of the cache's own block buffers, which may hold up
               to one block of positions beyond the cached ones.
+QuantizedKV   a contiguous cache stored as int8 or fp8 codes with per-tensor, per-head or per-token
+              scales (vLLM's kv_cache_dtype="fp8", INC's FP8 KVCache): `kv()` returns the
+              DEQUANTIZED values (copies, in the model's dtype: what attention reads); the value
+              checks judge them within a bound calibrated for the storage dtype; P2 poisons, P3,
+              static-shape and memory read the stored codes and scales.
 
 Slack beyond what a layout declares is a failure, like any other retained byte.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Sequence
@@ -82,18 +88,97 @@ class PagedLayout:
         return [tuple(pair) for pair in self.pools]
 
 
-def layout_of(session) -> PagedLayout | BlockGrowth | None:
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+QUANT_SCALES = {"tensor": "one scale per cached tensor (per layer, key and value)",
+                "head": "one scale per row and head: (B, H, 1, 1)",
+                "token": "one scale per row, head and position: (B, H, T, 1)"}
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """A contiguous cache whose K and V are stored as `dtype` codes (B, H, T, hd) and `scale_dtype`
+    scales (`scales`: QUANT_SCALES), value = code x scale. `codes` and `scale_tensors`: per layer
+    the (key, value) codes and the (key, value) scales, as stored (the cache's own tensors, not
+    copies: P2 poisons them, memory counts them). `kv()` returns the dequantized values."""
+
+    dtype: torch.dtype
+    scales: str
+    scale_dtype: torch.dtype = torch.float32
+    codes: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    scale_tensors: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+
+    def __post_init__(self):
+        if self.dtype not in QUANT_DTYPES:
+            raise ValueError(f"QuantizedKV(dtype={self.dtype!r}): expected one of {QUANT_DTYPES} (the storage dtype "
+                             "of the codes; a bf16 or fp32 cache declares no layout)")
+        if self.scales not in QUANT_SCALES:
+            raise ValueError(f"QuantizedKV(scales={self.scales!r}): expected one of {sorted(QUANT_SCALES)}")
+        if not isinstance(self.scale_dtype, torch.dtype) or not self.scale_dtype.is_floating_point \
+                or self.scale_dtype.itemsize < 2:
+            raise ValueError(f"QuantizedKV(scale_dtype={self.scale_dtype!r}): expected a floating torch.dtype of "
+                             "2 bytes or more (float32, bfloat16, float16)")
+        if len(self.codes) != len(self.scale_tensors):
+            raise ValueError(f"QuantizedKV: {len(self.codes)} layers of codes, {len(self.scale_tensors)} of scales")
+        for layer, (codes, scales) in enumerate(zip(self.codes, self.scale_tensors)):
+            for name, c, sc in zip(("key", "value"), codes, scales):
+                where = f"QuantizedKV layer {layer} {name}"
+                if not torch.is_tensor(c) or c.dim() != 4 or c.dtype != self.dtype:
+                    raise ValueError(f"{where} codes {getattr(c, 'dtype', type(c).__name__)} "
+                                     f"{tuple(getattr(c, 'shape', ()))}: expected (B, H, T, hd) of {self.dtype}")
+                B, H, T, _ = c.shape
+                want = {"tensor": (1,), "head": (B, H, 1, 1), "token": (B, H, T, 1)}[self.scales]
+                if not torch.is_tensor(sc) or sc.dtype != self.scale_dtype or sc.numel() != math.prod(want) or \
+                        (self.scales != "tensor" and tuple(sc.shape) != want):
+                    raise ValueError(f"{where} scales {getattr(sc, 'dtype', type(sc).__name__)} "
+                                     f"{tuple(getattr(sc, 'shape', ()))}: scales={self.scales!r} expects {want} of "
+                                     f"{self.scale_dtype} ({QUANT_SCALES[self.scales]})")
+
+    def storage_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [tuple(pair) for pair in self.codes]
+
+    def stored(self) -> list[tuple[int, str, torch.Tensor]]:
+        """(layer, what, tensor) for every tensor the cache is stored in: codes and scales."""
+        return [(layer, f"{name}{what}", t) for layer, (codes, scales) in enumerate(zip(self.codes, self.scale_tensors))
+                for what, pair in (("", codes), (" scales", scales)) for name, t in zip(("key", "value"), pair)]
+
+    def cache_bytes(self, n_layers: int, batch: int, heads: int, length: int, head_dim: int) -> int:
+        """The analytic size of this cache holding `length` positions: per layer, key and value,
+        B x H x L x hd codes of the storage dtype and the scales of the declared granularity."""
+        n_scales = {"tensor": 1, "head": batch * heads, "token": batch * heads * length}[self.scales]
+        per_tensor = batch * heads * length * head_dim * self.dtype.itemsize + n_scales * self.scale_dtype.itemsize
+        return 2 * n_layers * per_tensor
+
+    def describe(self) -> str:
+        return f"{str(self.dtype)[6:]} codes, scales={self.scales} ({str(self.scale_dtype)[6:]})"
+
+
+def poison_quantized(layout: QuantizedKV, written: int, value: float) -> None:
+    """Fill the never-written slots (positions >= `written`) of a quantized cache with the largest
+    value its storage can hold: codes at the dtype's max (int8 127, e4m3 448) and, where each
+    position has its own scale ("token"), that scale at `value` (or the scale dtype's max): an
+    attended slot then reads code x scale ~ 1e32, as the full-precision caches' 1e30. A shared scale
+    ("head", "tensor") also scales written slots, so there the poison is the largest code."""
+    top = torch.iinfo(layout.dtype).max if not layout.dtype.is_floating_point else torch.finfo(layout.dtype).max
+    scale = min(value, torch.finfo(layout.scale_dtype).max)
+    for codes, scales in zip(layout.codes, layout.scale_tensors):
+        for c, sc in zip(codes, scales):
+            c[:, :, written:] = top
+            if layout.scales == "token":
+                sc[:, :, written:] = scale
+
+
+def layout_of(session) -> PagedLayout | BlockGrowth | QuantizedKV | None:
     """The session's declared layout (None: contiguous), checked against the session's own state:
     a malformed description is a ValueError (the adapter is wrong), a table that contradicts the
     cache (a block in two places, lengths other than what was written, a row whose blocks cannot
     hold its positions) a PropertyFailure."""
     method = getattr(session, "cache_layout", None)
     layout = method() if callable(method) else None
-    if layout is None or isinstance(layout, BlockGrowth):
+    if layout is None or isinstance(layout, (BlockGrowth, QuantizedKV)):
         return layout
     if not isinstance(layout, PagedLayout):
         raise ValueError(f"cache_layout() returned {type(layout).__name__}: expected None, "
-                         "mpt_kv.PagedLayout or mpt_kv.BlockGrowth")
+                         "mpt_kv.PagedLayout, mpt_kv.BlockGrowth or mpt_kv.QuantizedKV")
     check_paged(layout, session)
     return layout
 
@@ -149,9 +234,10 @@ def check_paged(layout: PagedLayout, session) -> None:
 
 
 def storage_tensors(session) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer the tensors the cache lives in: the pools of a paged layout, else `kv()`."""
+    """Per layer the tensors the cache lives in: the pools of a paged layout, the codes of a
+    quantized one, else `kv()`."""
     layout = layout_of(session)
-    return layout.storage_tensors() if isinstance(layout, PagedLayout) else list(session.kv())
+    return layout.storage_tensors() if isinstance(layout, (PagedLayout, QuantizedKV)) else list(session.kv())
 
 
 def handed_out(layout: PagedLayout, *others: PagedLayout) -> set[int]:
