@@ -60,3 +60,15 @@ def test_the_gate_error_the_readme_shows_is_what_pytest_m_hpu_prints(tmp_path):
                           "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode == 4 and shown in " ".join(run.stderr.split()), run.stderr
+
+
+def test_the_seed_table_docs_memory_model_shows_is_what_the_command_prints():
+    """docs/memory-model.md's output of `python -m mpt_kv memory --model mpt-7b --seed-table`, line by line."""
+    run = subprocess.run([sys.executable, "-m", "mpt_kv", "memory", "--model", "mpt-7b", "--seed-table"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    printed = {line.rstrip() for line in run.stdout.splitlines()}
+    (shown,) = [b for b in fenced_blocks((REPO / "docs" / "memory-model.md").read_text(encoding="utf-8"))
+                if any(line.startswith("version    B    in") for line in b.splitlines())]
+    missing = [line for line in shown.splitlines() if line.strip() and line.rstrip() not in printed]
+    assert not missing, "docs/memory-model.md shows lines the command does not print:\n" + "\n".join(missing)
