@@ -464,6 +464,11 @@ def test_strict_known_failures_makes_an_entry_that_matched_nothing_an_error(know
     config.options["strict_known_failures"] = True
     mpt_kv.plugin.pytest_sessionfinish(session, 0)
     assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
+    # the same from the project's ini (mpt_kv_strict_known_failures = true), for a CI line without the flag
+    config.options["strict_known_failures"], session.exitstatus = False, pytest.ExitCode.OK
+    config.options["mpt_kv_strict_known_failures"] = True
+    mpt_kv.plugin.pytest_sessionfinish(session, 0)
+    assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
     config._mpt_kv_known_cases = False  # no conformance case collected at all: nothing to judge
     assert known_failures.unmatched(config) == []
 

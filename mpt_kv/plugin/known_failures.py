@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mpt_kv.plugin.options import BUILTIN_PACKAGES, ENV_KNOWN_FAILURES, ini_relative, target_specs
+from mpt_kv.plugin.options import (BUILTIN_PACKAGES, ENV_KNOWN_FAILURES, ini_relative, strict_known_failures,
+                                   target_specs)
 
 KNOWN = pytest.StashKey[object]()  # item -> its known_failures.Entry
 _xfailed: defaultdict = defaultdict(int)  # entry index -> cases it xfailed
@@ -137,7 +138,7 @@ def elsewhere(config, entry) -> bool:
 
 
 def strict_failure(config) -> bool:
-    return bool(config.getoption("strict_known_failures") and unmatched(config))
+    return bool(strict_known_failures(config) and unmatched(config))
 
 
 def summary(tw, config) -> None:
@@ -151,7 +152,7 @@ def summary(tw, config) -> None:
     tw.write_sep("=", "mpt-kv known failures")
     for e in used:
         tw.write_line(f"{e.name}: {_xfailed[e.index]} cases xfailed as known")
-    strict = config.getoption("strict_known_failures")
+    strict = strict_known_failures(config)
     targets = target_specs(config)
     for e in missing:
         why = (f"a typo, or its property, path or check is gone (its target {e.target!r} runs)"

@@ -71,6 +71,8 @@ def add_options(parser) -> None:
     parser.addini("mpt_kv_only_targets", type="bool", default=False,
                   help="mpt-kv: run only mpt_kv_targets / --target, not the built-in targets (as --only-targets)")
     parser.addini("mpt_kv_dtypes", type="linelist", default=[], help="mpt-kv: dtypes to run (fp32, bf16), as --dtype")
+    parser.addini("mpt_kv_strict_known_failures", type="bool", default=False,
+                  help="mpt-kv: as --strict-known-failures (a known-failures entry that matches no case is an error)")
     parser.addini("mpt_kv_known_failures", default="",
                   help="mpt-kv: the project's known-failures JSON file (relative to the ini file), "
                        "in addition to mpt-kv's own entries for its built-in targets")
@@ -109,6 +111,15 @@ def reference_model(config) -> dict:
 
 
 # --- targets and dtypes --------------------------------------------------------------------------------------------
+
+def strict_known_failures(config) -> bool:
+    """--strict-known-failures or the ini option mpt_kv_strict_known_failures (a bool)."""
+    try:
+        ini = bool(config.getini("mpt_kv_strict_known_failures"))
+    except (ValueError, pytest.UsageError) as e:  # pytest's own parse: "invalid truth value 'maybe'"
+        raise pytest.UsageError(f"ini option mpt_kv_strict_known_failures: {e}; expected true or false") from None
+    return bool(config.getoption("strict_known_failures")) or ini
+
 
 def only_targets(config) -> bool:
     """--only-targets or the ini option mpt_kv_only_targets (a bool: true/false, yes/no, 1/0), which
