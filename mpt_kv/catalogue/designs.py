@@ -660,14 +660,22 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 class QuantizedCache:
     """What both quantized paths share: `q[layer]` = ((key codes, value codes), (key scales, value
-    scales)), `kv` the dequantized values (copies, in the model's dtype). The prefill attends over
-    its own k, v at full precision (vLLM's prefill reads the fresh k, v, not the cache); every
-    cached call attends over the dequantized cache."""
+    scales)), `dequantized()` the values (copies, in the model's dtype: what the session's kv()
+    returns). The prefill attends over its own k, v at full precision (vLLM's prefill reads the
+    fresh k, v, not the cache); every cached call attends over the dequantized cache, one layer at
+    a time."""
 
     storage = torch.int8
 
     @property
     def kv(self):
+        """Per layer stand-ins of the dequantized (key, value): their shape, dtype and device, one
+        element of storage each. The reference's input validation reads `cache.kv` before every
+        call; dequantizing every layer there would hold the whole cache in full precision."""
+        return [None if q is None else tuple(torch.zeros((), dtype=self.out_dtype, device=c.device).expand(c.shape)
+                                             for c in q[0]) for q in self.q]
+
+    def dequantized(self):
         return [None if q is None else tuple(dequantize(c, s, self.out_dtype) for c, s in zip(*q)) for q in self.q]
 
     def layout(self):
@@ -771,6 +779,9 @@ class QuantizedMPT(ReferenceMPT):
 
 
 class QuantizedSession(ReferenceSession):
+    def kv(self):
+        return self.cache.dequantized()
+
     def cache_layout(self):
         return None if self.cache is None else self.cache.layout()
 

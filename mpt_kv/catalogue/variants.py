@@ -879,7 +879,8 @@ class PreviousScale:
         if not self._cached(layer):
             return quantize(x, self.storage)
         first = (at if torch.is_tensor(at) else torch.tensor([at], device=x.device)).reshape(-1)[:1]
-        return quantize(x, self.storage, self.q[layer][1][i].index_select(2, first - 1))
+        borrowed = self.q[layer][1][i].index_select(2, first - 1)  # (B, H, 1, 1): one scale per row and head
+        return quantize(x, self.storage, borrowed.expand(*x.shape[:3], 1).contiguous())  # one per position stored
 
 
 class RowZeroScale:

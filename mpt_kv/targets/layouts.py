@@ -2,7 +2,7 @@
 
 By default (`Session.cache_layout()` returns None) a session's `kv()` returns, per layer, the
 (key, value) tensors (B, H, T, hd) as the target stores them, and the checks read their storage.
-Two other layouts are declared by returning one of these from `Session.cache_layout()`
+Other layouts are declared by returning one of these from `Session.cache_layout()`
 (docs/targets.md, "Cache layouts"):
 
 PagedLayout   a block pool and a block table, as vLLM (and the Gaudi vLLM plugin) serve MPT: per
