@@ -120,7 +120,8 @@ def pytest_runtest_call(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    rep = yield
+    with known_failures.brief_traceback(item, call):
+        rep = yield
     known_failures.apply(item, rep, call)
     outcomes.record_outcome(rep, call)  # after the xfail decision: the matrix's word for the phase
     return rep
