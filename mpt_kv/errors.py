@@ -1,7 +1,35 @@
-"""Errors the suite raises on purpose."""
+"""Every exception mpt-kv raises on purpose, in one place (the modules that raised them first
+re-export them: `mpt_kv.checks.compare.PropertyFailure` is this `PropertyFailure`).
+
+What a check's caller sees:
+
+    PropertyFailure     a property does not hold (the verdict); its message names target, device,
+                        dtype, case, step, operation, layer and the error's size or bytes
+      TargetRaised      the target's own call raised (the crash rule made it a verdict)
+        Crash           ... with the operation, the exception and the steps judged before it
+    Unsupported         the target declares it does not implement what the case needs (a skip)
+    InputError          bad input to mpt-kv, named with its limit, before any work
+      UnknownName       a name a registry does not hold (also a KeyError)
+    TargetUnavailable   a target that cannot be imported here (the reason is the message)
+    TargetBroken        a target's factory raised while building (its error chained)
+    DeviceUnavailable   a device the run asked for is not usable here
+
+and the files and tools behind them: BaselineError (stored ceilings), KnownFailuresError (a
+known-failures file), PortError (an optimum-habana port), MeterError (a memory meter),
+AliasedComparison (a check comparing a buffer with itself: a bug in the check).
+
+No torch here: the pytest plugin imports this module before a worker's device card is pinned.
+"""
 
 import pytest
 
+
+def describe(ctx: dict) -> str:
+    """A failure's context as `target=..., device=..., step=...` (the `[...]` every message ends with)."""
+    return ", ".join(f"{k}={v}" for k, v in ctx.items() if v is not None)
+
+
+# --- bad input and what is not here -----------------------------------------------------------------------
 
 class InputError(ValueError):
     """Bad input to the reference or a target adapter: the message names the value and the limit."""
@@ -36,6 +64,83 @@ class UnknownName(InputError, KeyError):
     def __str__(self) -> str:  # KeyError's str() is the repr of its argument (quotes, escaped newlines)
         return str(self.args[0]) if self.args else ""
 
+
+# --- verdicts ----------------------------------------------------------------------------------------------
+
+class PropertyFailure(AssertionError):
+    """A property does not hold; the message carries the whole context."""
+
+
+class TargetRaised(PropertyFailure):
+    """The target's (or implementation's) own call raised: the check's crash wrapper, which names
+    the exception but no finding of the check. A known-failures entry may still name it by its
+    message; `expected_failed_checks`, which names no message, never takes it for the expected
+    failure (Finding)."""
+
+
+class _FindingType(type):
+    def __instancecheck__(cls, exc) -> bool:
+        return isinstance(exc, PropertyFailure) and not isinstance(exc, TargetRaised)
+
+
+class Finding(metaclass=_FindingType):
+    """For `pytest.mark.xfail(raises=Finding)`: a PropertyFailure that is a check's finding, not a
+    crash of the target (TargetRaised). pytest tests `isinstance(exc, raises)`, which this answers."""
+
+
+class Crash(TargetRaised):
+    """A target's (or an implementation's) own call that raised, as a verdict: generation would
+    crash there. The rule that makes it one is `mpt_kv.checks.running.crash_of` (every check that
+    drives several calls compares each step before this propagates); `held` names, in the message,
+    the steps that were judged before it and held."""
+
+    def __init__(self, what: str, who: str, operation: str, error: BaseException, ctx: dict, at: str = "",
+                 held=()):
+        self.what, self.who, self.operation, self.error, self.ctx, self.at = what, who, operation, error, ctx, at
+        self.held_steps = tuple(held)
+        judged = f" (judged before it and held: {', '.join(map(str, self.held_steps))})" if self.held_steps else ""
+        super().__init__(f"{what}: {who}'s {operation} raised {type(error).__name__}: {error}{at}{judged} "
+                         f"[{describe(ctx)}]")
+
+    def held(self, steps) -> "Crash":
+        """The same crash, naming the steps judged before it that held."""
+        again = Crash(self.what, self.who, self.operation, self.error, self.ctx, self.at, steps)
+        again.__cause__ = self.error
+        return again
+
+    def note(self) -> str:
+        """What a failure of an earlier step says of this crash: the operation and the exception's
+        type, not its message (a known-failure pattern of the crash must not match the earlier
+        step's failure)."""
+        return (f"; the run did not get past {self.ctx.get('step', 'a later step')}, whose {self.operation} "
+                f"crashed with {type(self.error).__name__} (not judged here: a finding of its own)")
+
+
+class AliasedComparison(AssertionError):
+    """Two tensors handed to `assert_close` share memory: the comparison would prove nothing
+    (a buffer compared with itself). A bug in the calling check, or a target result that was
+    not copied before the target ran again (see results.py); never a verdict on the target."""
+
+
+# --- files and tools ---------------------------------------------------------------------------------------
+
+class BaselineError(Exception):
+    """The baseline (stored ceilings) file is missing, unreadable or malformed: never a pass."""
+
+
+class KnownFailuresError(ValueError):
+    """The known-failures file cannot be used; the message names the file, the entry and why."""
+
+
+class PortError(RuntimeError):
+    """An installed optimum-habana port that does not import or build: the real exception is chained."""
+
+
+class MeterError(Exception):
+    """A meter that cannot be built here or that does not read what was allocated."""
+
+
+# --- registries --------------------------------------------------------------------------------------------
 
 class Registry(dict):
     """A dict whose missing key is an `UnknownName` naming the closest known keys (all of them

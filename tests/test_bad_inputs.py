@@ -21,7 +21,7 @@ from mpt_kv import Capabilities
 from mpt_kv.checks import properties as P
 from mpt_kv.checks.registry import CHECKS
 from mpt_kv.cli import bench, killmatrix, memory, run
-from mpt_kv.cli.outputs import dir_problem, file_problem
+from mpt_kv.outputs import dir_problem, file_problem
 from mpt_kv.errors import InputError, TargetBroken, TargetUnavailable, UnknownName, Unsupported
 from mpt_kv.model.cache import ConcatCache, StaticCache
 from mpt_kv.model.config import ModelConfig, random_state_dict

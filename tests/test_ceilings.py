@@ -17,7 +17,7 @@ from mpt_kv.memory import analytic
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.model.config import random_state_dict
 from mpt_kv.checks.properties import Case, Context
-from mpt_kv.checks.registry import StoredCeilings, compare_stored, running, RunContext
+from mpt_kv.checks.registry import StoredCeilings, compare_stored
 from mpt_kv.targets import build
 from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
 from mpt_kv.catalogue.variants import VARIANTS, runner_factory
@@ -374,8 +374,7 @@ def test_a_missing_or_corrupt_baseline_fails_where_ceilings_are_expected(tmp_pat
 def test_a_target_never_recorded_rests_on_the_analytic_checks_and_says_how_to_record(tmp_path):
     m = reference_measurement("static", C.CONFIGS[0])
     recorded = []
-    with running(RunContext(lambda name, value: recorded.append((name, value)))):
-        assert compare_stored(m, StoredCeilings(tmp_path), "static") == []
+    assert compare_stored(m, StoredCeilings(tmp_path), "static", lambda name, value: recorded.append((name, value))) == []
     assert recorded == [("mpt_kv_unrecorded", {"target": "reference", "device": "cpu",
                                                "file": str(tmp_path / "ceilings-cpu.json")})]
     # once one entry of it is stored, the others are expected too (above); a stored one is compared

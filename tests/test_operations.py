@@ -230,8 +230,12 @@ def test_ops_checks_record_their_reach_and_the_shapes_fed():
         CHECKS["ops-P1/static"]("reference", "cpu", torch.float32)
     reach = [v for name, v in records if name == "mpt_kv_reach"]
     assert {v["check"] for v in reach} == {"ops-P1/static"}
-    assert {v["knobs"]["operation"] for v in reach} == {"extend", "crop", "reorder"}
-    assert {8, 5} <= {v["knobs"]["tokens per cached call"] for v in reach if v["knobs"]["operation"] == "extend"}
+    ops = [v["knobs"] for v in reach if "operation" in v["knobs"]]
+    assert {k["operation"] for k in ops} == {"extend", "crop", "reorder"}
+    assert {8, 5} <= {k["tokens_per_call"] for k in ops if k["operation"] == "extend"}
+    # each program's case too: batch, heads, padding (the reach table's ops columns)
+    cases = [v["knobs"] for v in reach if "batch" in v["knobs"]]
+    assert {3, 2} <= {k["batch"] for k in cases} and all({"n_heads", "padding", "path"} <= set(k) for k in cases)
     shapes = [v for name, v in records if name == "mpt_kv_ops_shapes"]
     assert len(shapes) == 1 and shapes[0]["target"] == "reference" and shapes[0]["shapes"] >= 4, shapes
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mpt_kv.checks import ceilings as C
-from mpt_kv.checks import reach
+from mpt_kv.checks import reach, registry
 from mpt_kv.checks.strategies import EDGE_CASES
 from mpt_kv.model.config import random_state_dict
 from mpt_kv.targets import build, known_failures
@@ -16,7 +16,7 @@ from mpt_kv.targets import build, known_failures
 @pytest.fixture(scope="module")
 def drawn():
     """The default CI run's draws (derandomized ci profile, fp32 and bf16), no model run."""
-    return reach.drawn_records("ci")
+    return registry.drawn_records("ci")
 
 
 def by_property(records, prop):
@@ -53,7 +53,7 @@ def test_the_default_run_reaches_the_issue_ranges(drawn):
     for prop in ("P0", "P1", "P2", "P3", "P4"):
         assert s[prop]["batch"]["overall"]["max"] >= 8 and s[prop]["n_layers"]["overall"]["max"] >= 6, prop
         assert s[prop]["n_heads"]["overall"]["max"] == 32 or prop == "P4", prop  # P4 (output reuse): no edge cases
-    padded_8 = [r for r in drawn if r["knobs"]["batch"] >= 8 and r["knobs"]["padding"] > 0]
+    padded_8 = [r for r in drawn if r["knobs"].get("batch", 0) >= 8 and r["knobs"]["padding"] > 0]
     assert {r["check"].split("/")[0] for r in padded_8} >= {"P0", "P1", "P2", "P3", "memory"}
     for prop in ("P3", "memory"):
         assert s[prop]["prompt_len"]["overall"]["max"] > 128, prop

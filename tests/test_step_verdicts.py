@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from mpt_kv.checks import programs
+from mpt_kv.checks.index import by_name
+from mpt_kv.checks.running import function_of
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.properties import Context
 from mpt_kv.families import FAMILIES, checks
@@ -161,7 +163,7 @@ def test_mpt_ops_a_reorder_crash_names_the_steps_judged_before_it(check):
     with pytest.raises(PropertyFailure, match=rf"{check}: the target's reorder raised RuntimeError: .* at step 1 "
                                               r"\(reorder \[2, 0, 1\]\) \(judged before it and held: prefill, "
                                               r"step 0 \(decode\)\)"):
-        programs.PROPERTY_FUNCTIONS[check](reference_target(False, "reorder"), context(), BEAM)
+        function_of(by_name(check))(reference_target(False, "reorder"), context(), BEAM)
 
 
 def test_mpt_ops_p1_a_wrong_decode_before_a_crashing_reorder_fails_naming_the_decode():

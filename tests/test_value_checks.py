@@ -56,7 +56,7 @@ def check(prop, build, case, dtype=torch.float32, path="static", bucket=None):
     """Run P0, P1, P2 or P4 on `build`'s target the way the conformance tests do."""
     sd = random_state_dict(case.cfg, seed=case.seed)
     runner = build(case.cfg, sd, torch.device("cpu"), dtype)
-    twin = P.fp32_twin(build, case.cfg, sd, "cpu", dtype)
+    twin = P.fp32_twin(getattr(build, "inner", build), case.cfg, sd, "cpu", dtype)  # a run under graphs: the bare target
     c = P.Context(runner.name, "cpu", dtype, case, path, bucket, fp32=twin)
     if prop == "P0":
         return P.check_oracle(runner, reference(case.cfg, P.rounded_state_dict(sd, dtype), torch.device("cpu"),
@@ -67,7 +67,11 @@ def check(prop, build, case, dtype=torch.float32, path="static", bucket=None):
 
 # --- the copy rule and P4 ---------------------------------------------------------------------------
 def graph_style(build, declared):
-    return lambda *args: graphs.StaticOutputs(build(*args), declared=declared)
+    def wrapped(*args):
+        return graphs.StaticOutputs(build(*args), declared=declared)
+
+    wrapped.inner = build
+    return wrapped
 
 
 class StaleStaticCache(StaticCache):
@@ -330,7 +334,7 @@ def test_measuring_records_instead_of_failing():
 
 
 def test_calibration_frontier_keeps_the_worst_for_any_bound():
-    from mpt_kv.checks.calibrate import frontier
+    from mpt_kv.cli.calibrate import frontier
 
     points = [(1.0, 10.0), (0.5, 10.0), (2.0, 100.0), (0.1, 1.0), (1.5, 50.0)]
     kept = frontier(points)
@@ -340,7 +344,7 @@ def test_calibration_frontier_keeps_the_worst_for_any_bound():
 
 
 def test_calibration_runs_resumes_and_reports(tmp_path, capsys):
-    from mpt_kv.checks import calibrate
+    from mpt_kv.cli import calibrate
 
     args = ["run", "--target", "reference", "--cases", "6", "--shard", "5/6", "--out", str(tmp_path)]
     assert calibrate.main(args) == 0
@@ -356,7 +360,7 @@ def test_calibration_runs_resumes_and_reports(tmp_path, capsys):
 def test_calibration_file_names_are_safe_for_artifact_uploaders(tmp_path, capsys):
     """A target spec's ':' (refused by CI artifact uploaders) never reaches a file name; the target
     itself is kept inside the records."""
-    from mpt_kv.checks import calibrate
+    from mpt_kv.cli import calibrate
 
     spec = "mpt_kv.catalogue.designs:stacked_kv"
     assert calibrate.main(["run", "--target", spec, "--cases", "2", "--shard", "1/2", "--out", str(tmp_path)]) == 0

@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 
 def waiting_reason(v: Variant) -> str:
     """Why a variant may survive in this build: its declared waits_for, or its killers are n/a here."""
-    missing = [KM.CHECKS[c].unavailable() for c in v.killed_by]
+    missing = [KM.unavailable(c) for c in v.killed_by]
     if v.waits_for:
         return v.waits_for
     return "; ".join(missing) if all(missing) else ""
@@ -43,7 +43,7 @@ def variant_params():
 def test_variant_is_killed_by_its_expected_checks(name):
     v = VARIANTS[name]
     for check in v.killed_by:
-        cell = KM.run_column(KM.CHECKS[check], v.build, name, CPU, torch.float32, {})
+        cell = KM.run_column(check, v.build, name, CPU, torch.float32, {})
         assert cell.killed, (f"{name} ({v.bug}) survived {check}, the check expected to kill it: a missing or weak "
                              f"test (cases: {[mc.case.describe() for mc in KM.CASES]}) [{cell.result}: {cell.detail}]")
 
@@ -52,7 +52,7 @@ def test_variant_is_killed_by_its_expected_checks(name):
 @pytest.mark.parametrize("name", ["reference", *DESIGNS])
 def test_must_pass_design_passes_every_check(name):
     design = KM.must_pass()[name]
-    matrix = KM.run_matrix([design], [], list(KM.CHECKS))
+    matrix = KM.run_matrix([design], [], list(KM.COLUMNS))
     failed = {c: cell.detail for c, cell in matrix["must_pass"][name].items() if cell.result not in ("pass", "n/a")}
     assert not failed, f"{name} ({design.what}) fails checks of the kill matrix (false positives): {failed}"
 
@@ -80,7 +80,7 @@ def test_long_and_wide_variants_survive_without_the_cases_that_reach_them(name, 
     assert KM.CASES, "no case left"
     v = VARIANTS[name]
     for check in v.killed_by:
-        cell = KM.run_column(KM.CHECKS[check], v.build, name, CPU, torch.float32, {})
+        cell = KM.run_column(check, v.build, name, CPU, torch.float32, {})
         assert cell.result == "survived", f"{name} is killed by {check} on the cases left: {cell.detail}"
 
 
@@ -142,10 +142,12 @@ def test_cli_exits_2_when_a_check_fails_a_must_pass_design(monkeypatch, capsys):
 
 
 def test_cli_refuses_when_the_reference_fails(monkeypatch, capsys):
-    def always_fails(runner, reference, c):
+    def always_fails(runner, c):
         raise PropertyFailure("a check that fails every model")
 
-    monkeypatch.setitem(KM.CHECKS, "P0", KM.Check("P0", "none", always_fails))
+    from mpt_kv.checks import properties
+
+    monkeypatch.setattr(properties, "check_oracle", always_fails)  # P0's function, by its name in the index
     rc = killmatrix_cli.main(["--variant", "softmax_in_bf16", "--check", "P0"])
     assert rc == 2
     assert "must-pass reference fails P0: a check that fails every model" in capsys.readouterr().err
@@ -154,7 +156,7 @@ def test_cli_refuses_when_the_reference_fails(monkeypatch, capsys):
 def test_a_column_this_build_lacks_is_na_and_its_variants_wait(monkeypatch, capsys):
     """A check that does not exist in a build (as P4 before issue 12's output-reuse check) is "n/a" in
     every row, never a crash; a variant only it can kill is reported as waiting, and does not fail the run."""
-    monkeypatch.setitem(KM.CHECKS, "P4", KM.Check("P4", "all", KM.CHECKS["P4"].run, lambda: "not in this build"))
+    monkeypatch.setitem(KM.UNAVAILABLE, "P4", "not in this build")
     rc = killmatrix_cli.main(["--variant", "shared_output_buffer", "--check", "P1", "--check", "P4"])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -179,5 +181,5 @@ def test_a_declared_capability_gap_is_unsupported_not_a_pass(monkeypatch):
     from mpt_kv.targets import Capabilities
 
     build = runner_factory("no_static", capabilities=Capabilities(unsupported={"static": "no static path here"}))
-    cell = KM.run_column(KM.CHECKS["static-shape"], build, "no_static", CPU, torch.float32, {})
+    cell = KM.run_column("static-shape", build, "no_static", CPU, torch.float32, {})
     assert (cell.result, cell.detail) == ("unsupported", "no_static: no static path here")

@@ -30,31 +30,31 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from mpt_kv.catalogue.designs import DESIGNS, Design
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
-from mpt_kv.checks import properties as P
-from mpt_kv.checks import static_shape
-from mpt_kv.checks.compare import PropertyFailure
-from mpt_kv.errors import Unsupported
+from mpt_kv.checks import index, programs, running
+from mpt_kv.checks.cases import Case
+from mpt_kv.checks.registry import Check, path_label
+from mpt_kv.errors import PropertyFailure, Unsupported
 from mpt_kv.model.config import ModelConfig, random_state_dict
+from mpt_kv.targets import resolve_target
 
 
 @dataclass(frozen=True)
 class MatrixCase:
-    case: P.Case
+    case: Case
     bucket: int                 # cache_idx bucket of the bucketed static path
     reaches: str                # what the case is there for
     columns: tuple[str, ...] = COLUMNS  # the columns that run it (the costly ones run where they matter)
 
 
-def bool_mask(case: P.Case) -> P.Case:
+def bool_mask(case: Case) -> Case:
     """The case with a bool attention mask, where `Case` carries a mask dtype (issue 12.4, the value
     checks' side); the case as it is in a build without one."""
-    if "mask_dtype" not in {f.name for f in dataclasses.fields(P.Case)}:
+    if "mask_dtype" not in {f.name for f in dataclasses.fields(Case)}:
         return case
     return dataclasses.replace(case, mask_dtype=torch.bool)
 
@@ -63,79 +63,50 @@ VALUES = ("P0", "P1", "P2")
 PROPERTIES = ("P0", "P1", "P2", "P3", "P4")
 
 CASES = (
-    MatrixCase(P.Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 5, seed=1),
+    MatrixCase(Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 5, seed=1),
                4, "3 heads (ALiBi slopes of a non-power of two), left padding, decode steps at and before a "
                   "bucket boundary (cache_idx 8 and 10)"),
-    MatrixCase(bool_mask(P.Case(ModelConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32,
+    MatrixCase(bool_mask(Case(ModelConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32,
                                             clip_qkv=0.5), (6, 2, 4), 4, seed=2)),
                4, "clip_qkv small enough to clamp most of mixed_qkv; three rows, two padded; a bool mask", PROPERTIES),
-    MatrixCase(P.Case(ModelConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=16), (1,), 3, seed=3),
+    MatrixCase(Case(ModelConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=16), (1,), 3, seed=3),
                4, "a one-token, one-row prompt: its k, v slices of mixed_qkv are already contiguous", PROPERTIES),
-    MatrixCase(P.Case(ModelConfig(d_model=64, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=24), (18, 11), 6, seed=4),
+    MatrixCase(Case(ModelConfig(d_model=64, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=24), (18, 11), 6, seed=4),
                8, "head_dim 32 (fused kernels' sizes; MPT-7B has 128), decode past 16 positions, the last slot at "
                   "max_seq_len", (*PROPERTIES, "static-shape")),
-    MatrixCase(P.Case(ModelConfig(d_model=32, n_heads=1, n_layers=1, vocab_size=64, max_seq_len=258), (254, 129), 4,
+    MatrixCase(Case(ModelConfig(d_model=32, n_heads=1, n_layers=1, vocab_size=64, max_seq_len=258), (254, 129), 4,
                       seed=5),
                128, "prompts past 128, decode across position 256 (bf16 positions, the bucket boundary of 128) to "
                     "max_seq_len", VALUES),
-    MatrixCase(P.Case(ModelConfig(d_model=32, n_heads=16, n_layers=4, vocab_size=64, max_seq_len=9, alibi_bias_max=16,
+    MatrixCase(Case(ModelConfig(d_model=32, n_heads=16, n_layers=4, vocab_size=64, max_seq_len=9, alibi_bias_max=16,
                                   layer_norm_epsilon=1e-6), (6, 6, 2, 2), 3, seed=6),
                4, "a batch of 4 (2 prompts x 2 beams, unequal padding), 4 layers, 16 heads, alibi_bias_max 16 "
                   "(issue 17: bugs past the drawn ranges; short, so cheap)", ("P0", "P1")),
-    MatrixCase(P.Case(ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=67), (65,), 2, seed=7),
+    MatrixCase(Case(ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=67), (65,), 2, seed=7),
                4, "a prompt past 64 tokens (a path chosen by prompt length), one row, one layer", ("P3",)),
 )
 
 
-def paths(kind: str, bucket: int) -> tuple:
-    """(path, bucket) pairs of a column: 'none' (uncached), 'all' or 'static'."""
-    return {"none": ((None, None),), "all": (("concat", None), ("static", None), ("static", bucket)),
-            "static": (("static", None), ("static", bucket))}[kind]
+def paths(prop: index.Property, bucket: int) -> list[tuple[str | None, int | None]]:
+    """(path, bucket) pairs of a property's index paths, with the case's cache_idx bucket."""
+    out = []
+    for label in prop.paths:
+        out.append((None, None) if not label else ("static", bucket) if label == "static+bucket" else (label, None))
+    return out
 
 
-def check_memory(runner, reference, c):
-    from mpt_kv.checks import ceilings
-
-    ceilings.check_memory(runner, c)
-
-
-def check_operations(runner, reference, c):
-    """The ops column: the fixed beam and speculative programs (programs.FIXED, on the case's model)
-    through ops-P1 and ops-P3 on every path and ops-P2 on the static ones, then the transient of a
-    reorder (ops-memory) on the concat and static paths."""
-    from mpt_kv.checks import programs
-
-    for fixed in programs.FIXED.values():
-        program = programs.Program(dataclasses.replace(fixed.case, cfg=c.case.cfg), fixed.ops, fixed.style)
-        pc = dataclasses.replace(c, case=program.case)
-        programs.check_program_cached(runner, pc, program)
-        programs.check_program_aliasing(runner, pc, program)
-        if c.path == "static":
-            programs.check_program_static_concat(runner, pc, program)
-    if c.bucket is None:
-        memory = dataclasses.replace(programs.MEMORY_CASE, cfg=c.case.cfg)
-        programs.check_operation_memory(runner, dataclasses.replace(c, case=memory), "reorder")
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    paths: str                                # 'none' | 'all' | 'static'
-    run: Callable                             # (runner, reference, Context) -> None, raises to fail
-    unavailable: Callable[[], str | None] = lambda: None
-
-
-CHECKS = {c.name: c for c in (
-    Check("P0", "none", lambda r, ref, c: P.check_oracle(r, ref, c)),
-    Check("P1", "all", lambda r, ref, c: P.check_cached_equals_uncached(r, c)),
-    Check("P2", "static", lambda r, ref, c: P.check_static_equals_concat(r, c)),
-    Check("P3", "all", lambda r, ref, c: P.check_no_aliasing(r, c)),
-    Check("P4", "all", lambda r, ref, c: P.check_outputs_not_reused(r, c)),
-    Check("static-shape", "static", lambda r, ref, c: static_shape.check_static_shape(r, c)),
-    Check("memory", "all", check_memory),
-    Check("ops", "all", check_operations),
-)}
-assert tuple(CHECKS) == COLUMNS
+def inputs(prop: index.Property, mc: MatrixCase, bucket: int | None) -> list[dict]:
+    """What one property runs on one matrix case, as Context fields: the case itself; for the program
+    checks the fixed beam and speculative programs (programs.FIXED) on the case's model; for
+    ops-memory one reorder on a filled cache of the case's model (`programs.MEMORY_CASE`), on the
+    unbucketed paths (a bucket changes only the slack, not a whole-cache copy)."""
+    if prop.runs == "program":
+        return [{"case": p.case, "program": p} for p in (
+            programs.Program(dataclasses.replace(f.case, cfg=mc.case.cfg), f.ops, f.style) for f in programs.FIXED.values())]
+    if prop.runs == "operation":
+        return [] if bucket is not None else [
+            {"case": dataclasses.replace(programs.MEMORY_CASE, cfg=mc.case.cfg), "operation": "reorder"}]
+    return [{"case": mc.case}]
 
 
 def reference_build(cfg, state_dict, device, dtype):
@@ -161,29 +132,46 @@ class Cell:
         return self.result.startswith("killed")
 
 
-def run_column(check: Check, build, name: str, device, dtype, runners: dict) -> Cell:
-    """Run one check over every case and path until the first failure."""
-    reason = check.unavailable()
+# Columns this build lacks, with why (a column a variant names before its check is in the build: its
+# cells read "n/a", and a variant only it can kill waits, as declared by `Variant.waits_for`).
+UNAVAILABLE: dict[str, str] = {}
+
+
+def unavailable(column: str) -> str | None:
+    return UNAVAILABLE.get(column) or (None if column in COLUMNS else f"no column {column!r} in this build")
+
+
+def run_column(column: str, build, name: str, device, dtype, runners: dict) -> Cell:
+    """Run one column (its properties of the index, in index order) over every case and path until
+    the first failure, through the run layer (`mpt_kv.checks.running.Run`: the context, the oracles,
+    the property's function), on runners built once per case (`runners_for`)."""
+    reason = unavailable(column)
     if reason:
         return Cell("n/a", reason)
+    target = resolve_target(build)
     ran, skipped = 0, ""
     for mc in CASES:
-        if check.name not in mc.columns:
+        if column not in mc.columns:
             continue
-        for path, bucket in paths(check.paths, mc.bucket):
-            c = P.Context(name, device.type, dtype, mc.case, path, bucket)
-            try:
-                runner, reference = runners_for(build, mc.case, device, dtype, runners)
-                runner.require(path, "bucket" if bucket else None, dtype_feature(dtype), device.type)
-                check.run(runner, reference, c)
-                ran += 1
-            except Unsupported as e:  # a pytest skip: not an Exception
-                skipped = str(e.msg)
-            except PropertyFailure as e:
-                return Cell("killed", first_line(e))
-            except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
-                return Cell(f"killed (error: {type(e).__name__})",
-                            f"{type(e).__name__}: {first_line(e)} [{mc.case.describe()}, path={path}, bucket={bucket}]")
+        for prop in index.of_column(column):
+            for path, bucket in paths(prop, mc.bucket):
+                check = Check(f"{prop.name}/{path_label(path, bucket)}", prop.name, path, bucket)
+                for fields in inputs(prop, mc, bucket):
+                    case = fields.pop("case")
+                    try:
+                        runner = runners_for(target, mc.case, device, dtype, runners)
+                        runner.require(path, "bucket" if bucket else None, dtype_feature(dtype), device.type)
+                        run = running.Run(check, target, device, dtype)
+                        run.check_case(runner, run.context(case, **fields))
+                        ran += 1
+                    except Unsupported as e:  # a pytest skip: not an Exception
+                        skipped = str(e.msg)
+                    except PropertyFailure as e:
+                        return Cell("killed", first_line(e))
+                    except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
+                        return Cell(f"killed (error: {type(e).__name__})",
+                                    f"{type(e).__name__}: {first_line(e)} [{case.describe()}, path={path}, "
+                                    f"bucket={bucket}]")
     return Cell("survived") if ran else Cell("unsupported", skipped)
 
 
@@ -191,16 +179,13 @@ def dtype_feature(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
 
 
-def runners_for(build, case, device, dtype, cache: dict):
-    """(runner, reference runner) for a case, built once and reused across columns (so a runner
-    sees several generations, as a served model does)."""
-    key = (build, case)
+def runners_for(target, case, device, dtype, cache: dict):
+    """The target's runner for a case, built once and reused across columns (so a runner sees
+    several generations, as a served model does)."""
+    key = (target.factory, case)
     if key not in cache:
-        sd = random_state_dict(case.cfg, seed=case.seed)
-        if (reference_build, case) not in cache:
-            cache[(reference_build, case)] = reference_build(case.cfg, sd, device, dtype)
-        cache[key] = cache[(reference_build, case)] if build is reference_build else build(case.cfg, sd, device, dtype)
-    return cache[key], cache[(reference_build, case)]
+        cache[key] = target.build(case.cfg, random_state_dict(case.cfg, seed=case.seed), device, dtype)
+    return cache[key]
 
 
 def first_line(e: BaseException, limit: int = 400) -> str:
@@ -224,9 +209,9 @@ def run_matrix(designs: list[Design], variants: list[Variant], checks: list[str]
     device = torch.device(device)
     runners: dict = {}
     rows = [REFERENCE] + [d for d in designs if d.name != "reference"]
-    passing = {d.name: {c: as_must_pass(run_column(CHECKS[c], d.build, d.name, device, dtype, runners))
+    passing = {d.name: {c: as_must_pass(run_column(c, d.build, d.name, device, dtype, runners))
                         for c in checks} for d in rows}
-    killing = {v.name: {c: run_column(CHECKS[c], v.build, v.name, device, dtype, runners) for c in checks}
+    killing = {v.name: {c: run_column(c, v.build, v.name, device, dtype, runners) for c in checks}
                for v in variants}
     return {"must_pass": passing, "must_kill": killing}
 

@@ -23,16 +23,16 @@ from typing import Callable
 
 import torch
 
+from mpt_kv.checks import index
 from mpt_kv.catalogue.assembly import (StaticAt, StaticDecode, StaticOutputMPT, attention_forward, attention_with,
                                        model_with, runner_factory)
 from mpt_kv.model.cache import ConcatCache, StaticCache
 from mpt_kv.model.reference import Attention, ReferenceMPT
 from mpt_kv.targets.reference import ReferenceSession
 
-# The kill-matrix columns (killmatrix.CHECKS): P0-P4 from properties.py (P4: outputs not
-# reused), static-shape from static_shape.py, memory from ceilings.py, ops (extend, crop and
-# reorder programs: ops-P1/P2/P3 and the reorder transient) from programs.py.
-COLUMNS = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory", "ops")
+# The kill-matrix columns: the index's (mpt_kv.checks.index.COLUMNS): P0-P4, static-shape, memory,
+# ops (extend, crop and reorder programs: ops-P1/P2/P3 and the reorder transient).
+COLUMNS = index.COLUMNS
 
 
 @dataclass(frozen=True)

@@ -62,18 +62,18 @@ import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from mpt_kv.memory import analytic
-from mpt_kv.checks.compare import PropertyFailure, describe
+from mpt_kv.versions import target_version  # noqa: F401  (public here before mpt_kv.versions)
+from mpt_kv.errors import BaselineError, PropertyFailure, describe
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.memory.meter import Meter, meter_for
-from mpt_kv.checks.properties import Case, Context
-from mpt_kv.checks.storages import covered_bytes
+from mpt_kv.checks.cases import Case, Context
+from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, QuantizedKV, layout_of, storage_tensors
 
 # --- the config table --------------------------------------------------------------------------------
@@ -215,23 +215,6 @@ class Measurement:
 
 # What the baseline stores and bounds per config.
 METRICS = ("prefill_retained", "decode_transient", "allocated", "max_allocated")
-
-
-def target_version(target: str) -> str:
-    """The versions of the packages that implement a built-in target ('' for the reference);
-    `transformers/<family>` (mpt_kv.families) is transformers too."""
-    packages = {"transformers": ("transformers",), "optimum-habana": ("optimum-habana", "transformers")}
-    out = []
-    for p in packages.get(target.split("/", 1)[0], ()):
-        try:
-            out.append(f"{p} {'.'.join(version(p).split('.')[:2])}")
-        except PackageNotFoundError:
-            out.append(f"{p} ?")
-    return ", ".join(out)
-
-
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def session_tensors(session) -> list[tuple[str, torch.Tensor]]:
@@ -717,11 +700,17 @@ def decode_bound_text(cfg, batch, length, s, path, block: int | None = None) -> 
     return text
 
 
-def check_memory(runner, c: Context) -> None:
-    """The analytic memory properties (module doc) for one case and path: PropertyFailure if any fails."""
-    m = measure(runner, c.case, c.path or "concat", c.device, c.dtype, c.bucket, target=c.target)
+def check_memory(runner, c: Context) -> list[str]:
+    """The memory check of one case and path: the analytic properties (module doc), then, where
+    `c.ceilings` is given (the pytest plugin gives the project's), its stored ceiling. The
+    measurement is recorded first (`c.record`), so the report and --update-ceilings see failing
+    cases too. Notes: where a stored ceiling could be tighter."""
+    path = c.path or "concat"
+    m = measure(runner, c.case, path, c.device, c.dtype, c.bucket, target=c.target)
+    c.record("mpt_kv_memory", {**asdict(m), "problems": len(m.problems), "torch": str(torch.__version__)})
     if m.problems:
-        raise PropertyFailure(" | ".join(m.problems))
+        raise PropertyFailure("\n".join(m.problems))
+    return compare_stored(m, c.ceilings, path, c.record)
 
 
 # --- stored ceilings ---------------------------------------------------------------------------------
@@ -742,8 +731,51 @@ METRIC_TEXT = {
 }
 
 
-class BaselineError(Exception):
-    """The baseline file is missing, unreadable or malformed: never a pass."""
+
+
+@dataclass(frozen=True)
+class StoredCeilings:
+    """Where a project keeps its memory ceilings, and which targets must have them.
+
+    directory  holds ceilings-<device kind>.json
+    required   target names whose missing entries fail ("*": every target). Any target that already
+               has an entry in the file must have all of its entries, listed here or not
+    update     --update-ceilings: measure only; the plugin writes the file at the end of the run
+    """
+
+    directory: Path
+    required: tuple[str, ...] = ()
+    update: bool = False
+
+    def file(self, kind: str) -> Path:
+        return baseline_path(kind, self.directory)
+
+    def requires(self, target: str) -> bool:
+        return "*" in self.required or target in self.required
+
+
+def compare_stored(m: Measurement, store: StoredCeilings | None, path: str, record=lambda name, value: None) -> list[str]:
+    """Compare a measurement with its stored ceiling (notes: where it could be tighter).
+
+    Fail-closed where a ceiling is expected: a corrupt file always, and a missing entry (or
+    file) for a target that `store` requires or that already has entries in the file
+    (BaselineError: an error, not a property failure). A target never recorded and not
+    required rests on the analytic checks; the report says how to record it."""
+    if store is None or store.update:
+        return []
+    file = store.file(m.device)
+    entries = load_baseline(file, m.device) if file.exists() or store.requires(m.target) else {}
+    key = key_of(m)
+    recorded = any(k.split("|", 1)[0].split(" (", 1)[0] == m.target for k in entries)
+    if key not in entries and not (recorded or store.requires(m.target)):
+        record("mpt_kv_unrecorded", {"target": m.target, "device": m.device, "file": str(file)})
+        return []
+    failures, notes = compare(m, entries, file)
+    if key not in entries:
+        raise BaselineError(failures[0])
+    if failures:
+        raise PropertyFailure("\n".join(failures) + f" [{m.target}, {m.device}, {m.dtype}, {path}]")
+    return notes
 
 
 def baseline_path(kind: str, directory: str | Path | None = None) -> Path:

@@ -1,7 +1,7 @@
 """Tensor comparison that tells a reviewer what broke: where, by how much, in which context.
 
 Tolerances are per (dtype, compared quantity) and come from a calibration
-(`python -m mpt_kv.checks.calibrate`, docs/calibration.md); each entry's comment gives the
+(`python -m mpt_kv calibrate`, docs/calibration.md); each entry's comment gives the
 worst error measured there as a fraction of its bound.
 """
 
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mpt_kv.errors import InputError, Unsupported
+from mpt_kv.errors import (AliasedComparison, Crash, Finding, InputError, PropertyFailure,  # noqa: F401  (their home
+                           TargetRaised, Unsupported, describe)                               # was here)
 
 
 @dataclass(frozen=True)
@@ -76,56 +77,6 @@ def tolerance(dtype: torch.dtype, quantity: str) -> Tolerance:
                          f"quantities {known[1]}") from None
 
 
-class PropertyFailure(AssertionError):
-    """A property does not hold; the message carries the whole context."""
-
-
-class TargetRaised(PropertyFailure):
-    """The target's (or implementation's) own call raised: the check's crash wrapper, which names
-    the exception but no finding of the check. A known-failures entry may still name it by its
-    message; `expected_failed_checks`, which names no message, never takes it for the expected
-    failure (Finding)."""
-
-
-class _FindingType(type):
-    def __instancecheck__(cls, exc) -> bool:
-        return isinstance(exc, PropertyFailure) and not isinstance(exc, TargetRaised)
-
-
-class Finding(metaclass=_FindingType):
-    """For `pytest.mark.xfail(raises=Finding)`: a PropertyFailure that is a check's finding, not a
-    crash of the target (TargetRaised). pytest tests `isinstance(exc, raises)`, which this answers."""
-
-
-class Crash(TargetRaised):
-    """The crash rule, the one place a target's (or an implementation's) own call that raised
-    becomes a verdict (`crash_of`): generation would crash there. Every check that drives several
-    calls compares each step before this propagates (an earlier step's wrong values are that
-    step's PropertyFailure, which a known failure of the later crash does not match); `held`
-    names, in the message, the steps that were judged before it and held."""
-
-    def __init__(self, what: str, who: str, operation: str, error: BaseException, ctx: dict, at: str = "",
-                 held=()):
-        self.what, self.who, self.operation, self.error, self.ctx, self.at = what, who, operation, error, ctx, at
-        self.held_steps = tuple(held)
-        judged = f" (judged before it and held: {', '.join(map(str, self.held_steps))})" if self.held_steps else ""
-        super().__init__(f"{what}: {who}'s {operation} raised {type(error).__name__}: {error}{at}{judged} "
-                         f"[{describe(ctx)}]")
-
-    def held(self, steps) -> "Crash":
-        """The same crash, naming the steps judged before it that held."""
-        again = Crash(self.what, self.who, self.operation, self.error, self.ctx, self.at, steps)
-        again.__cause__ = self.error
-        return again
-
-    def note(self) -> str:
-        """What a failure of an earlier step says of this crash: the operation and the exception's
-        type, not its message (a known-failure pattern of the crash must not match the earlier
-        step's failure)."""
-        return (f"; the run did not get past {self.ctx.get('step', 'a later step')}, whose {self.operation} "
-                f"crashed with {type(self.error).__name__} (not judged here: a finding of its own)")
-
-
 # never a crash of the target: mpt-kv's own verdicts, its skips and its input checks pass through
 NOT_CRASHES = (PropertyFailure, Unsupported, InputError)
 
@@ -145,16 +96,6 @@ def judged_before(crash: Crash, judge, steps) -> None:
     except PropertyFailure as failure:
         raise PropertyFailure(f"{failure}{crash.note()}") from crash
     raise crash.held(steps)
-
-
-class AliasedComparison(AssertionError):
-    """Two tensors handed to `assert_close` share memory: the comparison would prove nothing
-    (a buffer compared with itself). A bug in the calling check, or a target result that was
-    not copied before the target ran again (see results.py); never a verdict on the target."""
-
-
-def describe(ctx: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in ctx.items() if v is not None)
 
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -43,15 +43,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpt_kv.checks.cases import MASK_DTYPES, Case, Context
+from mpt_kv.checks.ceilings import TRANSIENT_SLACK, checked_meter, itemsize, shape_of
 from mpt_kv.checks.compare import NOT_CRASHES, PropertyFailure, assert_close, crash_of, describe
-from mpt_kv.checks.properties import (Case, Context, WqkvCapture, aliasing_problems, fresh_memory_holds_nan,
-                                      poison_unwritten, twin_of)
-from mpt_kv.checks.results import copied, snapshot
+from mpt_kv.checks.properties import WqkvCapture, aliasing_problems, fresh_memory_holds_nan, poison_unwritten, twin_of
 from mpt_kv.checks.quantized import widened  # a declared quantized cache's bound
+from mpt_kv.checks.results import copied, snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
-from mpt_kv.errors import Unsupported
+from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, HPU_PROMPT_BUCKET, HypothesisPicks, case_from
+from mpt_kv.memory import analytic
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import pad_right
+from mpt_kv.targets.layouts import BlockGrowth, layout_of
 
 OPERATIONS = ("extend", "crop", "reorder")  # the Capabilities features; decode is always there
 EXTEND_KS = tuple(range(2, 9))
@@ -175,8 +178,6 @@ def small_case_from(pick, min_d_model: int = 1) -> Case:
     """The CPU space of the programs: the operations, not the model, are what is drawn wide, so the
     model is small (d_model <= 64, 1-2 layers; the properties' own cases cover the wide ones):
     head counts that are and are not powers of two, 1-3 rows of 1-10 prompt tokens, left-padded."""
-    from mpt_kv.checks.properties import MASK_DTYPES
-
     n_heads, head_dim = pick.choice([(h, d) for h in (1, 2, 3, 4) for d in (4, 8, 16) if h * d >= min_d_model])
     batch = pick.integer(1, 3)
     lens = tuple(pick.integer(1, 10) for _ in range(batch))
@@ -186,8 +187,6 @@ def small_case_from(pick, min_d_model: int = 1) -> Case:
 
 
 def program_from(pick, device: str, allowed: set[str], dtype=None, capabilities=None, style=None) -> Program:
-    from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, HPU_PROMPT_BUCKET, case_from
-
     min_d = BF16_MIN_D_MODEL if dtype == torch.bfloat16 else 1
     case = case_from(pick, device, False, min_d) if device == "hpu" else small_case_from(pick, min_d)
     if capabilities is not None and capabilities.reason("clip_qkv") and case.cfg.clip_qkv is not None:
@@ -213,8 +212,6 @@ def program_from(pick, device: str, allowed: set[str], dtype=None, capabilities=
 def programs(device: str = "cpu", allowed: set[str] = frozenset(OPERATIONS), dtype=None, capabilities=None):
     """Hypothesis strategy of `Program`s using only the `allowed` operations."""
     from hypothesis import strategies as st
-
-    from mpt_kv.checks.strategies import HypothesisPicks
 
     @st.composite
     def draw(d):
@@ -310,26 +307,25 @@ def run_op(session, op: Op, tokens, step, what: str, c: Context, fed: Fed, held=
                        at=f" at step {step} ({op.describe()})").held(held) from e
 
 
-def record_reach(check_id: str | None, program: Program) -> None:
-    from mpt_kv.checks.registry import record
-
-    if check_id is None:
-        return
-    for op in program.ops:
-        if op.kind != "decode":
-            record("mpt_kv_reach", {"check": check_id, "knobs": {"tokens per cached call": op.k if op.kind == "extend"
-                                                                 else 1, "operation": op.kind}})
-
-
 def ctx_of(c: Context, program: Program, **more) -> dict:
     return c.ctx(program=program.describe(), **more)
 
 
 # --- ops-P1 --------------------------------------------------------------------------------------------------
 
-def check_program_cached(runner, c: Context, program: Program, fed: Fed | None = None) -> list[str]:
+def program_of(c: Context, program, fed) -> tuple[Program, Fed]:
+    """The program an ops check runs (`c.program`, set by the run layer, or given) and what records
+    the shapes it feeds (`c.fed`, or a fresh one)."""
+    program = program if program is not None else c.program
+    if program is None:
+        raise ValueError(f"an ops check runs a program of cache operations: give Context(..., program=Program(...)) "
+                         f"[{describe(c.ctx())}]")
+    return program, fed if fed is not None else (c.fed if c.fed is not None else Fed())
+
+
+def check_program_cached(runner, c: Context, program: Program | None = None, fed: Fed | None = None) -> list[str]:
     """ops-P1: after every operation the logits equal an uncached forward over the surviving history."""
-    fed = fed or Fed()
+    program, fed = program_of(c, program, fed)
     runner, twin = copied(runner), twin_of(c)
     oracle_runner = twin or runner
     ids, mask = program.case.inputs(c.device)
@@ -370,11 +366,11 @@ def check_program_cached(runner, c: Context, program: Program, fed: Fed | None =
 
 # --- ops-P2 --------------------------------------------------------------------------------------------------
 
-def check_program_static_concat(runner, c: Context, program: Program, fed: Fed | None = None) -> list[str]:
+def check_program_static_concat(runner, c: Context, program: Program | None = None, fed: Fed | None = None) -> list[str]:
     """ops-P2: the static path and the concat path run the same program; after every operation
     their logits and their K/V at every written position agree (bf16: each against the fp32
     twin's concat path). Never-written static slots are poisoned after the prefill and every crop."""
-    fed = fed or Fed()
+    program, fed = program_of(c, program, fed)
     runner, twin = copied(runner), twin_of(c)
     ids, mask = program.case.inputs(c.device)
     L = program.max_len
@@ -459,17 +455,15 @@ def pinned_by_storage(kv) -> dict[int, tuple[int, list[str]]]:
 def declared_blocks(session):
     """The session's BlockGrowth layout, if any: its block of slack per cached tensor is the cache's
     own (a buffer grown by an extend and replaced by the next crop is not a per-step temporary)."""
-    from mpt_kv.targets.layouts import BlockGrowth, layout_of
-
     layout = layout_of(session)
     return layout if isinstance(layout, BlockGrowth) else None
 
 
-def check_program_aliasing(runner, c: Context, program: Program, fed: Fed | None = None) -> list[str]:
+def check_program_aliasing(runner, c: Context, program: Program | None = None, fed: Fed | None = None) -> list[str]:
     """ops-P3: after every operation, `aliasing_problems`; after a crop or reorder, no storage of
     the cached K/V pins more bytes beyond the cache than it did before the operation (or than the
     block of slack per tensor a BlockGrowth layout declares)."""
-    fed = fed or Fed()
+    program, fed = program_of(c, program, fed)
     ids, mask = program.case.inputs(c.device)
     capture = WqkvCapture(runner.wqkv_modules())
     try:
@@ -525,8 +519,6 @@ MEMORY_EXTEND = 8
 
 def whole_cache_finding(extra: int, layer_bytes: int) -> str:
     """What a whole-cache copy per reorder costs at the seed's MPT-7B configs (bf16)."""
-    from mpt_kv.memory import analytic
-
     shape, rows = analytic.PRESETS["mpt-7b"], []
     for row in analytic.SEED_TABLE:
         if row.version != "after":
@@ -547,12 +539,10 @@ def quick_readings(meter):
     return meter.allocated, meter.peak, meter.reset_peak
 
 
-def check_operation_memory(runner, c: Context, operation: str) -> list[str]:
+def check_operation_memory(runner, c: Context, operation: str | None = None) -> list[str]:
     """ops-memory: the transient (peak above the level before and after) of one reorder or one
-    k-token extend on a filled cache, measured exactly on CPU (`mpt_kv.memory.meter`)."""
-    from mpt_kv.checks.ceilings import TRANSIENT_SLACK, checked_meter, itemsize, shape_of
-    from mpt_kv.memory import analytic
-
+    k-token extend (`c.operation`) on a filled cache, measured exactly on CPU (`mpt_kv.memory.meter`)."""
+    operation = operation or c.operation
     case, device = c.case, torch.device(c.device)
     cfg, B = case.cfg, case.batch
     ids, mask = case.inputs(device)
@@ -589,104 +579,3 @@ def check_operation_memory(runner, c: Context, operation: str) -> list[str]:
             f"{transient - bound} bytes above the bound of a cached call with {MEMORY_EXTEND} queries")
         raise PropertyFailure(f"ops-memory {what}: transient {transient} bytes > bound {bound} bytes: {finding} [{ctx}]")
     return [f"ops-memory {what}: transient {transient} bytes, bound {bound} ({transient / bound:.2f} of it) [{ctx}]"]
-
-
-# --- the registry's checks -----------------------------------------------------------------------------------
-
-PROPERTY_FUNCTIONS = {"ops-P1": check_program_cached, "ops-P2": check_program_static_concat,
-                      "ops-P3": check_program_aliasing}
-
-
-def allowed_operations(name: str, caps) -> set[str]:
-    """The operations the target implements; Unsupported (its reasons) when it implements none."""
-    allowed = {op for op in OPERATIONS if caps.reason(op) is None}
-    if not allowed:
-        raise Unsupported(f"{name}: " + "; ".join(f"{op}: {caps.reason(op)}" for op in OPERATIONS))
-    return allowed
-
-
-def run_program(check, target, device, dtype, program: Program, fed: Fed) -> list[str]:
-    """One program of `check` (an ops-P1/P2/P3 registry check) on a fresh runner of `target`."""
-    from mpt_kv.checks import properties as P
-    from mpt_kv.checks.registry import capabilities, require, runner_for
-    from mpt_kv.model.config import random_state_dict
-    from mpt_kv.targets import build, target_name
-
-    case = program.case
-    features = [*check.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
-    require(target_name(target), capabilities(target, device, dtype), features)
-    runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
-    c = Context(target_name(target), device.type, dtype, case, check.path, check.bucket)
-    if check.property in ("ops-P1", "ops-P2") and dtype != torch.float32:
-        twin = target if runner.capabilities.reason("fp32") is None else "reference"
-        c.fp32 = build(twin, case.cfg, P.rounded_state_dict(random_state_dict(case.cfg, seed=case.seed), dtype),
-                       device, torch.float32)
-    notes = PROPERTY_FUNCTIONS[check.property](runner, c, program, fed)
-    record_reach(check.id, program)
-    return list(notes)
-
-
-def run_check(check, target, device, dtype, caps) -> list[str]:
-    """The registry's entry point for the ops properties: the fixed beam and speculative programs,
-    then hypothesis's drawn ones (mpt-kv's profile, as the other drawn checks); ops-memory runs its
-    fixed case. Notes: the distinct input shapes fed to the target, and the unsupported operations."""
-    from mpt_kv.targets import target_name
-
-    name = target_name(target)
-    if check.property == "ops-memory":
-        return run_memory(check, target, device, dtype)
-    allowed = allowed_operations(name, caps)
-    fed, notes = Fed(), []
-    for program in fixed_programs(device.type, allowed):
-        notes += run_program(check, target, device, dtype, program, fed)
-    notes += drawn(check, target, device, dtype, caps, allowed, fed)
-    missing = [f"{op} ({caps.reason(op)})" for op in OPERATIONS if op not in allowed]
-    if missing:
-        notes.append(f"{check.id}: {name} declares unsupported: {', '.join(missing)}: not drawn, its other "
-                     "operations ran")
-    notes.append(f"{check.id}: shapes fed {name} on {device.type}: {len(fed.shapes)} distinct input shapes "
-                 f"({', '.join(f'{call} {shape}' for call, shape in sorted(fed.shapes))})")
-    from mpt_kv.checks.registry import record
-
-    record("mpt_kv_ops_shapes", {"check": check.id, "target": name, "device": device.type, "shapes": len(fed.shapes)})
-    return notes
-
-
-def drawn(check, target, device, dtype, caps, allowed, fed: Fed) -> list[str]:
-    from hypothesis import Phase, given, settings
-
-    from mpt_kv.checks import registry
-
-    notes: list[str] = []
-
-    def one_program(program):
-        notes.extend(run_program(check, target, device, dtype, program, fed))
-
-    test = given(program=programs(device.type, allowed, dtype, caps))(one_program)
-    profile, name = registry.hypothesis_profile()
-    ctx = registry._context.get()
-    shrink = name in registry.SHRINKING_PROFILES and not (ctx and ctx.expected_to_fail)
-    phases = [p for p in profile.phases if p != Phase.shrink or shrink]
-    # a third of the profile's examples: each program is several cached calls, each checked, and the
-    # fixed beam and speculative programs run every time (ci: 2 drawn + 2 fixed per check; thorough: 33 + 2)
-    test = settings(profile, max_examples=max(2, profile.max_examples // 3), report_multiple_bugs=False,
-                    print_blob=False, phases=phases)(test)
-    test.hypothesis.inner_test._hypothesis_internal_add_digest = \
-        f"{check.id}|{registry.target_name(target)}|{device}|{dtype}".encode()
-    test()
-    return notes
-
-
-def run_memory(check, target, device, dtype) -> list[str]:
-    from mpt_kv.checks.registry import require, runner_for, capabilities
-    from mpt_kv.targets import target_name
-
-    name = target_name(target)
-    operation = check.id.rsplit("/", 1)[1]
-    require(name, capabilities(target, device, dtype), [operation])
-    if device.type != "cpu":
-        raise Unsupported(f"{check.id}: the exact transient of one operation is measured on cpu (CpuTracker); "
-                          f"{device.type}'s allocator rounds per block")
-    runner = runner_for(target, MEMORY_CASE.cfg, MEMORY_CASE.seed, device, dtype, [operation])
-    c = Context(name, device.type, dtype, MEMORY_CASE, check.path, check.bucket)
-    return check_operation_memory(runner, c, operation)

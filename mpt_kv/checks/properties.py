@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from mpt_kv.checks.compare import PropertyFailure, assert_close, describe, tolerance
+from mpt_kv.checks.cases import (LATER_NEW_TOKENS, MASK_DTYPES, Case, Context,  # noqa: F401  (their home was here)
+                                 fp32_twin, other_padding, rounded_state_dict)
+from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
 from mpt_kv.checks.results import copied, snapshot
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import Session
@@ -39,8 +41,6 @@ from mpt_kv.checks.quantized import widened  # a declared quantized cache's boun
 from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, QuantizedKV, layout_of, poison_paged, poison_quantized
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (measured: 1e30 does not)
-MASK_DTYPES = (torch.bool, torch.int64, torch.int32)  # what the targets' APIs accept (README "Targets")
-LATER_NEW_TOKENS = 8  # generations 2 and 3 decode at most this many (+2): they look for stale state, not length
 
 
 @contextlib.contextmanager
@@ -68,139 +68,12 @@ def fresh_memory_holds_nan():
             setattr(torch, name, original)
 
 
-@dataclass(frozen=True)
-class Case:
-    """One drawn input: a model shape, a left-padded batch of prompts, tokens to generate, and
-    the dtype of the attention mask."""
-
-    cfg: ModelConfig
-    prompt_lens: tuple[int, ...]
-    new_tokens: int
-    seed: int = 0
-    mask_dtype: torch.dtype = torch.int64
-
-    def __post_init__(self):
-        if not self.prompt_lens or min(self.prompt_lens) < 1:
-            raise ValueError(f"prompt_lens={self.prompt_lens}: every row needs at least 1 token")
-        if self.new_tokens < 1:
-            raise ValueError(f"new_tokens={self.new_tokens}: must be >= 1")
-        if self.total_len > self.cfg.max_seq_len:
-            raise ValueError(f"prompt {self.prompt_len} + new {self.new_tokens} = {self.total_len} "
-                             f"exceeds max_seq_len={self.cfg.max_seq_len}")
-        if self.mask_dtype not in MASK_DTYPES:
-            raise ValueError(f"mask_dtype={self.mask_dtype}: expected one of {MASK_DTYPES}")
-
-    @property
-    def batch(self) -> int:
-        return len(self.prompt_lens)
-
-    @property
-    def prompt_len(self) -> int:
-        return max(self.prompt_lens)
-
-    @property
-    def total_len(self) -> int:
-        return self.prompt_len + self.new_tokens
-
-    def inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, S) ids and mask (of `mask_dtype`), rows shorter than S left-padded (mask 0)."""
-        g = torch.Generator().manual_seed(self.seed)
-        ids = torch.randint(0, self.cfg.vocab_size, (self.batch, self.prompt_len), generator=g)
-        mask = torch.zeros(self.batch, self.prompt_len, dtype=self.mask_dtype)
-        for b, n in enumerate(self.prompt_lens):
-            mask[b, self.prompt_len - n:] = 1
-        return ids.to(device), mask.to(device)
-
-    def generations(self) -> tuple["Case", "Case", "Case"]:
-        """This layout, then two more of the same batch size that the value checks run back to
-        back on the same model instance: a longer prompt (as far as max_seq_len allows) with the
-        rows' padding reversed, then a shorter prompt with a longer generation and the padding
-        rotated. Other tokens (seed + 1, + 2); a padding pattern always other than the first's
-        where the batch has two rows and a prompt of two tokens."""
-        P, n, M = self.prompt_len, self.new_tokens, self.cfg.max_seq_len
-        pads = [P - n_row for n_row in self.prompt_lens]
-        n2 = min(n, LATER_NEW_TOKENS)
-        P2 = P + min(max(1, P // 2), M - P - n2)          # == P when already at max_seq_len
-        P3 = max(1, P // 2)
-        n3 = min(n2 + 2, M - P3)
-        second = other_padding(pads[::-1], pads, P2)
-        third = other_padding(pads[1:] + pads[:1], pads, P3)
-        return (self,
-                dataclasses.replace(self, prompt_lens=tuple(P2 - p for p in second), new_tokens=n2, seed=self.seed + 1),
-                dataclasses.replace(self, prompt_lens=tuple(P3 - p for p in third), new_tokens=n3, seed=self.seed + 2))
-
-    def describe(self) -> str:
-        c = self.cfg
-        return (f"B={self.batch} prompt_lens={list(self.prompt_lens)} new={self.new_tokens} H={c.n_heads} "
-                f"hd={c.head_dim} L={c.n_layers} clip_qkv={c.clip_qkv} max_seq_len={c.max_seq_len} "
-                f"mask={str(self.mask_dtype).replace('torch.', '')} seed={self.seed} alibi_bias_max={c.alibi_bias_max} "
-                f"eps={c.layer_norm_epsilon:g} vocab={c.vocab_size}")
-
-
-def other_padding(pads: list[int], avoid: list[int], length: int) -> list[int]:
-    """Left-padding amounts for a prompt of `length`: `pads` clipped to leave every row a token,
-    shifted so the longest row is unpadded, and changed in its last row if it equals `avoid`."""
-    pads = [min(p, length - 1) for p in pads]
-    pads = [p - min(pads) for p in pads]
-    if pads == avoid and len(pads) > 1 and length > 1:
-        pads[-1] = (pads[-1] + 1) % length
-        pads = [p - min(pads) for p in pads]
-    return pads
-
-
-@dataclass
-class Context:
-    """Where a check runs, for its messages, and what it compares with.
-
-    fp32  the oracle of a lower-precision run: the same target built in float32 from the
-          rounded weights (`fp32_twin`); required when `dtype` is not float32."""
-
-    target: str
-    device: str
-    dtype: torch.dtype
-    case: Case
-    path: str | None = None
-    bucket: int | None = None
-    notes: list[str] = field(default_factory=list)
-    fp32: object | None = None
-    generation: int | None = None
-
-    def tol(self, quantity: str = "logits:static"):
-        return tolerance(self.dtype, quantity)
-
-    def tol_kv(self):
-        return tolerance(self.dtype, "kv:static")
-
-    def ctx(self, **more) -> dict:
-        base = dict(target=self.target, device=self.device, dtype=str(self.dtype).replace("torch.", ""),
-                    path=self.path, bucket=self.bucket,
-                    generation=None if self.generation is None else f"{self.generation}/3",
-                    case=self.case.describe())
-        return {**base, **more}
-
-    def for_generation(self, g: int, case: Case) -> "Context":
-        return dataclasses.replace(self, case=case, generation=g)  # the notes list is shared
-
-
-def rounded_state_dict(state_dict: dict, dtype: torch.dtype) -> dict:
-    """The weights as a `dtype` model holds them, back in float32: what its fp32 twin loads."""
-    return {k: v.to(dtype).to(torch.float32) if v.is_floating_point() else v for k, v in state_dict.items()}
-
-
-def fp32_twin(factory, cfg: ModelConfig, state_dict: dict, device, dtype: torch.dtype):
-    """The oracle of a `dtype` run: the same target (factory) in float32, from the weights rounded
-    to `dtype`. None when `dtype` is float32 (the target's own paths are the oracle)."""
-    if dtype == torch.float32:
-        return None
-    return factory(cfg, rounded_state_dict(state_dict, dtype), torch.device(device), torch.float32)
-
-
 def twin_of(c: Context):
     if c.dtype == torch.float32:
         return None
     if c.fp32 is None:
         raise ValueError(f"{c.dtype} checks compare every path with the same target in float32 from the rounded "
-                         "weights: pass Context(..., fp32=properties.fp32_twin(factory, cfg, state_dict, device, dtype))")
+                         "weights: pass Context(..., fp32=cases.fp32_twin(target, cfg, state_dict, device, dtype))")
     return copied(c.fp32)
 
 
@@ -224,11 +97,17 @@ def context_on_crash(prop: str, c: Context):
 
 
 # --- P0 -----------------------------------------------------------------------------------------
-def check_oracle(runner, reference, c: Context) -> None:
-    """Uncached logits equal the reference's, for each of the case's three batch layouts in turn on
-    the same runner. In a lower precision `reference` must be the float32 reference built from
-    the rounded weights (the target's own rounding is then the whole error)."""
-    runner, reference = copied(runner), copied(reference)
+def check_oracle(runner, c: Context, old_context: Context | None = None) -> None:
+    """Uncached logits equal the reference's (`c.reference`), for each of the case's three batch
+    layouts in turn on the same runner. In a lower precision the reference must be the float32
+    reference built from the rounded weights (the target's own rounding is then the whole error).
+    (`check_oracle(runner, reference, c)`, the signature before the check index, still works.)"""
+    if old_context is not None:
+        c = dataclasses.replace(old_context, reference=c)
+    if c.reference is None:
+        raise ValueError(f"P0 compares with the reference: give Context(..., reference=<the reference runner>) "
+                         f"[{describe(c.ctx())}]")
+    runner, reference = copied(runner), copied(c.reference)
     for g, case in enumerate(c.case.generations(), 1):
         cg = c.for_generation(g, case)
         ids, mask = case.inputs(c.device)

@@ -14,9 +14,9 @@ stats: {"min", "max" (numeric knobs), "values" (the distinct values, sorted, at 
 (default: mpt-7b's, `mpt_kv/data/mpt-7b.json`); a project names its own with
 `load_reference_model(path)` (the plugin: its ini option `mpt_kv_reference_model`).
 
-Print a run's table: `python -m mpt_kv.checks.reach [--reference-model FILE] reports/conformance.json`
-(the report's "reach" records), or `--draw` for the draws of the default profile without running
-any model (`drawn_records`).
+Print a run's table: `python -m mpt_kv reach [--reference-model FILE] reports/conformance.json`
+(the report's "reach" records), or `--draw PROFILE` for the draws of a profile without running any
+model (`mpt_kv.checks.registry.drawn_records`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-import torch
+from mpt_kv.checks import index
 
 DEFAULT_REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "data" / "mpt-7b.json"
 MAX_VALUES = 8
@@ -36,9 +36,9 @@ MAX_VALUES = 8
 # The knobs, in table order, with what a real model's config calls them (None: not a config field;
 # the reference model file may still give a value, e.g. a serving batch).
 KNOBS = ("batch", "padding", "n_layers", "n_heads", "head_dim", "d_model", "prompt_len", "new_tokens",
-         "tokens_per_call", "total_len", "max_seq_len", "bucket", "path", "mask_dtype", "dtype", "clip_qkv",
+         "tokens_per_call", "operation", "total_len", "max_seq_len", "bucket", "path", "mask_dtype", "dtype", "clip_qkv",
          "alibi_bias_max", "layer_norm_epsilon", "vocab_size")
-NON_NUMERIC = ("path", "mask_dtype", "dtype", "clip_qkv", "bucket")
+NON_NUMERIC = ("path", "mask_dtype", "dtype", "clip_qkv", "bucket", "operation")
 TEXT = {"padding": "left padding (longest - shortest row)", "tokens_per_call": "tokens per cached call"}
 
 
@@ -192,64 +192,22 @@ def table_lines(summary: dict, reference_model: dict | None = None) -> list[str]
 
 
 def _group_order(g: str):
-    order = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory")
+    order = index.NAMES  # the index's order of properties
     head = g.split("/")[0]
     return (order.index(head) if head in order else len(order), g)
 
 
-def drawn_records(profile: str = "ci", device: str = "cpu", dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
-    """The reach records of the registry's checks under `profile`, without running a model: each
-    drawn check's strategy run as `Check._drawn` runs it (its property, dtype, the profile's
-    examples), each fixed case (edge cases, static-shape, graphs, memory configs) once."""
-    from hypothesis import given, settings
-
-    from mpt_kv.checks import registry
-    from mpt_kv.checks.strategies import cases, edge_cases
-
-    out = []
-    for check in registry.CHECKS.values():
-        for dtype in dtypes:
-            if check.property == "memory":
-                found = [check.config.case()]
-            elif check.property == "static-shape":
-                found = [registry.STATIC_SHAPE_CASE]
-            elif check.edge:
-                found = [edge_cases(device)[check.edge]]
-            elif check.graphs:
-                found = [edge_cases("hpu")["bucket-128"] if device == "hpu" else registry.GRAPH_CASE]
-            else:
-                found = []
-
-                @settings(settings.get_profile(profile), database=None)
-                @given(case=cases(device, prop=check.property, dtype=dtype))
-                def draw(case):
-                    found.append(case)
-
-                draw.hypothesis.inner_test._hypothesis_internal_add_digest = f"{check.id}|{dtype}".encode()
-                draw()
-            out += [{"check": check.id, "knobs": knobs(c, check.path, check.bucket, device, dtype)} for c in found]
-    return out
-
-
 def main(argv=None) -> int:
+    """A report's reach table (`python -m mpt_kv reach REPORT.json` does this and the draws)."""
     ap = argparse.ArgumentParser(prog="python -m mpt_kv.checks.reach", description=__doc__.split("\n\n")[0])
-    ap.add_argument("report", nargs="?", help="a JSON report with a 'reach' list of records")
-    ap.add_argument("--draw", metavar="PROFILE", help="the draws of a hypothesis profile (ci, dev, thorough), no model run")
+    ap.add_argument("report", help="a JSON report with a 'reach' list of records")
     ap.add_argument("--reference-model", help=f"a real model's values (default {DEFAULT_REFERENCE_MODEL.name})")
     args = ap.parse_args(argv)
-    if bool(args.report) == bool(args.draw):
-        ap.error("give a report file or --draw PROFILE (one of them)")
-    if args.draw:
-        from mpt_kv.checks.strategies import load_profile
-
-        load_profile()
-        records = drawn_records(args.draw)
-    else:
-        data = json.loads(Path(args.report).read_text())
-        records = data.get("reach") if isinstance(data, dict) else None
-        if not records:
-            print(f"{args.report}: no 'reach' records (a run without reach recording, or nothing ran)", file=sys.stderr)
-            return 1
+    data = json.loads(Path(args.report).read_text())
+    records = data.get("reach") if isinstance(data, dict) else None
+    if not records:
+        print(f"{args.report}: no 'reach' records (a run without reach recording, or nothing ran)", file=sys.stderr)
+        return 1
     print("\n".join(table_lines(summarize(records), load_reference_model(args.reference_model))))
     return 0
 

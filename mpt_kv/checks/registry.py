@@ -18,16 +18,17 @@ the report (near-ties in greedy decoding) and raises:
     anything else    the target or its adapter broke (a TypeError from a wrong signature, a
                      BaselineError from a corrupt ceilings file): an error, never a property failure
 
-Ids: "P0", "P1/<path>", "P2/<path>", "P3/<path>", "P4/<path>", "static-shape/<path>",
-"memory/<path>/<config>"; <path> is concat, static or static+bucket<N>. Fixed edge cases (long
-sequences to max_seq_len 2048, head dim 128, prompts around the 128 bucket; strategies.EDGE_CASES)
-have their own ids, "P0/<edge>", "P1/<path>/<edge>", "P2/static/<edge>", "P3/<path>/<edge>" (strategies.P3_EDGES), and P1, P2 and P4 also run
-under graphs, "P1/static/graphs" (graphs.py: HPU graphs, CUDA graphs, or on CPU a stand-in that
-returns one buffer per output shape). The shipped tests (mpt_kv/conformance) and a
-project's own tests (`parametrize_with_checks`) run these same functions. The drawn checks (P0-P4)
-run hypothesis under mpt-kv's profile (a failure is shrunk to a minimal case locally, not under
-CI=true: see SHRINKING_PROFILES); `check.run_case(target, device, dtype, case)` runs one `Case`
-(a failure's "Failing test case" prints it) without hypothesis.
+Which checks exist is read from the index of properties (`mpt_kv.checks.index`): one id per
+property and path ("P1/static", "P3/static+bucket4", "memory/concat/B4-in32-new8", "ops-P2/static",
+"ops-memory/concat/reorder"; P0 is uncached: "P0"), plus for the value properties their fixed edge
+cases ("P1/static/max-seq-len-2048": long sequences to max_seq_len 2048, head dim 128, prompts
+around the 128 bucket; strategies.EDGE_CASES) and their run under graphs ("P1/static/graphs": HPU
+graphs, CUDA graphs, or on CPU a stand-in that returns one buffer per output shape). How a check
+runs is the run layer's (`mpt_kv.checks.running`); the shipped tests (mpt_kv/conformance) and a
+project's own tests (`parametrize_with_checks`) run these same functions. The drawn checks run
+hypothesis under mpt-kv's profile (a failure is shrunk to a minimal case locally, not under
+CI=true); `check.run_case(target, device, dtype, case)` runs one `Case` (a failure's "Falsifying
+example" prints it) without hypothesis.
 
 The memory checks always check the analytic properties; the stored ceilings are compared where a
 `StoredCeilings` is given (the pytest plugin gives the project's, see docs/targets.md).
@@ -36,135 +37,30 @@ The memory checks always check the analytic properties; the stored ceilings are 
 from __future__ import annotations
 
 import collections.abc
-import contextlib
-import dataclasses
 import difflib
-from contextvars import ContextVar
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
 
 from mpt_kv.checks import ceilings as C
-from mpt_kv.checks import properties as P
-from mpt_kv.checks import reach, static_shape
-from mpt_kv.checks.compare import Finding, PropertyFailure
-from mpt_kv.checks.graphs import graphed
-from mpt_kv.checks.properties import Case, Context
-from mpt_kv.checks.strategies import EDGE_CASES, P3_EDGES, edge_cases
-from mpt_kv.errors import UnknownName, Unsupported
-from mpt_kv.devices import as_device
-from mpt_kv.model.config import DTYPES, ModelConfig, as_dtype, random_state_dict  # noqa: F401  (as_dtype: its home was here)
-from mpt_kv.targets import Capabilities, ResolvedTarget, Runner, Target, required_features, resolve_target, target_name
+from mpt_kv.checks import index, strategies
+from mpt_kv.checks import running as run_layer
+from mpt_kv.checks.index import BUCKET, MEMORY_BUCKET  # noqa: F401  (public here before the index)
+from mpt_kv.checks.ceilings import StoredCeilings, compare_stored  # noqa: F401  (public here before)
+from mpt_kv.checks.running import (SHRINKING_PROFILES, RunContext, hypothesis_profile,  # noqa: F401  (their
+                                   one_thread, record, running)                              # home was here)
+from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE  # noqa: F401  (public here before)
+from mpt_kv.errors import Finding, UnknownName
+from mpt_kv.model.config import DTYPES, as_dtype  # noqa: F401  (as_dtype: its home was here)
+from mpt_kv.targets import Target, required_features, target_name
 
-PROPERTIES = ("P0", "P1", "P2", "P3", "P4", "static-shape", "memory", "ops-P1", "ops-P2", "ops-P3", "ops-memory")
-BUCKET = 4          # P1-P3 and static-shape: with 5 + 6 tokens, bucketed decode crosses a boundary
-MEMORY_BUCKET = 8   # the memory configs' bucket (mpt_kv.checks.ceilings.CONFIGS)
-# 3 heads, clip_qkv, a left-padded row, 6 decode steps (bucket 4 crosses a boundary)
-STATIC_SHAPE_CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32, clip_qkv=4.0),
-                         (5, 3), 6, seed=3)
-# under graphs on CPU and CUDA: 3 heads, two layers, a bool mask, 6 decode steps (HPU: the
-# bucket-128 edge case, the shapes its graphs are compiled for)
-GRAPH_CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 6, seed=3,
-                  mask_dtype=torch.bool)
+PROPERTIES = tuple(p.name for p in index.PROPERTIES if not p.family)
 
 
 def path_label(path: str | None, bucket: int | None) -> str:
     return (path or "") + ("" if bucket is None else f"+bucket{bucket}")
 
-
-# --- what a run under pytest plugs in ---------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StoredCeilings:
-    """Where a project keeps its memory ceilings, and which targets must have them.
-
-    directory  holds ceilings-<device kind>.json (`mpt_kv.checks.ceilings`)
-    required   target names whose missing entries fail ("*": every target). Any target that already
-               has an entry in the file must have all of its entries, listed here or not
-    update     --update-ceilings: measure only; the plugin writes the file at the end of the run
-    """
-
-    directory: Path
-    required: tuple[str, ...] = ()
-    update: bool = False
-
-    def file(self, kind: str) -> Path:
-        return C.baseline_path(kind, self.directory)
-
-    def requires(self, target: str) -> bool:
-        return "*" in self.required or target in self.required
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What the pytest plugin gives a check while a test runs: where to record measurements and
-    notes (they travel to the report), the project's stored ceilings, and whether a failure is
-    expected (an xfail only has to fail: hypothesis then skips shrinking, which can take long)."""
-
-    record: Callable[[str, object], None]
-    ceilings: StoredCeilings | None = None
-    expected_to_fail: bool = False
-
-
-_context: ContextVar[RunContext | None] = ContextVar("mpt_kv_run_context", default=None)
-
-
-@contextlib.contextmanager
-def running(context: RunContext):
-    token = _context.set(context)
-    try:
-        yield
-    finally:
-        _context.reset(token)
-
-
-def record(name: str, value) -> None:
-    ctx = _context.get()
-    if ctx is not None:
-        ctx.record(name, value)
-
-
-# --- targets ------------------------------------------------------------------------------------------------
-# A check resolves its target once, at its entry (`Check.__call__`, `Check.run_case`), into a
-# `ResolvedTarget`; everything below takes that object (a spec is resolved where it is given).
-
-def capabilities(target: Target, device, dtype: torch.dtype) -> Capabilities:
-    """The target's declared capabilities, read from a tiny runner built once per device and dtype."""
-    return resolve_target(target).capabilities(device, dtype)
-
-
-def require(name: str, caps: Capabilities, features: Iterable[str | None]) -> None:
-    """Unsupported, with the target's own reason, if it declares one of `features` unsupported."""
-    for feature in features:
-        reason = caps.reason(feature)
-        if reason:
-            raise Unsupported(f"{name}: {reason}")
-
-
-def runner_for(target: Target, cfg: ModelConfig, seed: int, device, dtype, features: Iterable[str | None]) -> Runner:
-    runner = resolve_target(target).build(cfg, random_state_dict(cfg, seed=seed), device, dtype)
-    runner.require(*features)
-    return runner
-
-
-@contextlib.contextmanager
-def one_thread(device: torch.device):
-    """The checks' models are tiny: on CPU a second intra-op thread only contends (measured 3-30x
-    slower on a loaded 2-core machine, where pytest -n 2 already runs one worker per core)."""
-    if device.type != "cpu":
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-# --- the checks ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Check:
@@ -177,6 +73,7 @@ class Check:
     config: C.MemoryConfig | None = None  # memory checks: the (batch, max input, max new) row
     edge: str | None = None               # a fixed case of strategies.EDGE_CASES instead of drawn ones
     graphs: bool = False                  # the target runs under graphs (graphs.graphed)
+    operation: str | None = None          # ops-memory: "reorder" or "extend"
     doc: str = ""
 
     def __str__(self) -> str:
@@ -187,238 +84,59 @@ class Check:
 
     def __call__(self, target: Target, device="cpu", dtype=torch.float32, *,
                  ceilings: StoredCeilings | None = None) -> list[str]:
-        target = resolve_target(target)  # a spec string, a factory or already resolved
-        device, dtype = as_device(device), as_dtype(dtype)
-        with one_thread(device):
-            return self._call(target, device, dtype, ceilings)
+        return run_layer.run(self, target, device, dtype, ceilings)
 
-    def _call(self, target: ResolvedTarget, device, dtype, ceilings) -> list[str]:
-        name = target.name
-        caps = target.capabilities(device, dtype)
-        if caps.unsupported:
-            record("mpt_kv_capabilities", {"target": name, "unsupported": dict(caps.unsupported)})
-        require(name, caps, self.features(device, dtype))
-        if self.property == "memory":
-            notes = self._memory(target, device, dtype, ceilings)
-        elif self.property.startswith("ops-"):  # drawn programs of cache operations (programs.py)
-            from mpt_kv.checks import programs
+    def run_case(self, target: Target, device, dtype, case) -> list[str]:
+        """Run this check on one `Case` (a `programs.Program` for ops-P1/P2/P3), without hypothesis:
+        to reproduce a failure, or for fixed cases. In bf16 P0 compares with the float32 reference
+        from the bf16-rounded weights, P1 and P2 with the same target in float32 (its fp32 twin;
+        the reference's where the target declares no fp32), so each bf16 path carries one
+        rounding error, not two."""
+        return run_layer.run_one(self, target, device, dtype, case)
 
-            notes = programs.run_check(self, target, device, dtype, caps)
-        elif self.property == "static-shape":
-            notes = self.run_case(target, device, dtype, without_clip(STATIC_SHAPE_CASE, caps))
-        elif self.edge:
-            notes = self.run_case(target, device, dtype, without_clip(edge_cases(device.type)[self.edge], caps))
-        elif self.graphs:
-            case = edge_cases("hpu")["bucket-128"] if device.type == "hpu" else GRAPH_CASE
-            notes = self.run_case(target, device, dtype, without_clip(case, caps))
-            if self.property == "P4" and device.type == "cpu" and not any("as declared" in n for n in notes):
-                raise RuntimeError(f"{self.id}: the CPU stand-in for graphs (graphs.StaticOutputs) reused no "
-                                   f"output buffer, so this check checked nothing: {notes}")
+
+def _split(label: str, bucket: int) -> tuple[str | None, int | None]:
+    """A path label of the index -> (path, bucket)."""
+    if not label:
+        return None, None
+    if label == "static+bucket":
+        return "static", bucket
+    return label, None
+
+
+def checks_of(prop: index.Property) -> list[Check]:
+    """The checks of one property of the index: one per path (and memory config, operation, edge
+    case, graphs run) as its `runs` says."""
+    bucket = MEMORY_BUCKET if prop.runs in ("memory", "operation") else BUCKET
+    out = []
+    for label in prop.paths:
+        path, b = _split(label, bucket)
+        here = f"{prop.name}/{path_label(path, b)}" if path else prop.name
+        if prop.runs == "memory":
+            out += [Check(f"{here}/{config.id}", prop.name, path, b, config, doc=prop.line) for config in C.CONFIGS]
+        elif prop.runs == "operation":
+            out += [Check(f"{here}/{op}", prop.name, path, b, operation=op, doc=f"the transient of a {op}: {prop.line}")
+                    for op in ("reorder", "extend")]
         else:
-            notes = self._drawn(target, device, dtype, caps)
-        for note in dict.fromkeys(notes):
-            record("mpt_kv_note", note)
-        return notes
-
-    # P0-P4 and static-shape: one case
-    def run_case(self, target: Target, device, dtype, case: Case) -> list[str]:
-        """Run this check on one `Case` (no hypothesis): to reproduce a failure, or for fixed cases.
-
-        In bf16 the oracle is float32 from the bf16-rounded weights: P0's reference, and for P1
-        and P2 the same target in float32 (its fp32 twin; the reference's where the target
-        declares no fp32), so each bf16 path carries one rounding error, not two."""
-        target = resolve_target(target)  # public: a spec string, a factory or already resolved
-        device, dtype = as_device(device), as_dtype(dtype)
-        if self.property.startswith("ops-"):  # `case` is a programs.Program (hypothesis prints it)
-            from mpt_kv.checks import programs
-
-            return programs.run_program(self, target, device, dtype, case, programs.Fed())
-        features = [*self.features(device, dtype), "clip_qkv" if case.cfg.clip_qkv else None]
-        require(target.name, target.capabilities(device, dtype), features)
-        runner = runner_for(target, case.cfg, case.seed, device, dtype, features)
-        record("mpt_kv_reach", {"check": self.id, "knobs": reach.knobs(case, self.path, self.bucket, device, dtype)})
-        if self.graphs:
-            runner = graphed(runner, device.type)
-        c = Context(target.name, device.type, dtype, case, self.path, self.bucket)
-        if self.property in ("P1", "P2") and dtype != torch.float32:
-            twin = target if runner.capabilities.reason("fp32") is None else resolve_target("reference")
-            c.fp32 = twin.build(case.cfg, P.rounded_state_dict(random_state_dict(case.cfg, seed=case.seed), dtype),
-                                device, torch.float32)
-        if self.property == "P0":
-            sd = random_state_dict(case.cfg, seed=case.seed)
-            reference = resolve_target("reference").build(case.cfg, P.rounded_state_dict(sd, dtype), device,
-                                                          torch.float32)
-            P.check_oracle(runner, reference, c)
-        elif self.property == "P1":
-            P.check_cached_equals_uncached(runner, c)
-        elif self.property == "P2":
-            P.check_static_equals_concat(runner, c)
-        elif self.property == "P3":
-            P.check_no_aliasing(runner, c)
-        elif self.property == "P4":
-            P.check_outputs_not_reused(runner, c)
-        elif self.property == "static-shape":
-            static_shape.check_static_shape(runner, c)
-        else:
-            raise ValueError(f"{self.id}: run_case is for P0-P4 and static-shape; memory checks run their configs")
-        return list(c.notes)
-
-    def _drawn(self, target: ResolvedTarget, device, dtype, caps: Capabilities) -> list[str]:
-        from hypothesis import Phase, given, settings
-
-        from mpt_kv.checks.strategies import cases
-
-        notes: list[str] = []
-
-        def one_case(case):
-            notes.extend(self.run_case(target, device, dtype, case))
-
-        test = given(case=cases(device.type, dtype=dtype, capabilities=caps, prop=self.property))(one_case)
-        profile, name = hypothesis_profile()
-        ctx = _context.get()
-        shrink = name in SHRINKING_PROFILES and not (ctx and ctx.expected_to_fail)
-        phases = [p for p in profile.phases if p != Phase.shrink or shrink]
-        # the first (shrunk) failure only: a group of several would not read as a PropertyFailure
-        test = settings(profile, report_multiple_bugs=False, print_blob=False, phases=phases)(test)
-        # one example database entry per check, target, device and dtype (the function is shared)
-        test.hypothesis.inner_test._hypothesis_internal_add_digest = \
-            f"{self.id}|{target.name}|{device}|{dtype}".encode()
-        test()
-        return notes
-
-    # memory: one config
-    def _memory(self, target: ResolvedTarget, device, dtype, ceilings: StoredCeilings | None) -> list[str]:
-        name, config = target.name, self.config
-        runner = runner_for(target, config.cfg, 0, device, dtype, ())
-        case = config.case()
-        record("mpt_kv_reach", {"check": self.id, "knobs": reach.knobs(case, self.path, self.bucket, device, dtype)})
-        m = C.measure(runner, case, self.path, device, dtype, self.bucket, target=name)
-        # recorded before any check: the report and --update-ceilings see failing cases too
-        record("mpt_kv_memory", {**asdict(m), "problems": len(m.problems), "torch": str(torch.__version__)})
-        if m.problems:
-            raise PropertyFailure("\n".join(m.problems))
-        if ceilings is None:
-            ctx = _context.get()
-            ceilings = ctx.ceilings if ctx is not None else None
-        return compare_stored(m, ceilings, self.path)
-
-
-def without_clip(case: Case, caps: Capabilities) -> Case:
-    """A fixed case without clip_qkv where the target declares it unsupported: the property
-    does not need it, so it still runs."""
-    if caps.reason("clip_qkv") and case.cfg.clip_qkv is not None:
-        case = dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, clip_qkv=None))
-    return case
-
-
-def compare_stored(m: C.Measurement, store: StoredCeilings | None, path: str) -> list[str]:
-    """Compare a measurement with its stored ceiling (notes: where it could be tighter).
-
-    Fail-closed where a ceiling is expected: a corrupt file always, and a missing entry (or
-    file) for a target that `store` requires or that already has entries in the file
-    (BaselineError: an error, not a property failure). A target never recorded and not
-    required rests on the analytic checks above; the report says how to record it."""
-    if store is None or store.update:
-        return []
-    file = store.file(m.device)
-    entries = C.load_baseline(file, m.device) if file.exists() or store.requires(m.target) else {}
-    key = C.key_of(m)
-    recorded = any(k.split("|", 1)[0].split(" (", 1)[0] == m.target for k in entries)
-    if key not in entries and not (recorded or store.requires(m.target)):
-        record("mpt_kv_unrecorded", {"target": m.target, "device": m.device, "file": str(file)})
-        return []
-    failures, notes = C.compare(m, entries, file)
-    if key not in entries:
-        raise C.BaselineError(failures[0])
-    if failures:
-        raise PropertyFailure("\n".join(failures) + f" [{m.target}, {m.device}, {m.dtype}, {path}]")
-    return notes
-
-
-# Shrinking reruns a failing check on ever smaller cases: about 20 s of CPU for one failure of
-# these tiny models, and on HPU every new shape is a graph compilation. Under the ci profile
-# (CI=true) a failure is reported as found: derandomized, so it reproduces, and its message names
-# the whole case (`run_case` reruns it). Locally (dev, thorough) hypothesis shrinks it to a
-# minimal case. An expected failure (xfail) is never shrunk: it only has to fail.
-SHRINKING_PROFILES = ("dev", "thorough")
-_profile_name: str | None = None
-
-
-def hypothesis_profile():
-    """(settings, name) of mpt-kv's hypothesis profile (dev; ci under CI=true;
-    MPT_KV_HYPOTHESIS_PROFILE), loaded once per process (under pytest the plugin loads it too)."""
-    global _profile_name
-    from hypothesis import settings
-
-    from mpt_kv.checks.strategies import load_profile
-
-    if _profile_name is None:
-        _profile_name = load_profile()
-    return settings.default, _profile_name
-
-
-def _build_registry() -> dict[str, Check]:
-    out: list[Check] = []
-    paths = (("concat", None), ("static", None), ("static", BUCKET))
-    out.append(Check("P0", "P0", doc="uncached logits equal the reference's"))
-    for path, bucket in paths:
-        out.append(Check(f"P1/{path_label(path, bucket)}", "P1", path, bucket,
-                         doc="every prefill and decode step equals a full forward over the same tokens"))
-    for path, bucket in paths[1:]:
-        out.append(Check(f"P2/{path_label(path, bucket)}", "P2", path, bucket,
-                         doc="static and concat agree: logits and cached K/V; never-written slots do not leak"))
-    for path, bucket in paths:
-        out.append(Check(f"P3/{path_label(path, bucket)}", "P3", path, bucket,
-                         doc="no cached K/V shares storage with mixed_qkv or pins bytes beyond itself"))
-    for path, bucket in paths:
-        out.append(Check(f"P4/{path_label(path, bucket)}", "P4", path, bucket,
-                         doc="a tensor a call returned is not modified by later calls (unless declared graph outputs)"))
-    for edge in EDGE_CASES:
-        out.append(Check(f"P0/{edge}", "P0", edge=edge, doc="P0 on a fixed edge case"))
-        for path, bucket in paths:
-            out.append(Check(f"P1/{path_label(path, bucket)}/{edge}", "P1", path, bucket, edge=edge,
-                             doc="P1 on a fixed edge case"))
-        # the static path only: buckets are exercised by the drawn cases
-        out.append(Check(f"P2/static/{edge}", "P2", "static", edge=edge, doc="P2 on a fixed edge case"))
-        for path, bucket in paths if edge in P3_EDGES else ():  # prompts past 64 and 128 in every run
-            out.append(Check(f"P3/{path_label(path, bucket)}/{edge}", "P3", path, bucket, edge=edge,
-                             doc="P3 on a fixed edge case"))
-    for prop in ("P1", "P2", "P4"):
-        out.append(Check(f"{prop}/static/graphs", prop, "static", graphs=True,
-                         doc=f"{prop} with the target under HPU or CUDA graphs (on CPU a stand-in: one output "
+            out.append(Check(here, prop.name, path, b, doc=prop.line))
+    for edge in getattr(strategies, prop.edge_set) if prop.edges else ():
+        for label in prop.edges:
+            path, b = _split(label, bucket)
+            here = f"{prop.name}/{path_label(path, b)}" if path else prop.name
+            out.append(Check(f"{here}/{edge}", prop.name, path, b, edge=edge, doc=f"{prop.name} on a fixed edge case"))
+    if prop.graphs:
+        out.append(Check(f"{prop.name}/static/graphs", prop.name, "static", graphs=True,
+                         doc=f"{prop.name} with the target under HPU or CUDA graphs (on CPU a stand-in: one output "
                              "buffer per shape)"))
-    for path, bucket in paths[1:]:
-        out.append(Check(f"static-shape/{path_label(path, bucket)}", "static-shape", path, bucket,
-                         doc="static decode keeps attention's shapes and scalars, the cache storages never move, "
-                             "and no step makes a host sync"))
-    for path, bucket in (("concat", None), ("static", None), ("static", MEMORY_BUCKET)):
-        for config in C.CONFIGS:
-            out.append(Check(f"memory/{path_label(path, bucket)}/{config.id}", "memory", path, bucket, config,
-                             doc="retained = KV cache, bounded decode transients, nothing leaks; stored ceilings"))
-    # cache operations over drawn programs (programs.py, docs/operations.md)
-    for path, bucket in paths:
-        out.append(Check(f"ops-P1/{path_label(path, bucket)}", "ops-P1", path, bucket,
-                         doc="after every decode, extend, crop and reorder of a drawn program, the logits equal a "
-                             "full forward over each row's surviving history"))
-    for path, bucket in paths[1:]:
-        out.append(Check(f"ops-P2/{path_label(path, bucket)}", "ops-P2", path, bucket,
-                         doc="static and concat agree after the same program: logits and K/V at written positions"))
-    for path, bucket in paths:
-        out.append(Check(f"ops-P3/{path_label(path, bucket)}", "ops-P3", path, bucket,
-                         doc="no cached K/V pins storage beyond the cache after a crop or reorder"))
-    for path, bucket in (("concat", None), ("static", None), ("static", MEMORY_BUCKET)):
-        for operation in ("reorder", "extend"):
-            out.append(Check(f"ops-memory/{path_label(path, bucket)}/{operation}", "ops-memory", path, bucket,
-                             doc=f"the transient of a {operation} is bounded per layer, not a whole-cache copy"))
-    return {c.id: c for c in out}
+    return out
 
 
 class CheckRegistry(collections.abc.Mapping):
     """Every check by id, read-only. An unknown id is a KeyError naming the closest ids (a
     property such as "P1" is not an id: its checks are listed)."""
 
-    def __init__(self, checks: dict[str, Check]):
-        self._checks = dict(checks)
+    def __init__(self, checks: Iterable[Check]):
+        self._checks = {c.id: c for c in checks}
 
     def __getitem__(self, check_id: str) -> Check:
         try:
@@ -444,7 +162,17 @@ class CheckRegistry(collections.abc.Mapping):
         return f"CheckRegistry({len(self)} checks: {', '.join(list(self._checks)[:4])}, ...)"
 
 
-CHECKS: Mapping[str, Check] = CheckRegistry(_build_registry())
+def _ordered() -> list[Check]:
+    """The index's order, with the drawn value checks' ids first ("P0", "P1/concat", ...), then their
+    edge cases (by edge case) and graphs runs, then the rest."""
+    every = [c for p in index.PROPERTIES if not p.family for c in checks_of(p)]
+    drawn = [c for c in every if index.by_name(c.property).runs == "case" and not c.edge and not c.graphs]
+    edges = sorted((c for c in every if c.edge), key=lambda c: list(strategies.EDGE_CASES).index(c.edge))
+    graphs = [c for c in every if c.graphs]
+    return drawn + edges + graphs + [c for c in every if c not in drawn + edges + graphs]
+
+
+CHECKS: Mapping[str, Check] = CheckRegistry(_ordered())
 
 
 def select(*properties: str) -> list[Check]:
@@ -454,6 +182,11 @@ def select(*properties: str) -> list[Check]:
         raise ValueError(f"unknown properties or check ids {unknown}: properties {list(PROPERTIES)}, "
                          f"ids {list(CHECKS)}")
     return [c for c in CHECKS.values() if not properties or c.property in properties or c.id in properties]
+
+
+def drawn_records(profile: str = "ci", device: str = "cpu", dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+    """The reach records of every check under `profile`, without running a model (running.drawn_records)."""
+    return run_layer.drawn_records(CHECKS.values(), profile, device, dtypes)
 
 
 # --- the Python API for a project's own tests --------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from mpt_kv.checks.properties import MASK_DTYPES, Case
+from mpt_kv.checks.cases import MASK_DTYPES, Case
 from mpt_kv.model.config import ModelConfig
 
 HPU_PROMPT_BUCKET = 128
@@ -231,6 +231,13 @@ assert HPU_EDGE_CASES.keys() == EDGE_CASES.keys()
 # prompts of 70, 127 and 2044 tokens; the 270-step generation would cost P3 a check per step
 P3_EDGES = ("batch-8-heads-32", "bucket-128", "max-seq-len-2048")
 assert set(P3_EDGES) <= EDGE_CASES.keys()
+
+
+# static-shape's case: 3 heads, clip_qkv, a left-padded row, 6 decode steps (bucket 4 crosses a boundary)
+STATIC_SHAPE_CASE = Case(_cfg(3, 8, 2, 32, clip_qkv=4.0), (5, 3), 6, seed=3)
+# the run under graphs on CPU and CUDA: 3 heads, two layers, a bool mask, 6 decode steps (HPU: the
+# bucket-128 edge case, the shapes its graphs are compiled for)
+GRAPH_CASE = Case(_cfg(3, 8, 2, 32), (5, 3), 6, seed=3, mask_dtype=torch.bool)
 
 
 def edge_cases(device: str = "cpu") -> dict[str, Case]:

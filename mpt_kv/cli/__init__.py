@@ -8,6 +8,7 @@
   sweep       the conformance run under each release of optimum-habana or transformers, one table
   findings    the family findings and their cost at real configs (docs/findings.md)
   reach       the ranges each check's cases reached (docs/reach.md)
+  calibrate   the tolerances' calibration: run, report, quantized (docs/calibration.md)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ COMMANDS = {
     "sweep": "mpt_kv.cli.sweep",
     "findings": "mpt_kv.cli.findings",
     "reach": "mpt_kv.cli.reach",
+    "calibrate": "mpt_kv.cli.calibrate",
 }
 
 

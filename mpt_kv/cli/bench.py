@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from mpt_kv import devices
-from mpt_kv.cli.outputs import dir_problem
+from mpt_kv.outputs import dir_problem
 from mpt_kv.memory import analytic
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
 from mpt_kv.errors import TargetUnavailable

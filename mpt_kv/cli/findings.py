@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             usage_error(f"{readme_path}: {e}")
         if args.update:
-            from mpt_kv.cli.outputs import file_problem
+            from mpt_kv.outputs import file_problem
 
             problem = file_problem(readme_path)
             if problem:

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from mpt_kv import devices
-from mpt_kv.catalogue.killmatrix import CASES, CHECKS, Cell, must_pass, problems, run_matrix, waiting
+from mpt_kv.catalogue.killmatrix import CASES, COLUMNS, Cell, must_pass, problems, run_matrix, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 from mpt_kv.cli import docblocks
-from mpt_kv.cli.outputs import file_problem
+from mpt_kv.outputs import file_problem
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "catalogues.md"  # its block <!-- killmatrix:begin -->
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME",
                         help=f"run only this must-kill variant (repeatable): {', '.join(VARIANTS)}")
     parser.add_argument("--check", action="append", default=[], metavar="NAME",
-                        help=f"run only this column (repeatable): {', '.join(CHECKS)}")
+                        help=f"run only this column (repeatable): {', '.join(COLUMNS)}")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the matrix as Markdown")
     docs = parser.add_mutually_exclusive_group()
@@ -155,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     unknown = ([n for n in args.design if n not in designs] + [n for n in args.variant if n not in VARIANTS]
-               + [n for n in args.check if n not in CHECKS])
+               + [n for n in args.check if n not in COLUMNS])
     if unknown:
         print(f"unknown design/variant/check {unknown}: designs {list(designs)}, variants {list(VARIANTS)}, "
-              f"checks {list(CHECKS)}", file=sys.stderr)
+              f"checks {list(COLUMNS)}", file=sys.stderr)
         return 2
     try:
         kind = torch.device(args.device).type
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = args.design or args.variant  # naming some rows runs only those (and the reference)
     rows = [designs[n] for n in (args.design if chosen else designs)]
     variants = [VARIANTS[n] for n in (args.variant if chosen else VARIANTS)]
-    checks = [c for c in CHECKS if not args.check or c in args.check]
+    checks = [c for c in COLUMNS if not args.check or c in args.check]
 
     torch.set_num_threads(1)  # tiny tensors: more threads only contend (and make timings jump)
     start = time.perf_counter()

@@ -50,21 +50,34 @@ def main(argv: list[str] | None = None) -> int:
         usage_error("--doc is only read with --update-docs or --check")
     if generated and args.report:
         usage_error("--update-docs and --check compare the default run's draws, not a report")
-    if not generated:
-        rest = ([args.report] if args.report else []) + (["--draw", args.draw] if args.draw else [])
-        rest += ["--reference-model", args.reference_model] if args.reference_model else []
+    if not generated and not args.draw:
+        if not args.report:
+            usage_error("give a report file, --draw PROFILE, --update-docs or --check")
+        rest = [args.report] + (["--reference-model", args.reference_model] if args.reference_model else [])
         return reach.main(rest)
+    if args.draw:
+        from mpt_kv.checks.registry import drawn_records
+        from mpt_kv.checks.strategies import load_profile
+
+        if args.report:
+            usage_error("give a report file or --draw PROFILE, not both")
+        load_profile()
+        print("\n".join(reach.table_lines(reach.summarize(drawn_records(args.draw)),
+                                          reach.load_reference_model(args.reference_model))))
+        return 0
     path = args.doc or DOC
     try:
         text, start, end = docblocks.read_block(path, "reach")
     except (OSError, ValueError) as e:
         usage_error(f"{path}: {e}")
     if args.update:
-        from mpt_kv.cli.outputs import file_problem
+        from mpt_kv.outputs import file_problem
 
         if problem := file_problem(path):
             usage_error(f"{path}: {problem}")
-    table = "\n".join(reach.table_lines(reach.summarize(reach.drawn_records(DOC_PROFILE)),
+    from mpt_kv.checks.registry import drawn_records
+
+    table = "\n".join(reach.table_lines(reach.summarize(drawn_records(DOC_PROFILE)),
                                         reach.load_reference_model(args.reference_model))) + "\n"
     if args.check:
         if not docblocks.is_current(text, start, end, table):

@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--previous", metavar="REPORT", type=Path,
                    help="a stored run's JSON report: the summary also lists every case whose outcome changed")
     args = p.parse_args(argv)
-    from mpt_kv.cli.outputs import file_problem
+    from mpt_kv.outputs import file_problem
 
     for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
         problem = path is not None and file_problem(path)

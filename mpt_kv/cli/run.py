@@ -17,7 +17,7 @@ import platform
 import sys
 
 from mpt_kv import devices
-from mpt_kv.cli.outputs import file_problem
+from mpt_kv.outputs import file_problem
 
 # the conformance suite shipped in the package: properties, memory ceilings, static shapes
 CONFORMANCE = "mpt_kv.conformance"

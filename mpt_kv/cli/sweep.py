@@ -53,9 +53,10 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from mpt_kv.cli.outputs import dir_problem
+from mpt_kv import versions
+from mpt_kv.outputs import dir_problem
 
-PACKAGES = {"optimum-habana": "optimum-habana", "transformers": "transformers"}  # package -> its target
+PACKAGES = dict(sorted((b.requires[0], name) for name, b in versions.BUILTIN.items() if b.requires))  # package -> target
 TORCH = "torch==2.13.0"  # the CPU build in the local store; never unpinned (a CUDA build is GBs)
 # the checks the table needs, without the long variants (max-seq-len-2048, long generations, ...)
 DEFAULT_K = "not max-seq-len and not long-generation and not bucket-128 and not head-dim and not graphs"

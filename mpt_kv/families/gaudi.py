@@ -44,7 +44,7 @@ import types
 
 import torch
 
-from mpt_kv.errors import TargetUnavailable
+from mpt_kv.errors import PortError, TargetUnavailable
 from mpt_kv.families import habana_standin
 from mpt_kv.families.base import Family
 from mpt_kv.targets import Capabilities
@@ -55,8 +55,6 @@ __all__ = ["PortError", "load_port_module", "port_patches", "fork_loader", "buil
            "GaudiPortRunner", "GaudiPortSession", "max_positions"]
 
 
-class PortError(RuntimeError):
-    """An installed optimum-habana port that does not import or build: the real exception is chained."""
 
 
 def _port(family: Family):

@@ -23,6 +23,7 @@ import torch
 
 from mpt_kv.errors import InputError, Registry, TargetUnavailable
 from mpt_kv.families.base import Family
+from mpt_kv.versions import BUILTIN, transformers_major, transformers_version
 from mpt_kv.targets import Capabilities, Runner
 
 # A tiny config's limit on positions, where the family has none (ALiBi: BLOOM): far past what the
@@ -52,11 +53,8 @@ def static_support(model) -> str | None:
     """None where the installed transformers supports a StaticCache for this model class, else the
     reason: 4.x generate refuses cache_implementation='static' where the class's
     `_can_compile_fullgraph` is False (4.55.4 generation/utils.py:2046); 5.x has no such gate."""
-    import transformers
-
-    major = int(transformers.__version__.split(".")[0])
-    if major < 5 and not getattr(type(model), "_can_compile_fullgraph", False):
-        return (f"transformers {transformers.__version__}: {type(model).__name__}._can_compile_fullgraph is False: "
+    if transformers_major() < 5 and not getattr(type(model), "_can_compile_fullgraph", False):
+        return (f"transformers {transformers_version()}: {type(model).__name__}._can_compile_fullgraph is False: "
                 "generate refuses cache_implementation='static' for it")
     return None
 
@@ -111,6 +109,5 @@ def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float3
 
 
 IMPLEMENTATIONS = Registry("implementation", {"transformers": transformers_runner, "optimum-habana": gaudi_runner})
-# the distribution whose absence makes an implementation's cases skip (as the MPT targets'
-# mpt_kv.plugin.options.BUILTIN_PACKAGES)
-PACKAGES = {"transformers": "transformers", "optimum-habana": "optimum-habana"}
+# the distribution whose absence makes an implementation's cases skip (the package map: mpt_kv.versions)
+PACKAGES = {name: BUILTIN[name].requires[0] for name in IMPLEMENTATIONS}

@@ -25,11 +25,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from mpt_kv.errors import MeterError  # noqa: F401  (raised here; its home is errors.py)
+
 MiB = 1 << 20
 
 
-class MeterError(Exception):
-    """A meter that cannot be built here or that does not read what was allocated."""
 
 
 class Meter:

@@ -21,6 +21,7 @@ import pytest
 
 from mpt_kv import devices
 from mpt_kv.plugin import cards, ceilings, gate, known_failures, options, outcomes, parametrize, report
+from mpt_kv.plugin import markdown as markdown_summary
 from mpt_kv.plugin.parametrize import missing_package  # noqa: F401  (mpt_kv.cli.bench)
 
 # --- start: options, the earliest check in an xdist worker, configuration -------------------------------------------
@@ -112,7 +113,7 @@ def pytest_runtest_call(item):
     context = outcomes.run_context(item, ceilings.stored_ceilings, known_failures.expected_to_fail(item))
     if context is None:
         return (yield)
-    from mpt_kv.checks.registry import running
+    from mpt_kv.checks.running import running
 
     with running(context):
         return (yield)
@@ -150,7 +151,7 @@ def pytest_sessionfinish(session, exitstatus):
         failed |= config._mpt_kv_report_problem is not None
     markdown = config.getoption("mpt_kv_markdown")
     if markdown:
-        config._mpt_kv_markdown_problem = report.write_markdown(config, markdown, outcomes.results, verdict)
+        config._mpt_kv_markdown_problem = markdown_summary.write(config, markdown, outcomes.results, verdict)
         failed |= config._mpt_kv_markdown_problem is not None
     if failed:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

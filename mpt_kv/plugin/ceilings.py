@@ -15,9 +15,9 @@ from mpt_kv.plugin.options import ceilings_dir, required_ceilings
 
 
 def stored_ceilings(config):
-    """The project's StoredCeilings for the memory checks (mpt_kv.checks.registry), made once."""
+    """The project's StoredCeilings for the memory checks (mpt_kv.checks.ceilings), made once."""
     if not hasattr(config, "_mpt_kv_stored_ceilings"):
-        from mpt_kv.checks.registry import StoredCeilings
+        from mpt_kv.checks.ceilings import StoredCeilings  # (torch: a memory check runs, it is imported)
 
         config._mpt_kv_stored_ceilings = StoredCeilings(ceilings_dir(config), required_ceilings(config),
                                                         bool(config.getoption("update_ceilings")))

@@ -18,6 +18,8 @@ from collections import Counter
 import pytest
 
 from mpt_kv import devices
+from mpt_kv.checks import index
+from mpt_kv.outputs import file_problem
 from mpt_kv.plugin import outcomes
 from mpt_kv.plugin.options import ENV_REQUIRE
 
@@ -137,8 +139,6 @@ def configure(config) -> None:
     for flag, name in (("--mpt-kv-report", "mpt_kv_report"), ("--mpt-kv-markdown", "mpt_kv_markdown")):
         path = config.getoption(name)
         if path:
-            from mpt_kv.cli.outputs import file_problem
-
             problem = file_problem(path)
             if problem:
                 raise pytest.UsageError(f"{flag} {path}: {problem}")
@@ -214,13 +214,12 @@ def nothing_ran(results: list[dict], allowed: bool = False) -> str | None:
 
 # --- what a green run must contain --------------------------------------------------------------------------------
 
-# The index of properties (mpt_kv.plugin.report.PROPERTY_NAMES), split: the ones that check a cache
-# (its logits, K/V storage, shapes, memory or operations on a cache path), and the ones that do not:
-# P0 and family-P0 run the model uncached; P4 and family-P4 check the returned outputs, not the cache.
-# A property in neither (a project's own) never counts as a cache check: fail closed.
-CACHE_PROPERTIES = ("P1", "P2", "P3", "memory", "static-shape", "ops-P1", "ops-P2", "ops-P3", "ops-memory",
-                    "family-P1", "family-P2", "family-P3", "family-memory", "family-ops")
-NOT_CACHE_PROPERTIES = ("P0", "P4", "family-P0", "family-P4")
+# The index of properties (mpt_kv.checks.index), split: the ones that check a cache (its logits, K/V
+# storage, shapes, memory or operations on a cache path), and the ones that do not: P0 and family-P0
+# run the model uncached; P4 and family-P4 check the returned outputs, not the cache. A property in
+# neither (a project's own) never counts as a cache check: fail closed.
+CACHE_PROPERTIES = index.CACHE
+NOT_CACHE_PROPERTIES = index.NOT_CACHE
 # A cache case checked its target when it passed, or when it was a known failure (xfail): a strict xfail
 # of only the PropertyFailure an entry names, so the cache ran and the check found that very finding
 # (a port whose every cache check is a shipped upstream bug is checked, and fails the day it changes).
@@ -276,9 +275,7 @@ def unchecked_targets(results: list[dict], allow_missing_device: bool = False) -
 def _what_ran(cases: list[dict]) -> str:
     """`P0 passed 7; P1, P2, P3, memory unsupported 75 on concat, static`: per outcome, which
     properties, how many cases and on which paths."""
-    from mpt_kv.plugin.report import PROPERTY_NAMES  # the matrix's column order
-
-    order = {p: i for i, p in enumerate(PROPERTY_NAMES)}
+    order = {p: i for i, p in enumerate(index.NAMES)}  # the matrix's column order
     groups: dict[str, list[dict]] = {}
     for r in cases:
         groups.setdefault(r.get("outcome", "?"), []).append(r)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from mpt_kv.plugin.report import matrix_lines
+from mpt_kv.plugin.report import absent_devices, matrix_lines, with_versions
 
 BROKE = ("failed", "error", "XPASS")  # the outcomes a reviewer must act on
 MAX_ROWS = 50  # of the "what broke" table; the rest is counted
@@ -89,3 +89,14 @@ def render(results: list[dict], verdict: list[str], absent: dict | None = None, 
     if lines:
         out += ["<details><summary>the full matrix</summary>", "", "```text", *lines, "```", "", "</details>", ""]
     return "\n".join(out)
+
+
+def write(config, path, results: list[dict], verdict: list[str]) -> str | None:
+    """The run's Markdown summary (`--mpt-kv-markdown FILE`); returns why it could not be written."""
+    results = with_versions([r for r in results if "property" in r])
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render(results, verdict, absent_devices(config, results), config._mpt_kv_profile))
+    except OSError as e:
+        return f"--mpt-kv-markdown {path}: the summary could not be written: {e}"
+    return None

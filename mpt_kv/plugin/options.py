@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from mpt_kv import devices
+from mpt_kv import devices, versions
 
 ENV_REQUIRE = "MPT_KV_REQUIRE_DEVICE"
 ENV_KNOWN_FAILURES = "MPT_KV_KNOWN_FAILURES"
 ENV_CEILINGS_DIR = "MPT_KV_CEILINGS_DIR"  # also read by mpt_kv.checks.ceilings.baseline_path
 ENV_PROFILE = "MPT_KV_HYPOTHESIS_PROFILE"
 DTYPE_NAMES = ("bf16", "fp32")  # the keys of mpt_kv.model.config.DTYPES (not imported here: it imports torch)
-# built-in targets (mpt_kv.targets.BUILTIN, which imports torch) and the distributions they wrap:
-# absent, their cases skip; present but not loading, they fail
-BUILTIN_PACKAGES = {"reference": (), "transformers": ("transformers",), "optimum-habana": ("optimum-habana",)}
+# built-in targets and the distributions they wrap (mpt_kv.versions, the package map): absent, their
+# cases skip; present but not loading, they fail
+BUILTIN_PACKAGES = {name: builtin.requires for name, builtin in versions.BUILTIN.items()}
 CEILINGS_FOLDER = "mpt_kv_ceilings"  # default: <rootdir>/mpt_kv_ceilings
 
 

@@ -122,16 +122,17 @@ def run_context(item, stored_ceilings, expected_to_fail: bool):
     params = getattr(getattr(item, "callspec", None), "params", {})
     if registry is None or not isinstance(params.get("check"), registry.Check):
         return None
-    return registry.RunContext(lambda name, value: item.user_properties.append((name, value)),
-                               stored_ceilings(item.config), expected_to_fail)
+    from mpt_kv.checks.running import RunContext  # (torch: imported by the registry already)
+
+    return RunContext(lambda name, value: item.user_properties.append((name, value)),
+                      stored_ceilings(item.config), expected_to_fail)
 
 
 def outcome_of(excinfo) -> str:
     """'failed' only for PropertyFailure (also a group of them); 'unsupported' for Unsupported;
     any other exception is the target's or the adapter's 'error' (a TypeError from a forward
     without a keyword, an AttributeError, a corrupt ceilings file)."""
-    from mpt_kv.checks.compare import PropertyFailure
-    from mpt_kv.errors import Unsupported
+    from mpt_kv.errors import PropertyFailure, Unsupported
 
     if sys.version_info >= (3, 11):
         from builtins import BaseExceptionGroup

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from mpt_kv import devices
+from mpt_kv import devices, versions
 from mpt_kv.plugin.options import BUILTIN_PACKAGES, dtype_names, named_targets, target_specs
 
 
@@ -98,14 +98,7 @@ def target_for(request, device):
 
 def missing_package(spec: str) -> str | None:
     """For a built-in target: the reason it cannot run because its package is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in BUILTIN_PACKAGES.get(spec, ()):
-        try:
-            version(dist)
-        except PackageNotFoundError:
-            return f"{dist} is not installed"
-    return None
+    return versions.missing(spec) if spec in BUILTIN_PACKAGES else None
 
 
 def check_named_targets(config) -> None:

@@ -13,18 +13,11 @@ import os
 import time
 from collections import defaultdict
 
-from mpt_kv import devices
+from mpt_kv import devices, versions
+from mpt_kv.checks import index
 
-PROPERTY_NAMES = {"P0": "oracle", "P1": "cached=uncached", "P2": "static=concat", "P3": "no aliasing",
-                  "P4": "outputs not reused", "memory": "memory ceilings", "static-shape": "static shapes",
-                  "ops-P1": "P1 over programs of decode/extend/crop/reorder", "ops-P2": "P2 over programs",
-                  "ops-P3": "P3 over programs", "ops-memory": "reorder and extend transients",
-                  "family-P0": "a family's uncached logits = transformers'",
-                  "family-P1": "P1 on another decoder family (decode and extend)",
-                  "family-P2": "P2 on another decoder family", "family-P3": "P3 on another decoder family",
-                  "family-P4": "P4 on another decoder family", "family-ops": "fixed beam and assisted programs",
-                  "family-memory": "a family's cache bytes = its analytic K/V, nothing kept after"}
-ALWAYS = ("P0", "P1", "P2", "P3", "P4", "memory", "static-shape")
+PROPERTY_NAMES = index.TITLES  # the matrix's columns, in the index's order, and their legend
+ALWAYS = index.ALWAYS  # shown in every run; the others where the run has them
 # a cell whose checks disagree shows its worst word: the first of these
 SEVERITY = ("error", "failed", "XPASS", "xfail", "unsupported", "skipped", "passed")
 MAX_LINES = 20  # of each kind of line under the matrix
@@ -153,10 +146,8 @@ def environment() -> dict:
 
 def with_versions(results: list[dict]) -> list[dict]:
     """Each result with its target's implementing package versions (built-in targets)."""
-    from mpt_kv.checks.ceilings import target_version
-
-    versions = {t: target_version(t) for t in {r.get("target", "") for r in results}}
-    return [{**r, "target_version": versions[r.get("target", "")]} if versions[r.get("target", "")] else r
+    labels = {t: versions.target_version(t) for t in {r.get("target", "") for r in results}}
+    return [{**r, "target_version": labels[r.get("target", "")]} if labels[r.get("target", "")] else r
             for r in results]
 
 
@@ -186,18 +177,6 @@ def write_report(config, path, results: list[dict], memory: list[dict], extras: 
         return f"--mpt-kv-report {path}: the report could not be written: {e}"
     return None
 
-
-def write_markdown(config, path, results: list[dict], verdict: list[str]) -> str | None:
-    """The run's Markdown summary (mpt_kv/plugin/markdown.py); returns why it could not be written."""
-    from mpt_kv.plugin.markdown import render
-
-    results = with_versions([r for r in results if "property" in r])
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(render(results, verdict, absent_devices(config, results), config._mpt_kv_profile))
-    except OSError as e:
-        return f"--mpt-kv-markdown {path}: the summary could not be written: {e}"
-    return None
 
 
 def reach_summary(records: list[dict]) -> dict:

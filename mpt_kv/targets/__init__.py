@@ -26,6 +26,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from mpt_kv import versions
 from mpt_kv.devices import as_device
 from mpt_kv.model.config import ModelConfig, as_dtype, check_state_dict, random_state_dict
 from mpt_kv.errors import DeviceUnavailable, InputError, TargetBroken, TargetUnavailable, Unsupported
@@ -168,11 +169,7 @@ PROBE = ModelConfig(d_model=8, n_heads=2, n_layers=1, vocab_size=16, max_seq_len
 # the Capabilities feature of each dtype (mpt_kv.model.config.DTYPES names)
 DTYPE_FEATURES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
-BUILTIN = {
-    "reference": "mpt_kv.targets.reference:build",
-    "transformers": "mpt_kv.targets.hf:build",
-    "optimum-habana": "mpt_kv.targets.gaudi:build",
-}
+BUILTIN = {name: builtin.factory for name, builtin in versions.BUILTIN.items()}  # the package map: mpt_kv.versions
 
 
 def target_name(target: Target) -> str:

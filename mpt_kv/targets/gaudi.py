@@ -25,13 +25,13 @@ import ast
 import contextlib
 import dataclasses
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import sys
 import types
 from pathlib import Path
 
+from mpt_kv import versions
 from mpt_kv.errors import TargetUnavailable
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets.wrappers import GaudiStyleRunner, GaudiStyleSession  # noqa: F401  (public here too)
@@ -109,12 +109,7 @@ def load_gaudi_mpt_module():
 HF_MPT = "transformers.models.mpt.modeling_mpt"
 
 
-def release() -> str:
-    """The installed optimum-habana's version, for messages ("optimum-habana 1.12.1")."""
-    try:
-        return f"optimum-habana {importlib.metadata.version('optimum-habana')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "optimum-habana (no distribution metadata)"
+release = versions.optimum_habana_release  # "optimum-habana 1.21.2", for messages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +208,7 @@ def patched_classes(module, patches: list[MptPatch]) -> dict:
     return classes
 
 
-def hf_version() -> str:
-    import transformers
-
-    return transformers.__version__
+hf_version = versions.transformers_version
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ keyword for the cache is `cache` in 5.x and `past_key_values` before. The drivin
 from __future__ import annotations
 
 from mpt_kv.errors import TargetUnavailable
+from mpt_kv.versions import transformers_version
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets.gaudi import reads_attribute
 from mpt_kv.targets.wrappers import TransformersRunner, TransformersSession
@@ -16,10 +17,6 @@ from mpt_kv.targets.wrappers import TransformersRunner, TransformersSession
 HFSession = TransformersSession  # the names this module had before the wrappers
 
 
-def transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 class HFRunner(TransformersRunner):

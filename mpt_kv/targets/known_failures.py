@@ -26,10 +26,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from mpt_kv import versions
+from mpt_kv.errors import KnownFailuresError, PropertyFailure
 
 FILE = Path(__file__).with_name("known_failures.json")
 PROPERTIES = ("P0", "P1", "P2", "P3", "memory", "static-shape", "ops-P1", "ops-P2", "ops-P3", "ops-memory")
@@ -38,8 +40,6 @@ REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}
 OPTIONAL = {"path": str, "bucket": bool, "when": dict, "check": str}
 
 
-class KnownFailuresError(ValueError):
-    """The known-failures file cannot be used; the message names the file, the entry and why."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,6 @@ class Entry:
     def explains(self, exc: BaseException | None) -> bool:
         """The failure is the known one: a PropertyFailure (every one, when hypothesis reports
         several) whose message the pattern finds."""
-        from mpt_kv.checks.compare import PropertyFailure
-
         if exc is None:
             return False
         group = getattr(exc, "exceptions", None)  # an exception group of distinct failures
@@ -258,15 +256,7 @@ def parse_when(value: dict, bad) -> dict:
     return when
 
 
-def installed_versions_match(when: dict) -> bool:
-    """Every distribution of `when` is installed, in a version its specifier contains."""
-    for package, spec in when.items():
-        try:
-            if not spec.contains(version(package), prereleases=True):
-                return False
-        except PackageNotFoundError:
-            return False
-    return True
+installed_versions_match = versions.versions_match  # every distribution of `when` installed, in its range
 
 
 def load(path: str | Path = FILE) -> list[Entry]:

@@ -31,8 +31,7 @@ from typing import Sequence
 
 import torch
 
-from mpt_kv.checks.compare import PropertyFailure
-from mpt_kv.errors import InputError
+from mpt_kv.errors import InputError, PropertyFailure
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mpt_kv.model.session import Session, TokenIdxSession, check_prompt
+from mpt_kv.versions import transformers_major, transformers_version  # noqa: F401  (public here before)
 from mpt_kv.targets import Capabilities, Runner
 from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
 
@@ -168,14 +169,6 @@ class GaudiStyleRunner(ModelRunner):
 
 # --- transformers-style models with Cache objects --------------------------------------------------------
 
-def transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
-
-
-def transformers_major() -> int:
-    return int(transformers_version().split(".")[0])
 
 
 class TransformersSession(Session):

@@ -1,8 +1,8 @@
 """Calibrate the tolerances (compare.py): run P0, P1 and P2 over thousands of drawn cases on a
 target and record every comparison's error as a fraction of its bound.
 
-    python -m mpt_kv.checks.calibrate run --target reference --cases 5000 [--shard 0/4] [--out calibration]
-    python -m mpt_kv.checks.calibrate report calibration/*.jsonl
+    python -m mpt_kv calibrate run --target reference --cases 5000 [--shard 0/4] [--out calibration]
+    python -m mpt_kv calibrate report calibration/*.jsonl
 
 `run` appends one JSON line per case to OUT/<target>-<transformers version>-<k>of<n>.jsonl and
 skips the cases already there (resumable; shards split the case indices k, k + n, ...). Run it
@@ -36,12 +36,15 @@ from pathlib import Path
 
 import torch
 
+from mpt_kv.catalogue import designs, variants
 from mpt_kv.checks import properties as P
+from mpt_kv.checks import running
 from mpt_kv.checks.compare import TOLERANCES, PropertyFailure, measuring
+from mpt_kv.checks.quantized import QUANTIZED
 from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, EDGE_CASES, RandomPicks, case_from, long_case_from
 from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import random_state_dict
-from mpt_kv.targets import build, known_failures, resolve
+from mpt_kv.targets import known_failures, resolve_target
 
 PATHS = (("concat", None), ("static", None), ("static", 4))
 DTYPES = (torch.float32, torch.bfloat16)
@@ -73,17 +76,20 @@ def run_case(target: str, case, entries) -> dict:
     """P0 (its three layouts), P1 on every path and P2 on the static path, the case's first
     generation, fp32 and bf16: every comparison the tests make, on this layout."""
     points, errors = defaultdict(list), []
-    sd = random_state_dict(case.cfg, seed=case.seed)
+    resolved, cpu = resolve_target(target), torch.device("cpu")
     for dtype in DTYPES:
-        runner = build(target, case.cfg, sd, "cpu", dtype)
-        reference = build("reference", case.cfg, P.rounded_state_dict(sd, dtype), "cpu", torch.float32)
-        twin = P.fp32_twin(resolve(target), case.cfg, sd, "cpu", dtype)
+        runner = resolved.build(case.cfg, random_state_dict(case.cfg, seed=case.seed), cpu, dtype)
+        caps = resolved.capabilities(cpu, dtype)
+        # the run layer's oracles: P0's reference, and in bf16 the fp32 twin (the fp32-twin rule)
+        oracles = {**running.oracles(resolved, caps, case.cfg, case.seed, cpu, dtype, "reference"),
+                   **running.oracles(resolved, caps, case.cfg, case.seed, cpu, dtype, "twin")}
+        twin = oracles.get("fp32")
         live, oracle = P.copied(runner), P.copied(twin)
-        runs = [("P0", None, None, lambda c: P.check_oracle(runner, reference, c))]
+        runs = [("P0", None, None, lambda c: P.check_oracle(runner, c))]
         runs += [("P1", path, bucket, lambda c: P.p1_generation(live, oracle, c)) for path, bucket in PATHS]
         runs += [("P2", "static", None, lambda c: P.p2_generation(live, oracle, c))]
         for prop, path, bucket, check in runs:
-            c = P.Context(target, "cpu", dtype, case, path, bucket, fp32=twin, generation=1)
+            c = P.Context(target, "cpu", dtype, case, path, bucket, generation=1, **oracles)
             try:
                 runner.require(path, "bucket" if bucket else None)
             except Unsupported:
@@ -234,8 +240,79 @@ def report(args) -> int:
     return 1 if unexpected else 0
 
 
+# --- the quantized caches' bounds (checks/quantized.py): `calibrate quantized` --------------------------
+
+def quantizers():
+    """name -> (target factory, storage dtype, correct?): the correct per-token quantizer in int8
+    and fp8, and the two wrong ones the bound must kill."""
+    return {"int8 correct": (designs.quantized_kv_int8, "int8", True),
+            "fp8 correct": (designs.quantized_kv_fp8, "float8_e4m3fn", True),
+            "int8 wrong scale": (variants.quantized_kv_wrong_scale, "int8", False),
+            "int8 wrong row": (variants.quantized_kv_wrong_row, "int8", False)}
+
+
+def measure_quantized(factory, case) -> dict[str, float]:
+    """Worst err / max|expected| per quantity kind ("logits", "kv") of P1 (concat and static paths)
+    and P2 on one case, fp32, every comparison recorded (compare.measuring) instead of judged;
+    "token": 1.0 where a greedy token differed beyond a near-tie (P1 raises that even while
+    measuring, under the calibrated bound), else 0.0."""
+    runner = P.copied(factory(case.cfg, random_state_dict(case.cfg, seed=case.seed), torch.device("cpu"),
+                              torch.float32))
+    worst = {"logits": 0.0, "kv": 0.0, "token": 0.0}
+    runs = [("concat", lambda c: P.p1_generation(runner, None, c)), ("static", lambda c: P.p1_generation(runner, None, c)),
+            ("static", lambda c: P.p2_generation(runner, None, c))]
+    for path, check in runs:
+        c = P.Context("calibration", "cpu", torch.float32, case, path)
+        with measuring() as measured:
+            try:
+                check(c)
+            except PropertyFailure:  # a greedy token beyond a near-tie: the steps before it were recorded
+                worst["token"] = 1.0
+        for m in measured:
+            if "uncached" in m["key"][1]:
+                continue
+            kind = "kv" if m["key"][1].startswith("kv") else "logits"
+            worst[kind] = max(worst[kind], m["err"] / max(m["scale"], 1e-30))
+    return worst
+
+
+def calibrate_quantized(cases: int) -> dict[str, dict[str, float]]:
+    out = {}
+    drawn = [case_from(RandomPicks(i)) for i in range(cases)]
+    for name, (factory, _, _) in quantizers().items():
+        per_case = [measure_quantized(factory, case) for case in drawn]
+        out[name] = {kind: [w[kind] for w in per_case] for kind in ("logits", "kv", "token")}
+    return out
+
+
+def quantized(a) -> int:
+    torch.set_num_threads(1)
+    result = calibrate_quantized(a.cases)
+    print(f"{a.cases} drawn cases, fp32, P1 (concat, static) and P2; worst err / max|expected| over every compared "
+          "tensor of a case (logits of the cached paths; cached K/V)")
+    print("| quantizer | quantity | worst | median of the per-case worst | smallest per-case worst | bound rtol | "
+          "cases within the bound |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (_, dtype, _) in quantizers().items():
+        for kind, values in result[name].items():
+            if kind == "token":
+                continue
+            v = sorted(values)
+            bound = QUANTIZED[(dtype, kind)]
+            within = sum(x <= bound.rtol for x in v)
+            print(f"| {name} | {kind} | {v[-1]:.3e} | {v[len(v) // 2]:.3e} | {v[0]:.3e} | {bound.rtol:g} | "
+                  f"{within}/{len(v)} |")
+        print(f"| {name} | greedy token beyond a near-tie | {int(sum(result[name]['token']))} of {a.cases} cases "
+              "| | | | |")
+        over = sum(t > 0 or any(result[name][k][i] > QUANTIZED[(dtype, k)].rtol for k in ("logits", "kv"))
+                   for i, t in enumerate(result[name]["token"]))
+        print(f"| {name} | any (a case P1 or P2 fails under the bound) | {over} of {a.cases} cases | | | | |")
+    return 0
+
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpt_kv.checks.calibrate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mpt_kv calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the cases of one shard on one target, appending to OUT")
     r.add_argument("--target", required=True, help="a built-in target or package.module:factory")
@@ -246,9 +323,8 @@ def main(argv=None) -> int:
     s = sub.add_parser("report", help="merge result files and print the tables")
     s.add_argument("files", nargs="+")
     s.add_argument("--show", type=int, default=10, help="how many unexpected errors to print")
+    q = sub.add_parser("quantized", help="the quantized caches' bounds (checks/quantized.py): correct vs wrong quantizers")
+    q.add_argument("--cases", type=int, default=200, help="drawn cases (strategies.case_from(RandomPicks(i)))")
     a = p.parse_args(argv)
-    return run(a) if a.command == "run" else report(a)
+    return {"run": run, "report": report, "quantized": quantized}[a.command](a)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

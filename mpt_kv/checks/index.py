@@ -1,0 +1,156 @@
+"""The index of checks: every property named once, with what the rest of mpt-kv needs to know of it.
+
+    from mpt_kv.checks.index import PROPERTIES, by_name
+
+Read by the registry (which check ids a property has: `mpt_kv.checks.registry`), the run layer
+(which function checks it and how its cases come: `mpt_kv.checks.running`), the pytest plugin (the
+matrix's columns and legend, which properties count as a cache check for the gate), the kill matrix
+and the catalogue (their columns), the reach table (its column order) and the known-failures files
+(which properties an entry may name). No torch here: the plugin reads it before a worker's card is
+pinned, so a property's function is named by its dotted path, not imported.
+
+A new check is three files: its function (`fn(runner, c) -> notes` for an MPT check, where `c` is
+a `mpt_kv.checks.cases.Context`), its row below, and a catalogue variant it kills
+(`mpt_kv/catalogue/variants.py`, naming the row's `column`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BUCKET = 4          # the value and shape checks' cache_idx bucket: with 5 + 6 tokens, bucketed decode crosses a boundary
+MEMORY_BUCKET = 8   # the memory checks' bucket (mpt_kv.checks.ceilings.CONFIGS)
+# Path labels: "concat", "static", "static+bucket" (the static path with cache_idx buckets; the run
+# layer picks the bucket: `BUCKET` for values and shapes, `MEMORY_BUCKET` for memory), "" (uncached).
+ALL_PATHS = ("concat", "static", "static+bucket")
+STATIC_PATHS = ("static", "static+bucket")
+FAMILY_PATHS = ("concat", "static", "static+reuse")  # static+reuse: the static path with reuse_cache
+
+
+@dataclass(frozen=True)
+class Property:
+    """One property.
+
+    name      its id's first part, its column in the matrix ("P1", "ops-P3", "family-memory")
+    title     the matrix's legend for it
+    line      what fails it, in one line (the README's table)
+    doc       the doc that says more
+    function  `module:function` that checks one case
+    runs      how its cases come (the run layer's drivers): "case" (drawn cases, fixed edge cases and
+              a run under graphs), "fixed" (one fixed case), "memory" (the memory configs), "program"
+              (fixed and drawn programs of cache operations), "operation" (one operation on a filled
+              cache), "family" (a family variant of another decoder family, on an implementation)
+    paths     the paths it runs on (a check id per path; "" = uncached)
+    edges     the paths its fixed edge cases run on (`edge_set` of them: strategies.EDGE_CASES or P3_EDGES)
+    graphs    it also runs with the target under graphs (HPU, CUDA; on CPU a stand-in), static path
+    oracle    what it compares with besides the target itself (the run layer builds it): "reference"
+              (the reference in float32 from the rounded weights), "twin" (in a lower precision: the
+              same target in float32 from the rounded weights), None
+    cache     it checks a cache (its values, storages, shapes, memory or operations on a cache path):
+              a green run must have one per target (`mpt_kv.plugin.gate`); P0 and P4 check the uncached
+              forward and the returned outputs
+    column    its kill-matrix and catalogue column (None: not in the kill matrix)
+    """
+
+    name: str
+    title: str
+    line: str
+    doc: str
+    function: str
+    runs: str
+    paths: tuple[str, ...] = ALL_PATHS
+    edges: tuple[str, ...] = ()
+    edge_set: str = "EDGE_CASES"
+    graphs: bool = False
+    oracle: str | None = None
+    cache: bool = True
+    column: str | None = None
+
+    @property
+    def family(self) -> bool:
+        return self.runs == "family"
+
+
+def _family(name: str, title: str, line: str, function: str, paths=FAMILY_PATHS, cache: bool = True) -> Property:
+    return Property(name, title, line, "docs/families.md", f"mpt_kv.families.checks:{function}", "family", paths,
+                    cache=cache)
+
+
+PROPERTIES: tuple[Property, ...] = (
+    Property("P0", "oracle", "uncached logits differ from the reference (same weights)", "docs/value-checks.md",
+             "mpt_kv.checks.properties:check_oracle", "case", paths=("",), edges=("",), oracle="reference", cache=False,
+             column="P0"),
+    Property("P1", "cached=uncached", "a prefill or decode step's logits differ from the target's own uncached "
+             "forward, in three generations back to back", "docs/value-checks.md",
+             "mpt_kv.checks.properties:check_cached_equals_uncached", "case", edges=ALL_PATHS, graphs=True,
+             oracle="twin", column="P1"),
+    Property("P2", "static=concat", "the static path's logits or written K/V differ from the concat path; "
+             "never-written slots are poisoned", "docs/value-checks.md",
+             "mpt_kv.checks.properties:check_static_equals_concat", "case", STATIC_PATHS, edges=("static",),
+             graphs=True, oracle="twin", column="P2"),
+    Property("P3", "no aliasing", "a cached key or value pins storage beyond the cache (a view of mixed_qkv or of a "
+             "per-step temporary), naming layer, tensor and bytes", "docs/catalogues.md",
+             "mpt_kv.checks.properties:check_no_aliasing", "case", edges=ALL_PATHS, edge_set="P3_EDGES",
+             column="P3"),
+    Property("P4", "outputs not reused", "a returned tensor changes when the target runs again, undeclared",
+             "docs/value-checks.md", "mpt_kv.checks.properties:check_outputs_not_reused", "case", graphs=True,
+             cache=False, column="P4"),
+    Property("memory", "memory ceilings", "retained bytes above the analytic KV cache, a decode step above its "
+             "transient bound, a leak, a stored ceiling passed", "docs/memory-model.md",
+             "mpt_kv.checks.ceilings:check_memory", "memory", column="memory"),
+    Property("static-shape", "static shapes", "a static decode step changes a shape handed to attention, moves a "
+             "cache storage or makes a host sync (what graphs need)", "docs/checks.md",
+             "mpt_kv.checks.static_shape:check_static_shape", "fixed", STATIC_PATHS, column="static-shape"),
+    Property("ops-P1", "P1 over programs of decode/extend/crop/reorder", "after a k-token extend, a crop or a beam "
+             "reorder, the logits differ from an uncached forward over each row's surviving history",
+             "docs/operations.md", "mpt_kv.checks.programs:check_program_cached", "program", oracle="twin", column="ops"),
+    Property("ops-P2", "P2 over programs", "static and concat disagree after the same program of operations",
+             "docs/operations.md", "mpt_kv.checks.programs:check_program_static_concat", "program", STATIC_PATHS,
+             oracle="twin", column="ops"),
+    Property("ops-P3", "P3 over programs", "after a crop or a reorder a cached tensor pins storage beyond the cache",
+             "docs/operations.md", "mpt_kv.checks.programs:check_program_aliasing", "program", column="ops"),
+    Property("ops-memory", "reorder and extend transients", "a reorder or an extend's transient is a whole-cache "
+             "copy, not bounded per layer", "docs/operations.md", "mpt_kv.checks.programs:check_operation_memory",
+             "operation", column="ops"),
+    _family("family-P0", "a family's uncached logits = transformers'", "another family's uncached logits differ from "
+            "transformers' model of the same weights", "check_uncached", paths=("concat",), cache=False),
+    _family("family-P1", "P1 on another decoder family (decode and extend)", "P1 on another decoder family: prefill, "
+            "decode and a 3-token extend", "check_cached"),
+    _family("family-P2", "P2 on another decoder family", "P2 on another decoder family", "check_static_concat",
+            paths=("static", "static+reuse")),
+    _family("family-P3", "P3 on another decoder family", "the seed bug class in another family: a cached tensor "
+            "pins the fused projection's output", "check_no_pinned_storage"),
+    _family("family-P4", "P4 on another decoder family", "P4 on another decoder family", "check_outputs_not_reused",
+            cache=False),
+    _family("family-ops", "fixed beam and assisted programs", "P1 after a beam reorder or an assisted extend and "
+            "crop, in another family", "check_operations"),
+    _family("family-memory", "a family's cache bytes = its analytic K/V, nothing kept after", "another family's cache "
+            "holds more than its analytic K/V, or outlives its session", "check_memory"),
+)
+
+NAMES = tuple(p.name for p in PROPERTIES)
+_BY_NAME = {p.name: p for p in PROPERTIES}
+# the kill matrix's and the catalogue's columns, in index order
+COLUMNS = tuple(dict.fromkeys(p.column for p in PROPERTIES if p.column))
+# the matrix shows these columns in every run; the others where the run has them
+ALWAYS = ("P0", "P1", "P2", "P3", "P4", "memory", "static-shape")
+CACHE = tuple(p.name for p in PROPERTIES if p.cache)
+NOT_CACHE = tuple(p.name for p in PROPERTIES if not p.cache)
+TITLES = {p.name: p.title for p in PROPERTIES}
+
+
+def by_name(name: str) -> Property:
+    """The property `name`; an unknown one is a KeyError naming the known ones."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown property {name!r}: the index has {', '.join(NAMES)}") from None
+
+
+def of_column(column: str) -> tuple[Property, ...]:
+    return tuple(p for p in PROPERTIES if p.column == column)
+
+
+def of_runs(*runs: str) -> tuple[str, ...]:
+    """The names of the properties whose cases come the ways `runs` names (a conformance module's selection)."""
+    return tuple(p.name for p in PROPERTIES if p.runs in runs)

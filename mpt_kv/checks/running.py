@@ -1,0 +1,411 @@
+"""The run layer: everything that runs a check, written once.
+
+A check (`mpt_kv.checks.registry.Check`: its property, path, bucket and fixed case) runs here:
+
+    run(check, target, device, dtype)             every case of the check: notes, or it raises
+    run_one(check, target, device, dtype, case)   one case (a `Case`; a `Program` for ops-*)
+
+`run` resolves the target once (`ResolvedTarget`) and makes a `Run`: the check on that target,
+device and dtype. A Run reads what the target declares (`Capabilities`), refuses what it lacks
+(`Unsupported`, with the target's reason) and builds every runner the check needs from the resolved
+target, with the oracles its property compares with (`Run.context`); nothing else builds one. How
+the check's cases come is its property's `runs` in the index (`mpt_kv.checks.index`), one driver
+each (`DRIVERS`):
+
+    case       hypothesis's drawn cases, or the check's fixed edge case, or its run under graphs
+    fixed      one fixed case (static-shape)
+    memory     one memory config (`mpt_kv.checks.ceilings.CONFIGS`), its stored ceilings compared
+    program    the fixed beam and speculative programs, then hypothesis's drawn ones (ops-P1/P2/P3)
+    operation  one reorder or extend on a filled cache, measured exactly (ops-memory, cpu)
+
+The property's function, named in the index, checks one case: `fn(runner, c)`, where `c` is a
+`mpt_kv.checks.cases.Context`. The rules every check shares are here: the one hypothesis driver
+(`drive`: mpt-kv's profile, shrinking, the example database's key), the fp32-twin rule
+(`oracles`: a lower precision is compared with the same target in float32 from the rounded
+weights, the reference where the target declares no float32) and what a run under pytest plugs in
+(`RunContext`: where checks record, the project's stored ceilings, whether a failure is expected).
+The crash rule, which the property functions apply as they drive a target, is
+`mpt_kv.checks.compare.crash_of`, for the MPT and the family checks alike.
+
+A property's function is imported by its dotted name when it first runs: the index names it
+without importing torch (the pytest plugin reads the index before a worker's card is pinned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from mpt_kv.checks import index, programs, reach
+from mpt_kv.checks.cases import Case, Context, fp32_twin, reference_oracle
+from mpt_kv.checks.graphs import graphed
+from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_cases, load_profile
+from mpt_kv.devices import as_device
+from mpt_kv.errors import Unsupported
+from mpt_kv.model.config import as_dtype, random_state_dict
+from mpt_kv.targets import Capabilities, ResolvedTarget, Runner, Target, required_features, resolve_target
+
+# --- what a run under pytest plugs in -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the pytest plugin gives a check while a test runs: where to record measurements and
+    notes (they travel to the report), the project's stored ceilings, and whether a failure is
+    expected (an xfail only has to fail: hypothesis then skips shrinking, which can take long)."""
+
+    record: Callable[[str, object], None]
+    ceilings: object | None = None  # mpt_kv.checks.ceilings.StoredCeilings
+    expected_to_fail: bool = False
+
+
+_context: ContextVar[RunContext | None] = ContextVar("mpt_kv_run_context", default=None)
+
+
+@contextlib.contextmanager
+def running(context: RunContext):
+    token = _context.set(context)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def current() -> RunContext | None:
+    return _context.get()
+
+
+def record(name: str, value) -> None:
+    ctx = _context.get()
+    if ctx is not None:
+        ctx.record(name, value)
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device):
+    """The checks' models are tiny: on CPU a second intra-op thread only contends (measured 3-30x
+    slower on a loaded 2-core machine, where pytest -n 2 already runs one worker per core)."""
+    if device.type != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+# --- the one hypothesis driver ------------------------------------------------------------------------------
+
+# Shrinking reruns a failing check on ever smaller cases: about 20 s of CPU for one failure of
+# these tiny models, and on HPU every new shape is a graph compilation. Under the ci profile
+# (CI=true) a failure is reported as found: derandomized, so it reproduces, and its message names
+# the whole case (`run_one` reruns it). Locally (dev, thorough) hypothesis shrinks it to a
+# minimal case. An expected failure (xfail) is never shrunk: it only has to fail.
+SHRINKING_PROFILES = ("dev", "thorough")
+_profile_name: str | None = None
+
+
+def hypothesis_profile():
+    """(settings, name) of mpt-kv's hypothesis profile (dev; ci under CI=true;
+    MPT_KV_HYPOTHESIS_PROFILE), loaded once per process (under pytest the plugin loads it too)."""
+    global _profile_name
+    from hypothesis import settings
+
+    if _profile_name is None:
+        _profile_name = load_profile()
+    return settings.default, _profile_name
+
+
+def drive(key: str, strategy, one: Callable, argname: str = "case", fraction: int = 1) -> None:
+    """Run `one(example)` on hypothesis's examples of `strategy` under mpt-kv's profile (`fraction`:
+    a share of its examples, at least 2), the first failure only, never shrunk for an expected
+    failure; `key` names the example database's entry (check, target, device, dtype)."""
+    from hypothesis import Phase, given, settings
+
+    test = given(**{argname: strategy})(lambda **kw: one(kw[argname]))
+    test.__name__ = f"one_{argname}"  # hypothesis prints "Falsifying example: one_case(case=...)"
+    profile, name = hypothesis_profile()
+    ctx = _context.get()
+    shrink = name in SHRINKING_PROFILES and not (ctx and ctx.expected_to_fail)
+    phases = [p for p in profile.phases if p != Phase.shrink or shrink]
+    # the first (shrunk) failure only: a group of several would not read as a PropertyFailure
+    test = settings(profile, max_examples=max(2, profile.max_examples // fraction), report_multiple_bugs=False,
+                    print_blob=False, phases=phases)(test)
+    test.hypothesis.inner_test._hypothesis_internal_add_digest = key.encode()
+    test()
+
+
+# --- one check on one target, device and dtype -------------------------------------------------------------
+
+
+def function_of(prop: index.Property) -> Callable:
+    """The property's function, by its dotted name in the index."""
+    module, name = prop.function.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def oracles(target: ResolvedTarget, caps: Capabilities, cfg, seed: int, device, dtype: torch.dtype,
+            oracle: str | None) -> dict:
+    """What a property compares with in `dtype` (the index's `Property.oracle`), as Context fields:
+    "reference" (P0) the reference in float32 from the weights rounded to `dtype`; "twin" (P1, P2,
+    ops-P1, ops-P2) the fp32-twin rule (`cases.fp32_twin`: in a lower precision, the same target in
+    float32 from the rounded weights)."""
+    if oracle == "reference":
+        return {"reference": reference_oracle(cfg, random_state_dict(cfg, seed=seed), device, dtype)}
+    if oracle == "twin" and dtype != torch.float32:
+        return {"fp32": fp32_twin(target, cfg, random_state_dict(cfg, seed=seed), device, dtype, caps)}
+    return {}
+
+
+@dataclass
+class Run:
+    """A check on one resolved target, device and dtype (module doc)."""
+
+    check: object  # mpt_kv.checks.registry.Check
+    target: ResolvedTarget
+    device: torch.device
+    dtype: torch.dtype
+    ceilings: object | None = None
+
+    def __post_init__(self):
+        self.prop = index.by_name(self.check.property)
+        self.caps = self.target.capabilities(self.device, self.dtype)
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    @property
+    def key(self) -> str:
+        return f"{self.check.id}|{self.name}|{self.device}|{self.dtype}"
+
+    def require(self, features: Iterable[str | None]) -> None:
+        """Unsupported, with the target's own reason, if it declares one of `features` unsupported."""
+        for feature in features:
+            reason = self.caps.reason(feature)
+            if reason:
+                raise Unsupported(f"{self.name}: {reason}")
+
+    def features(self, case: Case | None = None, operations=()) -> list[str]:
+        clip = case.cfg.clip_qkv if case is not None else None
+        return required_features(self.check.path, self.check.bucket, self.dtype, self.device, clip, operations)
+
+    def runner(self, case: Case, features=()) -> Runner:
+        """The target's runner for `case`'s model, with the case's seeded weights (the reference's)."""
+        self.require(features)
+        runner = self.target.build(case.cfg, random_state_dict(case.cfg, seed=case.seed), self.device, self.dtype)
+        runner.require(*features)
+        return runner
+
+    def context(self, case: Case, **inputs) -> Context:
+        """The Context of one case, with the oracles the property compares with (`oracles`)."""
+        ctx = _context.get()
+        stored = self.ceilings if self.ceilings is not None else (ctx.ceilings if ctx else None)
+        return Context(self.name, self.device.type, self.dtype, case, self.check.path, self.check.bucket,
+                       ceilings=stored, record=record, **inputs,
+                       **oracles(self.target, self.caps, case.cfg, case.seed, self.device, self.dtype, self.prop.oracle))
+
+    def check_case(self, runner, c: Context) -> list[str]:
+        return list(function_of(self.prop)(runner, c) or c.notes)
+
+    def without_clip(self, case: Case) -> Case:
+        """A fixed case without clip_qkv where the target declares it unsupported: the property
+        does not need it, so it still runs (a drawn case never draws it, `strategies.cases`)."""
+        if self.caps.reason("clip_qkv") and case.cfg.clip_qkv is not None:
+            case = dataclasses.replace(case, cfg=dataclasses.replace(case.cfg, clip_qkv=None))
+        return case
+
+
+def run(check, target: Target, device="cpu", dtype=torch.float32, ceilings=None) -> list[str]:
+    """Every case of `check` on `target` (module doc): its notes, recorded for the report."""
+    target = resolve_target(target)  # a spec string, a factory or already resolved
+    device, dtype = as_device(device), as_dtype(dtype)
+    with one_thread(device):
+        r = Run(check, target, device, dtype, ceilings)
+        if r.caps.unsupported:
+            record("mpt_kv_capabilities", {"target": r.name, "unsupported": dict(r.caps.unsupported)})
+        r.require(r.features())
+        notes = DRIVERS[r.prop.runs](r)
+    for note in dict.fromkeys(notes):
+        record("mpt_kv_note", note)
+    return notes
+
+
+def run_one(check, target: Target, device, dtype, case) -> list[str]:
+    """One case of `check` (no hypothesis): to reproduce a failure, or for fixed cases. `case` is a
+    `Case`, or for the program checks a `programs.Program` (hypothesis prints either)."""
+    r = Run(check, resolve_target(target), as_device(device), as_dtype(dtype))
+    if r.prop.runs == "program":
+        return one_program(r, case, programs.Fed())
+    if r.prop.runs not in ("case", "fixed"):
+        raise ValueError(f"{check.id}: run_one takes one case of a check whose cases are drawn or fixed; "
+                         f"{r.prop.runs} checks run their own fixed case")
+    return one_case(r, case)
+
+
+# --- the drivers: how each kind of check's cases come ---------------------------------------------------------
+
+
+def one_case(r: Run, case: Case) -> list[str]:
+    features = r.features(case)
+    r.require(features)
+    runner = r.runner(case, features)
+    record("mpt_kv_reach", {"check": r.check.id,
+                            "knobs": reach.knobs(case, r.check.path, r.check.bucket, r.device, r.dtype)})
+    if r.check.graphs:
+        runner = graphed(runner, r.device.type)
+    return r.check_case(runner, r.context(case))
+
+
+def by_case(r: Run) -> list[str]:
+    """Drawn cases; or the check's fixed edge case; or its run under graphs."""
+    if r.check.edge:
+        return one_case(r, r.without_clip(edge_cases(r.device.type)[r.check.edge]))
+    if r.check.graphs:
+        case = edge_cases("hpu")["bucket-128"] if r.device.type == "hpu" else GRAPH_CASE
+        notes = one_case(r, r.without_clip(case))
+        if r.prop.name == "P4" and r.device.type == "cpu" and not any("as declared" in n for n in notes):
+            raise RuntimeError(f"{r.check.id}: the CPU stand-in for graphs (graphs.StaticOutputs) reused no "
+                               f"output buffer, so this check checked nothing: {notes}")
+        return notes
+    notes: list[str] = []
+    strategy = cases(r.device.type, dtype=r.dtype, capabilities=r.caps, prop=r.prop.name)
+    drive(r.key, strategy, lambda case: notes.extend(one_case(r, case)))
+    return notes
+
+
+def by_fixed_case(r: Run) -> list[str]:
+    return one_case(r, r.without_clip(STATIC_SHAPE_CASE))
+
+
+def by_memory_config(r: Run) -> list[str]:
+    case = r.check.config.case()
+    runner = r.runner(case)
+    record("mpt_kv_reach", {"check": r.check.id,
+                            "knobs": reach.knobs(case, r.check.path, r.check.bucket, r.device, r.dtype)})
+    return r.check_case(runner, r.context(case))
+
+
+def allowed_operations(r: Run) -> set[str]:
+    """The operations the target implements; Unsupported (its reasons) when it implements none."""
+    allowed = {op for op in programs.OPERATIONS if r.caps.reason(op) is None}
+    if not allowed:
+        raise Unsupported(f"{r.name}: " + "; ".join(f"{op}: {r.caps.reason(op)}" for op in programs.OPERATIONS))
+    return allowed
+
+
+def one_program(r: Run, program, fed) -> list[str]:
+    """One program on a fresh runner of the target."""
+    case = program.case
+    features = r.features(case)
+    r.require(features)
+    runner = r.runner(case, features)
+    for knobs in program_knobs(program, r.check.path, r.check.bucket, r.device, r.dtype):
+        record("mpt_kv_reach", {"check": r.check.id, "knobs": knobs})
+    return r.check_case(runner, r.context(case, program=program, fed=fed))
+
+
+def program_knobs(program, path, bucket, device, dtype) -> list[dict]:
+    """A program's reach: its case's knobs (batch, heads, padding, lengths, ...), then each cached
+    operation's kind and tokens per cached call."""
+    out = [reach.knobs(program.case, path, bucket, device, dtype)]
+    out += [{"tokens_per_call": op.k if op.kind == "extend" else 1, "operation": op.kind}
+            for op in program.ops if op.kind != "decode"]
+    return out
+
+
+def by_program(r: Run) -> list[str]:
+    """The fixed beam and speculative programs, then hypothesis's drawn ones (a third of the
+    profile's examples: each program is several cached calls, each checked; ci: 2 drawn + 2
+    fixed per check). Notes: the distinct input shapes fed to the target, and the operations it
+    declares unsupported (not drawn; its other operations ran)."""
+    allowed = allowed_operations(r)
+    fed, notes = programs.Fed(), []
+    for program in programs.fixed_programs(r.device.type, allowed):
+        notes += one_program(r, program, fed)
+    strategy = programs.programs(r.device.type, allowed, r.dtype, r.caps)
+    drive(r.key, strategy, lambda program: notes.extend(one_program(r, program, fed)), "program", fraction=3)
+    missing = [f"{op} ({r.caps.reason(op)})" for op in programs.OPERATIONS if op not in allowed]
+    if missing:
+        notes.append(f"{r.check.id}: {r.name} declares unsupported: {', '.join(missing)}: not drawn, its other "
+                     "operations ran")
+    notes.append(f"{r.check.id}: shapes fed {r.name} on {r.device.type}: {len(fed.shapes)} distinct input shapes "
+                 f"({', '.join(f'{call} {shape}' for call, shape in sorted(fed.shapes))})")
+    record("mpt_kv_ops_shapes", {"check": r.check.id, "target": r.name, "device": r.device.type,
+                                 "shapes": len(fed.shapes)})
+    return notes
+
+
+def by_operation(r: Run) -> list[str]:
+    operation = r.check.operation
+    r.require([operation])
+    if r.device.type != "cpu":
+        raise Unsupported(f"{r.check.id}: the exact transient of one operation is measured on cpu (CpuTracker); "
+                          f"{r.device.type}'s allocator rounds per block")
+    case = programs.MEMORY_CASE
+    runner = r.runner(case, [operation])
+    return r.check_case(runner, r.context(case, operation=operation))
+
+
+DRIVERS: dict[str, Callable[[Run], list[str]]] = {
+    "case": by_case, "fixed": by_fixed_case, "memory": by_memory_config, "program": by_program,
+    "operation": by_operation,
+}
+
+
+def drawn_records(checks, profile: str = "ci", device: str = "cpu", dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+    """The reach records of `checks` under `profile`, without running a model: each drawn check's
+    strategy as its driver draws it (its property, dtype, the profile's examples; the program checks'
+    fixed programs and a third of the examples, every operation the built-in targets implement),
+    each fixed case (edge cases, static-shape, graphs, memory configs, ops-memory's case) once."""
+    from hypothesis import given, settings
+
+    out = []
+    for check in checks:
+        runs = index.by_name(check.property).runs
+        for dtype in dtypes:
+            if runs == "program":
+                drawn = list(programs.fixed_programs(device, set(programs.OPERATIONS)))
+
+                @settings(settings.get_profile(profile), database=None,
+                          max_examples=max(2, settings.get_profile(profile).max_examples // 3))
+                @given(program=programs.programs(device, set(programs.OPERATIONS), dtype))
+                def draw_programs(program):
+                    drawn.append(program)
+
+                draw_programs.hypothesis.inner_test._hypothesis_internal_add_digest = f"{check.id}|{dtype}".encode()
+                draw_programs()
+                out += [{"check": check.id, "knobs": k} for p in drawn
+                        for k in program_knobs(p, check.path, check.bucket, device, dtype)]
+                continue
+            if runs == "memory":
+                found = [check.config.case()]
+            elif runs == "fixed":
+                found = [STATIC_SHAPE_CASE]
+            elif runs == "operation":
+                found = [programs.MEMORY_CASE]
+            elif check.edge:
+                found = [edge_cases(device)[check.edge]]
+            elif check.graphs:
+                found = [edge_cases("hpu")["bucket-128"] if device == "hpu" else GRAPH_CASE]
+            else:
+                found = []
+
+                @settings(settings.get_profile(profile), database=None)
+                @given(case=cases(device, prop=check.property, dtype=dtype))
+                def draw(case):
+                    found.append(case)
+
+                draw.hypothesis.inner_test._hypothesis_internal_add_digest = f"{check.id}|{dtype}".encode()
+                draw()
+            out += [{"check": check.id, "knobs": reach.knobs(c, check.path, check.bucket, device, dtype)}
+                    for c in found]
+    return out

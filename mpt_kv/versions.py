@@ -1,0 +1,84 @@
+"""What is installed, read in one place: the built-in targets and the packages they wrap (the
+package map), and the versions of those packages.
+
+No torch and no transformers import here: the versions come from the distributions' metadata
+(`importlib.metadata`), so the pytest plugin can read them before a worker's card is pinned, and
+a version is the installed distribution's even where importing the package would fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in target: where its factory is, which distributions must be installed for it to run
+    (absent: its cases skip; installed but not loading: they fail), and which name its version."""
+
+    factory: str
+    requires: tuple[str, ...] = ()
+    versions: tuple[str, ...] = ()
+
+
+BUILTIN = {
+    "reference": Builtin("mpt_kv.targets.reference:build"),
+    "transformers": Builtin("mpt_kv.targets.hf:build", ("transformers",), ("transformers",)),
+    "optimum-habana": Builtin("mpt_kv.targets.gaudi:build", ("optimum-habana",), ("optimum-habana", "transformers")),
+}
+# the family implementations (mpt_kv.families.implementations) are built-in targets of the same names
+
+
+def installed(dist: str) -> str | None:
+    """The installed version of distribution `dist`, or None."""
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def missing(spec: str) -> str | None:
+    """For a built-in target (or a family implementation, `transformers/<family>`): why it cannot
+    run here because a distribution it wraps is not installed; None otherwise."""
+    builtin = BUILTIN.get(spec.split("/", 1)[0])
+    for dist in builtin.requires if builtin else ():
+        if installed(dist) is None:
+            return f"{dist} is not installed"
+    return None
+
+
+def target_version(spec: str) -> str:
+    """'transformers 5.24', 'optimum-habana 1.21, transformers 4.55', '' (the reference, a user's
+    target): the major.minor of what a built-in target (or `<implementation>/<family>`) wraps."""
+    builtin = BUILTIN.get(spec.split("/", 1)[0])
+    out = []
+    for dist in builtin.versions if builtin else ():
+        v = installed(dist)
+        out.append(f"{dist} {'.'.join(v.split('.')[:2]) if v else '?'}")
+    return ", ".join(out)
+
+
+def transformers_version() -> str:
+    return installed("transformers") or "0"
+
+
+def transformers_major() -> int:
+    """4 or 5: the releases whose cache APIs differ (Cache objects, crop, StaticCache's constructor)."""
+    return int(transformers_version().split(".")[0])
+
+
+def optimum_habana_release() -> str:
+    """'optimum-habana 1.21.2', for messages."""
+    v = installed("optimum-habana")
+    return f"optimum-habana {v}" if v else "optimum-habana (no distribution metadata)"
+
+
+def versions_match(when: dict) -> bool:
+    """Every distribution of `when` ({dist: packaging SpecifierSet}) is installed, in a version its
+    specifier contains (a known failure's `when`)."""
+    for dist, spec in when.items():
+        v = installed(dist)
+        if v is None or not spec.contains(v, prereleases=True):
+            return False
+    return True
