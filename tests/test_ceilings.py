@@ -331,7 +331,7 @@ def test_allow_looser_ceilings_writes_the_looser_value(tmp_path, monkeypatch):
     """The plugin's end-of-run update with --allow-looser-ceilings (in process: the subprocess
     run above covers the refusal)."""
     from mpt_kv.plugin import ceilings as plugin
-    from mpt_kv.plugin import outcomes
+    from mpt_kv.plugin.state import run_state
 
     m = record(reference_measurement("static", C.CONFIGS[0]))
     path = tmp_path / "ceilings-cpu.json"
@@ -343,11 +343,13 @@ def test_allow_looser_ceilings_writes_the_looser_value(tmp_path, monkeypatch):
         def getoption(self, name):
             return self.options[name]
 
-    monkeypatch.setattr(outcomes, "memory", [m])
+        stash = pytest.Stash()
+
     config = Config()
+    run_state(config).memory.append(m)
     assert plugin.update_ceilings(config) is False
     assert f"  ! {C.key_of(m)}  allocated {m['allocated'] - 8} -> {m['allocated']} (+8, looser)" in \
-        config._mpt_kv_ceilings_diff
+        run_state(config).ceilings_diff
     assert C.load_baseline(path, "cpu")[C.key_of(m)]["allocated"] == m["allocated"]
 
 

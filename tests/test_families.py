@@ -172,38 +172,38 @@ def test_the_packaged_known_failures_load_and_the_views_are_on_the_concat_path()
 
 @needs_5x
 def test_a_known_failure_absorbs_only_its_own_message(monkeypatch):
-    """Fail closed: the conformance case turns a PropertyFailure its entry's pattern does not
-    find into NotTheKnownFailure, which the strict xfail(raises=PropertyFailure) does not take."""
+    """Fail closed: the one known-failure rule (mpt_kv.checks.known_failures, which the plugin applies
+    to the family cases as to the MPT ones) takes only the PropertyFailure its entry's pattern finds."""
     import re
 
-    from mpt_kv.conformance.test_families import NotTheKnownFailure, run_case
+    from mpt_kv import CHECKS as ALL_CHECKS
+    from mpt_kv.checks.known_failures import Entry
 
     monkeypatch.setattr(cache_utils.DynamicLayer, "update", views_update)
-    known = kf.Known("mpt", "alibi", "family-P3", re.compile(r"layer 0 key .* are views of \S+Wqkv's output"), "r",
-                     "u", {})
-    args = ("transformers/mpt", "family-P3/alibi", "transformers", "mpt", "alibi", "concat", "family-P3")
-    with pytest.raises(PropertyFailure, match="Wqkv's output"):  # the known failure: the xfail takes it
-        run_case(None, *args, known)
+    with pytest.raises(PropertyFailure, match="Wqkv's output") as failure:
+        ALL_CHECKS["family-P3/concat"]("transformers/mpt/alibi")
+    known = Entry(0, "transformers/mpt/alibi", "family-P3", "r", re.compile(r"layer 0 key .* are views of \S+Wqkv's output"))
+    assert known.covers("transformers/mpt/alibi", "family-P3", "concat", None, "family-P3/concat")
+    assert known.explains(failure.value)  # the known failure: the xfail takes it
     other = dataclasses.replace(known, pattern=re.compile(r"query_key_value's output"))
-    with pytest.raises(NotTheKnownFailure, match=r"transformers/mpt family-P3/alibi concat failed, but not as its "
-                                                 r"known failure says \(pattern \"query_key_value's output\""):
-        run_case(None, *args, other)
+    assert not other.explains(failure.value)  # another one's pattern: the case fails
 
 
 def test_the_matrix_cells_follow_the_implementations():
     from mpt_kv.conformance.test_families import cases
 
-    transformers_cells = [p.values for p in cases(["transformers"])]
+    transformers_cells = [p.values for p in cases(["transformers"])]  # (check, target, device, dtype)
     port_cells = [p.values for p in cases(["optimum-habana"])]
-    assert {v[2] for v in transformers_cells} == {"transformers"} and {v[2] for v in port_cells} == {"optimum-habana"}
+    assert {t.implementation for _, t, _, _ in transformers_cells} == {"transformers"}
+    assert {t.implementation for _, t, _, _ in port_cells} == {"optimum-habana"}
     # P0 is not drawn for transformers itself; P2 only on static paths; static+reuse only for the ports
-    assert not [v for v in transformers_cells if v[6] == "family-P0" or v[5] == "static+reuse"]
-    assert {v[5] for v in port_cells if v[6] == "family-P0"} == {"concat"}
-    assert {v[5] for v in port_cells if v[6] == "family-P2"} == {"static", "static+reuse"}
+    assert not [c for c, _, _, _ in transformers_cells if c.property == "family-P0" or c.path == "static+reuse"]
+    assert {c.path for c, _, _, _ in port_cells if c.property == "family-P0"} == {"concat"}
+    assert {c.path for c, _, _, _ in port_cells if c.property == "family-P2"} == {"static", "static+reuse"}
     assert len(port_cells) == len(variants()) * 3 * 6  # concat: P0 and 5 more; each static path: P2 and 5 more
     assert len(transformers_cells) == len(variants()) * (5 + 6)
-    names = {(v[0], v[1]) for v in transformers_cells}
-    assert ("transformers/falcon", "family-memory/new-arch-gqa") in names
+    names = {(t.name, c.id) for c, t, _, _ in transformers_cells}
+    assert ("transformers/falcon/new-arch-gqa", "family-memory/static") in names
 
 
 @pytest.mark.parametrize("options, expected", [
@@ -230,9 +230,10 @@ def test_the_run_selects_the_implementations(options, expected):
 def test_an_entry_about_a_cell_the_matrix_lacks_is_an_error(implementation, prop, path):
     import re
 
-    from mpt_kv.conformance.test_families import check_entries_cover_cells
+    from mpt_kv.checks.known_failures import Entry
+    from mpt_kv.families.known_failures import check_entries_cover_cells
 
-    entry = kf.Known("mpt", "alibi", prop, re.compile("x"), "r", "u", {}, implementation, path)
+    entry = Entry(0, f"{implementation}/mpt/alibi", prop, "r", re.compile("x"), path)
     with pytest.raises(ValueError, match=rf"family known failure {implementation} mpt/alibi {prop} path "
                                          rf"{re.escape(path or 'any')}: the matrix has no such cell"):
         check_entries_cover_cells([entry])

@@ -23,12 +23,13 @@ from hypothesis import strategies as st
 import mpt_kv.plugin
 from mpt_kv import devices
 from mpt_kv.plugin import gate, known_failures, options, outcomes, parametrize
+from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin import ceilings as plugin_ceilings
 from mpt_kv.checks import strategies
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.strategies import (HPU_HEAD_COUNTS, HPU_HEAD_DIM, HPU_LAYERS, HPU_MAX_SEQ_LEN, HPU_NEW_TOKENS,
                                       HPU_PROMPT_BUCKET, cases)
-from mpt_kv.targets import known_failures as KF
+from mpt_kv.checks import known_failures as KF
 
 pytest_plugins = ["pytester"]
 
@@ -91,6 +92,11 @@ class FakeConfig:
         return self.options.get(name, [])  # the project's ini options (mpt_kv_targets, ...): unset
 
     rootpath, inipath = ROOT, None  # the ceilings folder defaults to <rootdir>/mpt_kv_ceilings
+
+    @property
+    def stash(self):  # where the plugin keeps the session's state (mpt_kv.plugin.state)
+        self.__dict__.setdefault("_stash", pytest.Stash())
+        return self.__dict__["_stash"]
 
 
 # --- 1. selecting a device requires it ------------------------------------------------------------------------------
@@ -176,17 +182,16 @@ class Reports:
         self.passed, self.skipped = outcome == "passed", outcome == "skipped"
 
 
-def test_the_end_of_run_gate_counts_only_passed_device_cases(monkeypatch):
-    monkeypatch.setattr(outcomes, "results", [])
-    monkeypatch.setattr(outcomes, "memory", [])
+def test_the_end_of_run_gate_counts_only_passed_device_cases():
     config = FakeConfig()
-    config._mpt_kv_required = {"hpu": "-m 'hpu' selects hpu cases"}
+    run = run_state(config)
+    run.required = {"hpu": "-m 'hpu' selects hpu cases"}
     assert gate.gate_failures(config) == ["-m 'hpu' selects hpu cases: no hpu case passed (0 hpu cases reported). "
                                             "A gate that ran nothing must not look green."]  # selects nothing
     for report in (Reports(outcome="skipped", kinds=["hpu"]), Reports("setup", "failed", ["hpu"]), Reports()):
-        outcomes.collect(report)
+        outcomes.collect(run, report)
     assert "(2 hpu cases reported)" in gate.gate_failures(config)[0]  # a setup error counts, a keyword-less pass not
-    outcomes.collect(Reports(kinds=["hpu"]))
+    outcomes.collect(run, Reports(kinds=["hpu"]))
     assert gate.gate_failures(config) == []
 
 
@@ -451,13 +456,12 @@ def test_a_known_failure_xfails_only_the_failure_its_pattern_names(run, known_fi
         "of this run (" in text and "a typo, or the target is gone (--strict-known-failures: an error)" in text
 
 
-def test_strict_known_failures_makes_an_entry_that_matched_nothing_an_error(known_file, monkeypatch):
-    monkeypatch.setattr(outcomes, "results", [])
-    monkeypatch.setattr(outcomes, "memory", [])
+def test_strict_known_failures_makes_an_entry_that_matched_nothing_an_error(known_file):
     config = FakeConfig(strict_known_failures=False)
-    config._mpt_kv_required, config._mpt_kv_profile = {}, "dev"
-    config._mpt_kv_known, config._mpt_kv_known_cases = KF.load(known_file), True
-    config._mpt_kv_known_covered = {0}  # entry 1 (the typo) covered no collected case
+    run = run_state(config)
+    run.required, run.profile = {}, "dev"
+    run.known, run.known_cases = KF.load(known_file), True
+    run.known_covered = {run.known[0].key}  # entry 1 (the typo) covered no collected case
     session = type("Session", (), {"config": config, "exitstatus": pytest.ExitCode.OK})()
     mpt_kv.plugin.pytest_sessionfinish(session, 0)
     assert session.exitstatus == pytest.ExitCode.OK  # listed only
@@ -469,7 +473,7 @@ def test_strict_known_failures_makes_an_entry_that_matched_nothing_an_error(know
     config.options["mpt_kv_strict_known_failures"] = True
     mpt_kv.plugin.pytest_sessionfinish(session, 0)
     assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
-    config._mpt_kv_known_cases = False  # no conformance case collected at all: nothing to judge
+    run.known_cases = False  # no conformance case collected at all: nothing to judge
     assert known_failures.unmatched(config) == []
 
 
@@ -493,7 +497,8 @@ def test_a_malformed_known_failures_file_is_a_usage_error_not_an_internal_error(
                                                                   "specifier"),
     (json.dumps([{**ENTRY, "pattern": "a(b"}]), "'pattern' 'a(b' is not a regular expression"),
     (json.dumps([{**ENTRY, "pattern": ".*"}]), "matches the empty string"),
-    (json.dumps([{**ENTRY, "property": "P4"}]), "unknown property 'P4'"),
+    (json.dumps([{**ENTRY, "property": "P9"}]), "unknown property 'P9'"),
+    (json.dumps([{**ENTRY, "property": "family-P3"}]), "unknown property 'family-P3'"),  # the families' file's
     (json.dumps([{**ENTRY, "path": "paged"}]), "unknown path 'paged'"),
     (json.dumps([{**ENTRY, "bucket": "yes"}]), "'bucket' must be a bool"),
     (json.dumps([ENTRY, "P3"]), "entry 1: expected an object, got str"),
@@ -559,26 +564,27 @@ def missing_measurement(**more) -> dict:
                             (int(x[1:]) for x in shape.split("-")))), **more}
 
 
-def test_a_version_without_stored_ceilings_says_in_one_line_how_to_record_it(monkeypatch):
+def test_a_version_without_stored_ceilings_says_in_one_line_how_to_record_it():
     """A required target's missing entry is a BaselineError ("error"): the line gives the command."""
     from mpt_kv.checks import ceilings as C
 
     m = missing_measurement(outcome="error")
-    monkeypatch.setattr(outcomes, "memory", [m, {**m, "max_new": 24}, {**m, "outcome": "passed"}])
-    lines = plugin_ceilings.failure_lines(FakeConfig())
+    config = FakeConfig()
+    run_state(config).memory[:] = [m, {**m, "max_new": 24}, {**m, "outcome": "passed"}]
+    lines = plugin_ceilings.failure_lines(config)
     assert lines == [f"memory ceilings: none stored for transformers (transformers 5.99) on cpu (2 cases failed for "
                      f"that alone): record them locally, not under CI, with `python -m pytest --pyargs "
                      f"mpt_kv.conformance -k memory --update-ceilings`, review the diff and commit "
                      f"{C.baseline_path('cpu', ROOT / 'mpt_kv_ceilings')}"]
 
 
-def test_an_analytic_memory_failure_is_never_offered_for_recording(monkeypatch):
+def test_an_analytic_memory_failure_is_never_offered_for_recording():
     """A PropertyFailure of the analytic check (problems recorded) is a bug: the summary says so
     first, and recording it as the baseline is not offered, not even next to a missing entry."""
     bug = missing_measurement(outcome="failed", problems=2)
-    monkeypatch.setattr(outcomes, "memory", [bug, {**bug, "max_new": 24}, missing_measurement(outcome="error",
-                                                                                               max_new=40)])
-    lines = plugin_ceilings.failure_lines(FakeConfig())
+    config = FakeConfig()
+    run_state(config).memory[:] = [bug, {**bug, "max_new": 24}, missing_measurement(outcome="error", max_new=40)]
+    lines = plugin_ceilings.failure_lines(config)
     assert lines[0] == ("memory: transformers (transformers 5.99) on cpu: 2 cases failed the analytic memory check "
                         "(the bytes it retains or allocates are not what its KV cache needs: see each failure above); "
                         "that is a bug to fix in the target, not a baseline to record")
@@ -762,7 +768,7 @@ def test_profile_selection(monkeypatch, request, env, profile):
         assert settings.default.derandomize == (profile == "ci")
         assert settings.default.print_blob
     finally:
-        settings.load_profile(request.config._mpt_kv_profile)  # this run's own profile back
+        settings.load_profile(run_state(request.config).profile)  # this run's own profile back
 
 
 # every new shape compiles a graph on HPU: few shapes, the prompt padded to its bucket

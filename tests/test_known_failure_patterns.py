@@ -1,4 +1,4 @@
-"""A known-failures pattern names a failure, not any failure (mpt_kv.targets.known_failures.
+"""A known-failures pattern names a failure, not any failure (mpt_kv.checks.known_failures.
 compile_pattern, the one rule of the MPT, families and project files): it requires a literal text
 of MIN_LITERAL characters and matches no generic failure line of the suite. Plus: the shipped
 files and the docs' snippets meet it and match what the checks really print, and
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mpt_kv.families import known_failures as family_known
-from mpt_kv.targets import known_failures as known
+from mpt_kv.checks import known_failures as known
 
 ROOT = Path(__file__).resolve().parents[1]
 VIEWS = "mpt_kv.catalogue.variants:kv_views_of_mixed_qkv"
@@ -210,7 +210,7 @@ def test_expected_failed_checks_xfails_a_finding_never_a_crash_the_check_wraps()
 
 def test_shipped_entries_are_upstreams_and_a_projects_are_its_own(tmp_path):
     from mpt_kv.plugin.known_failures import words_for
-    from mpt_kv.targets import known_failures
+    from mpt_kv.checks import known_failures
 
     shipped = known_failures.load()[0]
     assert words_for(shipped) == ("known upstream failure", "upstream fixed it")

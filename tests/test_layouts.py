@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import mpt_kv
+from mpt_kv.checks.registry import applies
 from examples import block_mpt, paged_mpt
 from mpt_kv.catalogue.designs import (DESIGNS, BlockGrowthConcatCache, BlockGrowthSession, PagedMPT, PagedSession,
                                       model_with)
@@ -38,7 +39,7 @@ def reaches_the_layout(target: str, check: mpt_kv.Check) -> bool:
 @pytest.mark.parametrize("build,check", [
     pytest.param(build, check.id, id=f"{name}-{check.id}")
     for name, build in (("paged", paged_mpt.build), ("block", block_mpt.build))
-    for check in mpt_kv.CHECKS.values() if reaches_the_layout(name, check)])
+    for check in mpt_kv.CHECKS.values() if applies(check, build) and reaches_the_layout(name, check)])
 def test_every_check_passes_on_a_paged_and_a_block_growth_target(build, check):
     """Every check (in fp32, on cpu) of the registry that reaches the layout passes on both examples,
     the memory checks included: the layouts are declared only as docs/targets.md says."""

@@ -10,7 +10,8 @@ from mpt_kv.checks import ceilings as C
 from mpt_kv.checks import reach, registry
 from mpt_kv.checks.strategies import EDGE_CASES
 from mpt_kv.model.config import random_state_dict
-from mpt_kv.targets import build, known_failures
+from mpt_kv.checks import known_failures
+from mpt_kv.targets import build
 
 
 @pytest.fixture(scope="module")

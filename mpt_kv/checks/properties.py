@@ -34,7 +34,6 @@ from mpt_kv.checks.cases import (LATER_NEW_TOKENS, MASK_DTYPES, Case, Context,  
                                  fp32_twin, other_padding, rounded_state_dict)
 from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
 from mpt_kv.checks.results import copied, snapshot
-from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import Session
 from mpt_kv.checks.storages import covered_bytes, storage_key  # P3
 from mpt_kv.checks.quantized import widened  # a declared quantized cache's bound (QuantizedKV)

@@ -18,7 +18,6 @@ the wrong ones' smallest worst error.
 
 from __future__ import annotations
 
-import torch
 
 from mpt_kv.checks.compare import Tolerance
 from mpt_kv.targets.layouts import QuantizedKV, layout_of

@@ -53,9 +53,9 @@ from mpt_kv.checks.running import (SHRINKING_PROFILES, RunContext, hypothesis_pr
 from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE  # noqa: F401  (public here before)
 from mpt_kv.errors import Finding, UnknownName
 from mpt_kv.model.config import DTYPES, as_dtype  # noqa: F401  (as_dtype: its home was here)
-from mpt_kv.targets import Target, required_features, target_name
+from mpt_kv.targets import FamilyTarget, Target, required_features, target_name
 
-PROPERTIES = tuple(p.name for p in index.PROPERTIES if not p.family)
+PROPERTIES = index.NAMES
 
 
 def path_label(path: str | None, bucket: int | None) -> str:
@@ -106,7 +106,10 @@ def _split(label: str, bucket: int) -> tuple[str | None, int | None]:
 
 def checks_of(prop: index.Property) -> list[Check]:
     """The checks of one property of the index: one per path (and memory config, operation, edge
-    case, graphs run) as its `runs` says."""
+    case, graphs run) as its `runs` says. A family property's paths are its own labels (concat,
+    static, static+reuse: the static path with optimum-habana's reuse_cache)."""
+    if prop.family:
+        return [Check(f"{prop.name}/{label}", prop.name, label, doc=prop.line) for label in prop.paths]
     bucket = MEMORY_BUCKET if prop.runs in ("memory", "operation") else BUCKET
     out = []
     for label in prop.paths:
@@ -164,8 +167,8 @@ class CheckRegistry(collections.abc.Mapping):
 
 def _ordered() -> list[Check]:
     """The index's order, with the drawn value checks' ids first ("P0", "P1/concat", ...), then their
-    edge cases (by edge case) and graphs runs, then the rest."""
-    every = [c for p in index.PROPERTIES if not p.family for c in checks_of(p)]
+    edge cases (by edge case) and graphs runs, then the rest (the family checks last)."""
+    every = [c for p in index.PROPERTIES for c in checks_of(p)]
     drawn = [c for c in every if index.by_name(c.property).runs == "case" and not c.edge and not c.graphs]
     edges = sorted((c for c in every if c.edge), key=lambda c: list(strategies.EDGE_CASES).index(c.edge))
     graphs = [c for c in every if c.graphs]
@@ -173,6 +176,19 @@ def _ordered() -> list[Check]:
 
 
 CHECKS: Mapping[str, Check] = CheckRegistry(_ordered())
+
+
+def is_family(check: Check) -> bool:
+    return index.by_name(check.property).family
+
+
+def applies(check: Check, target) -> bool:
+    """Whether the check has a cell for the target: an MPT check for an MPT target (a spec, a factory,
+    a ResolvedTarget), a family check for a `FamilyTarget` on one of its paths (family-P0 not for
+    transformers itself, its oracle)."""
+    if not isinstance(target, FamilyTarget):
+        return not is_family(check)
+    return is_family(check) and check.path in target.paths and not (target.oracle and check.property == "family-P0")
 
 
 def select(*properties: str) -> list[Check]:
@@ -221,7 +237,8 @@ def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: 
     if callable(targets):
         raise TypeError(f"parametrize_with_checks: targets={targets!r} is one factory, not a list: pass "
                         f"targets=[{getattr(targets, '__name__', 'build')}]")
-    chosen = list(CHECKS.values()) if checks is None else []
+    # the plugin's targets (targets=None) are MPT targets: the family checks need FamilyTargets
+    chosen = [c for c in CHECKS.values() if targets is not None or not is_family(c)] if checks is None else []
     for c in checks or ():
         chosen += [c] if isinstance(c, Check) else select(c)
     if not chosen:
@@ -257,5 +274,9 @@ def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: 
         return pytest.param(check, *target, marks=marks, id="-".join([check.id, *map(target_name, target)]))
 
     if target_list is None:
-        return pytest.mark.parametrize("check", [param(c) for c in chosen])
-    return pytest.mark.parametrize("check, target", [param(c, t) for t in target_list for c in chosen])
+        return pytest.mark.parametrize("check", [param(c) for c in chosen if not is_family(c)])
+    params = [param(c, t) for t in target_list for c in chosen if applies(c, t)]
+    if not params:
+        raise ValueError("parametrize_with_checks: none of the checks applies to these targets (the MPT checks take "
+                         "MPT targets, the family checks FamilyTargets): a gate that checks nothing must not pass")
+    return pytest.mark.parametrize("check, target", params)

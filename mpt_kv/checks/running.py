@@ -17,9 +17,11 @@ each (`DRIVERS`):
     memory     one memory config (`mpt_kv.checks.ceilings.CONFIGS`), its stored ceilings compared
     program    the fixed beam and speculative programs, then hypothesis's drawn ones (ops-P1/P2/P3)
     operation  one reorder or extend on a filled cache, measured exactly (ops-memory, cpu)
+    family     one family target (`mpt_kv.targets.FamilyTarget`: an implementation of a variant of
+               another decoder family) on one path, cpu (family-P0 ... family-memory)
 
 The property's function, named in the index, checks one case: `fn(runner, c)`, where `c` is a
-`mpt_kv.checks.cases.Context`. The rules every check shares are here: the one hypothesis driver
+`mpt_kv.checks.cases.Context` (a family check: `fn(implementation, family, variant, path, dtype)`). The rules every check shares are here: the one hypothesis driver
 (`drive`: mpt-kv's profile, shrinking, the example database's key), the fp32-twin rule
 (`oracles`: a lower precision is compared with the same target in float32 from the rounded
 weights, the reference where the target declares no float32) and what a run under pytest plugs in
@@ -47,9 +49,10 @@ from mpt_kv.checks.cases import Case, Context, fp32_twin, reference_oracle
 from mpt_kv.checks.graphs import graphed
 from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_cases, load_profile
 from mpt_kv.devices import as_device
-from mpt_kv.errors import Unsupported
+from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.model.config import as_dtype, random_state_dict
-from mpt_kv.targets import Capabilities, ResolvedTarget, Runner, Target, required_features, resolve_target
+from mpt_kv.targets import (Capabilities, ResolvedTarget, Runner, Target, family_target, required_features,
+                            resolve_target)
 
 # --- what a run under pytest plugs in -------------------------------------------------------------------------
 
@@ -177,7 +180,8 @@ class Run:
 
     def __post_init__(self):
         self.prop = index.by_name(self.check.property)
-        self.caps = self.target.capabilities(self.device, self.dtype)
+        # a family target's implementation declares its capabilities on each runner (the family checks read them)
+        self.caps = Capabilities() if self.prop.family else self.target.capabilities(self.device, self.dtype)
 
     @property
     def name(self) -> str:
@@ -226,7 +230,8 @@ class Run:
 
 def run(check, target: Target, device="cpu", dtype=torch.float32, ceilings=None) -> list[str]:
     """Every case of `check` on `target` (module doc): its notes, recorded for the report."""
-    target = resolve_target(target)  # a spec string, a factory or already resolved
+    # a spec string, a factory or already resolved; for a family check, a FamilyTarget or its spec
+    target = family_target(target) if index.by_name(check.property).family else resolve_target(target)
     device, dtype = as_device(device), as_dtype(dtype)
     with one_thread(device):
         r = Run(check, target, device, dtype, ceilings)
@@ -355,9 +360,20 @@ def by_operation(r: Run) -> list[str]:
     return r.check_case(runner, r.context(case, operation=operation))
 
 
+def by_family(r: Run) -> list[str]:
+    """One family check on one family target: the family's tiny model, fp32 by default, cpu."""
+    if r.device.type != "cpu":
+        raise Unsupported(f"{r.name}: the family checks run on cpu (tiny models of transformers' configs)")
+    t = r.target
+    try:
+        return list(function_of(r.prop)(t.implementation, t.family, t.variant, r.check.path, r.dtype) or [])
+    except TargetUnavailable as e:  # the implementation has no port of the family here: unsupported, its reason
+        raise Unsupported(f"{t.name}: {e}") from e
+
+
 DRIVERS: dict[str, Callable[[Run], list[str]]] = {
     "case": by_case, "fixed": by_fixed_case, "memory": by_memory_config, "program": by_program,
-    "operation": by_operation,
+    "operation": by_operation, "family": by_family,
 }
 
 
@@ -392,6 +408,8 @@ def drawn_records(checks, profile: str = "ci", device: str = "cpu", dtypes=(torc
                 found = [STATIC_SHAPE_CASE]
             elif runs == "operation":
                 found = [programs.MEMORY_CASE]
+            elif runs != "case":  # the family checks' fixed cases are not MPT cases (docs/families.md)
+                continue
             elif check.edge:
                 found = [edge_cases(device)[check.edge]]
             elif check.graphs:

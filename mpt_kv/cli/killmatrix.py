@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from mpt_kv import devices
-from mpt_kv.catalogue.killmatrix import CASES, COLUMNS, Cell, must_pass, problems, run_matrix, waiting
+from mpt_kv.catalogue.killmatrix import CASES, Cell, must_pass, problems, run_matrix, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 from mpt_kv.cli import docblocks

@@ -42,7 +42,6 @@ error.
 
 from __future__ import annotations
 
-import copy
 import gc
 import weakref
 from dataclasses import dataclass, field
@@ -51,49 +50,19 @@ import torch
 
 from mpt_kv.checks.compare import (NOT_CRASHES, Crash, PropertyFailure, assert_close, crash_of, describe,
                                    judged_before, shares_memory, tolerance)
+from mpt_kv.checks import index
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import InputError, Registry, Unsupported
-from mpt_kv.families import FAMILIES
 from mpt_kv.families.base import Family
+from mpt_kv.families.models import _built, build, cached_kv, config_key, family_of, named_kv  # noqa: F401  (public
+# here before families/models.py: build, cached_kv, named_kv)
 from mpt_kv.model.config import as_dtype
 
 BATCH, PROMPT, PAD, STEPS, EXTEND = 2, 6, 2, 2, 3  # row 0 has PAD left-padding tokens
 MAX_LEN = 16          # every session's cache length: prompt + steps + extend + decode fit
 OPS_PADS = (2, 0, 1)  # family-ops: batch 3, each row's left padding
 OPS_PROMPT = 8
-PATHS = ("concat", "static", "static+reuse")  # the matrix's paths; static+reuse = static, runner reuse_cache=True
-
-
-def family_of(name) -> Family:
-    if isinstance(name, Family):
-        return name
-    return FAMILIES[name]  # an unknown name: UnknownName, naming the families
-
-
-def build(family: Family, variant: str, seed: int = 0):
-    """transformers' model of a tiny config, random weights (seeded), eager attention (a fully
-    padded query row gives uniform weights there, not the NaN of an all -inf softmax)."""
-    from transformers import AutoModelForCausalLM
-
-    config = family_of(family).config(variant)
-    key = (config_key(config), seed)
-    if key in _built:  # a copy of the model built once per process: the same weights, its own modules
-        return copy.deepcopy(_built[key]), config
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # no dtype: 4.x does not take it
-    _built[key] = model.to(torch.float32).eval()
-    return copy.deepcopy(model), config
-
-
-def config_key(config) -> str:
-    """What a transformers model built from `config` is: the config itself (its JSON, model_type
-    included), never the family's name, which a Family copy with other variants or tiny settings
-    shares."""
-    return config.to_json_string(use_diff=False)
-
-
-# (config, seed) -> transformers' model, per process (build copies it)
-_built: dict = {}
+PATHS = index.FAMILY_PATHS  # the matrix's paths; static+reuse = static, runner reuse_cache=True
 
 
 def prompt(config, seed: int = 0, pads=(PAD, 0), length: int = PROMPT) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,34 +78,6 @@ def prompt(config, seed: int = 0, pads=(PAD, 0), length: int = PROMPT) -> tuple[
 def teacher_tokens(config, batch: int, k: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1009 + step)
     return torch.randint(1, config.vocab_size, (batch, k), generator=g)
-
-
-def cached_kv(past) -> list[tuple[int, str, torch.Tensor]]:
-    """(layer, "key"/"value", tensor) of every cached tensor of a transformers cache, as it stores
-    them: a 5.x Cache's `layers[i].keys/.values`, a 4.x DynamicCache's `key_cache/value_cache`,
-    legacy tuples (a layer's single tensor, as GPT-BigCode's fused key_value in 4.x, is named
-    "key_value")."""
-    if hasattr(past, "layers"):
-        pairs = [(layer.keys, layer.values) for layer in past.layers]
-    elif hasattr(past, "key_cache"):
-        pairs = list(zip(past.key_cache, past.value_cache))
-    elif isinstance(past, (tuple, list)):
-        pairs = [tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in past]
-    else:
-        raise TypeError(f"unknown cache type {type(past).__name__}: expected a transformers Cache or legacy tuples")
-    return named_kv(pairs)
-
-
-def named_kv(pairs) -> list[tuple[int, str, torch.Tensor]]:
-    """`Session.kv()`'s per-layer tuples -> (layer, "key"/"value"/"key_value", tensor)."""
-    out = []
-    for layer, pair in enumerate(pairs):
-        pair = tuple(pair) if isinstance(pair, (tuple, list)) else (pair,)
-        if len(pair) not in (1, 2):
-            raise TypeError(f"kv() layer {layer}: {len(pair)} tensors, expected (key, value) or (key_value,)")
-        names = ("key", "value") if len(pair) == 2 else ("key_value",)
-        out += [(layer, n, t) for n, t in zip(names, pair) if t is not None]
-    return out
 
 
 # --- what a check runs on ----------------------------------------------------------------------------------
@@ -318,7 +259,7 @@ def last_positions(logits: torch.Tensor) -> torch.Tensor:
 
 # --- family-P0 ----------------------------------------------------------------------------------------------
 
-def check_uncached(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
+def check_uncached(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> list[str]:
     """family-P0: the implementation's uncached forward = transformers' over the same weights."""
     if implementation_name(implementation) == "transformers":
         raise InputError("family-P0 compares an implementation with transformers' own model: transformers "
@@ -330,11 +271,12 @@ def check_uncached(implementation, family, variant: str, path: str = "concat", d
     assert_close(got, c.oracle(ids, mask), c.tol("logits:uncached"),
                  "family-P0 uncached logits vs transformers' uncached forward (same weights)",
                  c.ctx(step="uncached", operation="logits"), where=mask.bool()[:, :, None])
+    return c.notes
 
 
 # --- family-P1 ----------------------------------------------------------------------------------------------
 
-def check_cached(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
+def check_cached(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> list[str]:
     """family-P1 (module doc)."""
     c = case_of(implementation, family, variant, path, dtype, "family-P1")
     tol = c.tol(f"logits:{c.session_path}")
@@ -369,6 +311,7 @@ def check_cached(implementation, family, variant: str, path: str = "concat", dty
     if lacks_extend:
         raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: the k-token cached call: {lacks_extend} "
                           "(the prefill and the decode steps held)")
+    return c.notes
 
 
 # --- family-P2 ----------------------------------------------------------------------------------------------
@@ -401,7 +344,7 @@ def token_positions(t: torch.Tensor, axis: int, mask: torch.Tensor) -> torch.Ten
     return rows.reshape(shape)
 
 
-def check_static_concat(implementation, family, variant: str, path: str = "static", dtype=torch.float32) -> None:
+def check_static_concat(implementation, family, variant: str, path: str = "static", dtype=torch.float32) -> list[str]:
     """family-P2 (module doc): greedy tokens from the concat path, fed to both."""
     c = case_of(implementation, family, variant, path, dtype, "family-P2")
     if c.session_path != "static":
@@ -469,6 +412,7 @@ def check_static_concat(implementation, family, variant: str, path: str = "stati
     if lacks_extend:
         raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: the k-token cached call: {lacks_extend} "
                           "(the prefill and the decode steps held)")
+    return c.notes
 
 
 # --- family-P3 ----------------------------------------------------------------------------------------------
@@ -546,7 +490,7 @@ def check_entry_bytes(c: Case, session, kv) -> None:
 
 
 def check_no_pinned_storage(implementation, family, variant: str, path: str = "concat",
-                            dtype=torch.float32) -> None:
+                            dtype=torch.float32) -> list[str]:
     """family-P3 (module doc)."""
     c = case_of(implementation, family, variant, path, dtype, "family-P3")
     modules = c.fused_modules()
@@ -566,12 +510,13 @@ def check_no_pinned_storage(implementation, family, variant: str, path: str = "c
             drive(c, c.session(), inspect)
     finally:
         capture.close()
+    return c.notes
 
 
 # --- family-P4 ----------------------------------------------------------------------------------------------
 
 def check_outputs_not_reused(implementation, family, variant: str, path: str = "concat",
-                             dtype=torch.float32) -> None:
+                             dtype=torch.float32) -> list[str]:
     """family-P4 (module doc). A runner that declares Capabilities(graph_outputs=True) returns
     buffers a later call overwrites on purpose (graph replays): only the K/V aliasing is checked."""
     c = case_of(implementation, family, variant, path, dtype, "family-P4")
@@ -591,7 +536,7 @@ def check_outputs_not_reused(implementation, family, variant: str, path: str = "
         drive(c, c.session(), keep)
     if c.runner.capabilities.graph_outputs:
         c.notes.append("family-P4: graph_outputs declared: returned logits may be overwritten by later calls")
-        return
+        return c.notes
     for step, kept in returned:
         if not torch.equal(step.logits, kept):
             diff = (step.logits.float() - kept.float()).abs().max().item()
@@ -599,6 +544,7 @@ def check_outputs_not_reused(implementation, family, variant: str, path: str = "
                                   f"overwritten by a later call (max abs change {diff:.3e}): a caller that keeps "
                                   f"them (generate's scores, a beam's history) reads another step's values "
                                   f"[{describe(c.ctx(step=step.name, operation=step.operation))}]")
+    return c.notes
 
 
 # --- family-ops ---------------------------------------------------------------------------------------------
@@ -657,7 +603,7 @@ def program_steps(c: Case, name: str, ops, session, history, tol, held: list) ->
             held.append(f"step {i} ({op.describe()})")  # a crop or reorder is judged by the next logits call
 
 
-def check_operations(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
+def check_operations(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> list[str]:
     """family-ops (module doc). A program whose operation the implementation lacks is Unsupported
     with its reason, after the other program ran: never a pass."""
     c = case_of(implementation, family, variant, path, dtype, "family-ops")
@@ -676,6 +622,7 @@ def check_operations(implementation, family, variant: str, path: str = "concat",
     if unsupported:
         ran = "" if len(unsupported) == 2 else " (the other program ran and held)"
         raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: " + " | ".join(unsupported) + ran)
+    return c.notes
 
 
 # --- family-memory ------------------------------------------------------------------------------------------
@@ -713,7 +660,7 @@ def warm_up(c: Case) -> None:
     gc.collect()
 
 
-def check_memory(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> None:
+def check_memory(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> list[str]:
     """family-memory (module doc)."""
     from mpt_kv.checks.ceilings import model_state_tensors
 
@@ -761,14 +708,11 @@ def check_memory(implementation, family, variant: str, path: str = "concat", dty
             f"{'; ' if alive and kept else ''}{'the model or runner keeps ' + found if kept else ''}"
             + ("" if kept or not alive else "; no tensor attribute of the model or runner holds them")
             + f" [{describe(c.ctx(step='after the session'))}]")
+    return c.notes
 
 
-CHECKS = Registry("family check id", {
-    "family-P0": check_uncached,
-    "family-P1": check_cached,
-    "family-P2": check_static_concat,
-    "family-P3": check_no_pinned_storage,
-    "family-P4": check_outputs_not_reused,
-    "family-ops": check_operations,
-    "family-memory": check_memory,
-})
+# property -> its function, as the index names them (`CHECKS["family-P3"](implementation, family,
+# variant, path)`: the family checks' own calling form; `mpt_kv.CHECKS["family-P3/concat"](target)` runs
+# the same function on a FamilyTarget through the run layer)
+CHECKS = Registry("family check id", {p.name: globals()[p.function.split(":")[1]]
+                                      for p in index.PROPERTIES if p.family})

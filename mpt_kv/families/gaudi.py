@@ -149,8 +149,8 @@ def set_generation_settings(model, settings: dict) -> None:
 
 def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     """(port model, its config): the port of the tiny config with the weights of transformers'
-    model of it (`mpt_kv.families.checks.build(family, variant, seed)`), strict, cast to dtype."""
-    from mpt_kv.families.checks import build as build_transformers
+    model of it (`mpt_kv.families.models.build(family, variant, seed)`), strict, cast to dtype."""
+    from mpt_kv.families.models import build as build_transformers
 
     port = _port(family)
     module = load_port_module(family)

@@ -1,6 +1,6 @@
 """The implementations of a family the family checks run on: each a builder
 `(family, variant, dtype=torch.float32, *, seed=0, **options) -> mpt_kv.targets.Runner` whose
-model holds the state_dict of `mpt_kv.families.checks.build(family, variant, seed)[0]`
+model holds the state_dict of `mpt_kv.families.models.build(family, variant, seed)[0]`
 (transformers' model of the tiny config, fp32, eager attention), cast to dtype.
 
 transformers     transformers' own model, driven by `TransformersRunner`: concat = DynamicCache,
@@ -24,7 +24,7 @@ import torch
 from mpt_kv.errors import InputError, Registry, TargetUnavailable
 from mpt_kv.families.base import Family
 from mpt_kv.versions import BUILTIN, transformers_major, transformers_version
-from mpt_kv.targets import Capabilities, Runner
+from mpt_kv.targets import Capabilities, FamilyTarget, Runner
 
 # A tiny config's limit on positions, where the family has none (ALiBi: BLOOM): far past what the
 # checks write (a prompt of 6-8 and a few steps)
@@ -74,7 +74,7 @@ def transformers_runner(family: Family, variant: str, dtype: torch.dtype = torch
         import transformers  # noqa: F401
     except ImportError as e:
         raise TargetUnavailable(f"transformers is not installed ({e})") from e
-    from mpt_kv.families.checks import build
+    from mpt_kv.families.models import build
     from mpt_kv.targets.wrappers import TransformersRunner
 
     model, config = build(family, variant, seed)
@@ -109,5 +109,17 @@ def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float3
 
 
 IMPLEMENTATIONS = Registry("implementation", {"transformers": transformers_runner, "optimum-habana": gaudi_runner})
+# the cache paths each implementation has (the family matrix's rows): static+reuse is optimum-habana's
+# reuse_cache on the static path
+PATHS = {"transformers": ("concat", "static"), "optimum-habana": ("concat", "static", "static+reuse")}
+
+
+def family_targets(implementations=tuple(IMPLEMENTATIONS)) -> list[FamilyTarget]:
+    """Every variant of every family of the registry on each implementation, with its paths;
+    transformers is family-P0's oracle (no P0 cell of its own)."""
+    from mpt_kv.families import variants
+
+    return [FamilyTarget(impl, family, variant, PATHS[impl], oracle=impl == "transformers")
+            for impl in implementations for family, variant in variants()]
 # the distribution whose absence makes an implementation's cases skip (the package map: mpt_kv.versions)
 PACKAGES = {name: BUILTIN[name].requires[0] for name in IMPLEMENTATIONS}

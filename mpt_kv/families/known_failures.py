@@ -1,6 +1,8 @@
 """Known upstream failures of the family checks, as data (`known_failures.json` beside this
-file): the same idea as `mpt_kv.targets.known_failures` (whose field, pattern and version checks
-it shares), keyed by implementation, family, variant, property and path.
+file), loaded into the known-failure rule's own entries (`mpt_kv.checks.known_failures.Entry`,
+whose field, pattern and version checks this file shares), keyed by implementation, family,
+variant, property and path: an entry's target is "<implementation>/<family>/<variant>", the name
+of the family target the conformance run checks (`mpt_kv.targets.FamilyTarget`).
 
     {"family": "mpt", "variant": "alibi", "property": "family-P3",
      "when": {"transformers": ">=4.55,<4.56"},
@@ -17,17 +19,18 @@ optional  implementation ("transformers", the default, or "optimum-habana"); pat
 
 Any other field is an error naming it (a typo must not pass silently). A case an entry applies to
 (the installed versions match `when`) is a strict xfail that only a `PropertyFailure` whose message
-the pattern finds (`re.search`) satisfies; a pass or any other failure fails the case (the
-conformance test does this: `NotTheKnownFailure`). New entries go at the END of the list."""
+the pattern finds (`re.search`) satisfies; a pass or any other failure fails the case (the pytest
+plugin applies it to every case, MPT and family alike: `mpt_kv.plugin.known_failures`). New entries
+go at the END of the list."""
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
-from mpt_kv.targets.known_failures import check_fields, compile_pattern, installed_versions_match, parse_when
+from mpt_kv.checks.known_failures import Entry, check_fields, compile_pattern, parse_when
+from mpt_kv.checks.index import FAMILY_PATHS, NAMES
+from mpt_kv.errors import KnownFailuresError
 
 FILE = Path(__file__).with_name("known_failures.json")
 COST_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "families"
@@ -37,27 +40,7 @@ OPTIONAL = {"implementation": str, "path": str, "views": list, "cost_config": st
 VIEWS = ("key", "value", "key_value")
 
 
-@dataclass(frozen=True)
-class Known:
-    family: str
-    variant: str
-    property: str
-    pattern: re.Pattern
-    reason: str
-    upstream: str
-    when: dict  # distribution -> SpecifierSet
-    implementation: str = "transformers"
-    path: str | None = None  # None: every path
-    views: tuple = ()
-    cost_config: str | None = None
-
-    def applies(self) -> bool:
-        return installed_versions_match(self.when)
-
-    def covers(self, implementation: str, family: str, variant: str, prop: str, path: str) -> bool:
-        case = (implementation, family, variant, prop)
-        return ((self.implementation, self.family, self.variant, self.property) == case
-                and self.path in (None, path))
+Known = Entry  # the name of a family entry before the one known-failure rule
 
 
 def cost_configs() -> set[str]:
@@ -67,24 +50,24 @@ def cost_configs() -> set[str]:
     return names | ({"mpt-7b"} if (COST_CONFIGS.parent / "mpt-7b.json").is_file() else set())
 
 
-def _entry(raw, i: int, path) -> Known:
+def _entry(raw, i: int, path, first_index: int = 0) -> Entry:
     from mpt_kv.families import FAMILIES
-    from mpt_kv.families.checks import CHECKS, PATHS
     from mpt_kv.families.implementations import IMPLEMENTATIONS
 
     def bad(what):
-        return ValueError(f"family known failures {path}: entry {i}: {what}")
+        return KnownFailuresError(f"family known failures {path}: entry {i}: {what}")
 
     check_fields(raw, REQUIRED, OPTIONAL, bad)
     if raw["family"] not in FAMILIES or raw["variant"] not in FAMILIES[raw["family"]].variants:
         raise bad(f"no family variant {raw['family']}/{raw['variant']}")
-    if raw["property"] not in CHECKS:
-        raise bad(f"unknown property {raw['property']!r}; expected one of {tuple(CHECKS)}")
+    if not raw["property"].startswith("family-") or raw["property"] not in NAMES:
+        raise bad(f"unknown property {raw['property']!r}; expected one of "
+                  f"{tuple(n for n in NAMES if n.startswith('family-'))}")
     implementation = raw.get("implementation", "transformers")
     if implementation not in IMPLEMENTATIONS:
         raise bad(f"unknown implementation {implementation!r}; expected one of {tuple(IMPLEMENTATIONS)}")
-    if raw.get("path", PATHS[0]) not in PATHS:
-        raise bad(f"unknown path {raw['path']!r}; expected one of {PATHS}")
+    if raw.get("path", FAMILY_PATHS[0]) not in FAMILY_PATHS:
+        raise bad(f"unknown path {raw['path']!r}; expected one of {FAMILY_PATHS}")
     views = raw.get("views", [])
     if not views and "views" in raw or any(v not in VIEWS for v in views) or len(set(views)) != len(views):
         raise bad(f"'views' {views!r}: a non-empty list of distinct names out of {VIEWS}")
@@ -93,23 +76,45 @@ def _entry(raw, i: int, path) -> Known:
                   f"(there: {sorted(cost_configs())})")
     if not raw["reason"].strip():
         raise bad("'reason' is empty: say what upstream does wrong and since when")
-    return Known(raw["family"], raw["variant"], raw["property"], compile_pattern(raw["pattern"], bad), raw["reason"],
-                 raw["upstream"], parse_when(raw["when"], bad), implementation, raw.get("path"), tuple(views),
-                 raw.get("cost_config"))
+    return Entry(first_index + i, f"{implementation}/{raw['family']}/{raw['variant']}", raw["property"],
+                 raw["reason"], compile_pattern(raw["pattern"], bad), raw.get("path"), None,
+                 parse_when(raw["when"], bad), str(path), None, raw["upstream"], tuple(views), raw.get("cost_config"))
 
 
-def load(path: str | Path = FILE) -> list[Known]:
-    """Every entry, checked: a malformed one is a ValueError naming the file, the entry and why."""
+def check_entries_cover_cells(entries) -> None:
+    """An entry about a cell the family matrix does not have (P0 of transformers, P2 on concat, a path
+    the implementation lacks: `mpt_kv.checks.registry.applies`) would never apply: an error naming it,
+    not an entry silently unused."""
+    from mpt_kv.checks.registry import CHECKS, applies
+    from mpt_kv.families.implementations import PATHS
+    from mpt_kv.targets import FamilyTarget
+
+    for e in entries:
+        target = FamilyTarget(e.implementation, e.family, e.variant, PATHS[e.implementation],
+                              oracle=e.implementation == "transformers")
+        if not any(c.property == e.property and e.path in (None, c.path) and applies(c, target) for c in CHECKS.values()):
+            raise KnownFailuresError(
+                f"family known failure {e.implementation} {e.family}/{e.variant} {e.property} path {e.path or 'any'}: "
+                f"the matrix has no such cell (paths of {e.implementation}: {PATHS[e.implementation]}; family-P0 only on "
+                "concat and not for transformers; family-P2 only on static paths)")
+
+
+def load(path: str | Path = FILE, first_index: int = 0) -> list[Entry]:
+    """Every entry, checked (its fields, and that the matrix has its cell): a malformed one is a
+    KnownFailuresError (a ValueError) naming the file, the entry and why."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, list):
-        raise ValueError(f"family known failures {path}: expected a JSON list of entries, got {type(data).__name__}")
-    return [_entry(raw, i, path) for i, raw in enumerate(data)]
+        raise KnownFailuresError(f"family known failures {path}: expected a JSON list of entries, got "
+                                 f"{type(data).__name__}")
+    entries = [_entry(raw, i, path, first_index) for i, raw in enumerate(data)]
+    check_entries_cover_cells(entries)
+    return entries
 
 
 def applying(implementation: str, family: str, variant: str, prop: str, path: str,
-             entries: list[Known]) -> Known | None:
+             entries: list[Entry]) -> Entry | None:
     """The entry that applies to the case here (its versions installed), if any."""
     for e in entries:
-        if e.covers(implementation, family, variant, prop, path) and e.applies():
+        if e.covers(f"{implementation}/{family}/{variant}", prop, path, None) and e.applies():
             return e
     return None

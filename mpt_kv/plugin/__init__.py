@@ -9,6 +9,8 @@ meets them. Each hands its work to the module that owns that job:
   outcomes        what each case's reports say, collected in this process (results, memory, extras)
   ceilings        the stored memory ceilings, --update-ceilings, the memory table and its advice
   report          the conformance matrix and the JSON report (--mpt-kv-report)
+  markdown        the run's Markdown summary (--mpt-kv-markdown)
+  state           the session's state: what each module learns as the run goes (RunState)
 
 docs/gate.md says what the gate guarantees; docs/targets.md how a project configures it. The
 package imports torch only inside hooks and fixtures: an xdist worker loads it before its card is
@@ -20,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from mpt_kv import devices
-from mpt_kv.plugin import cards, ceilings, gate, known_failures, options, outcomes, parametrize, report
+from mpt_kv.plugin import cards, ceilings, gate, known_failures, options, outcomes, parametrize, report, state
 from mpt_kv.plugin import markdown as markdown_summary
 from mpt_kv.plugin.parametrize import missing_package  # noqa: F401  (mpt_kv.cli.bench)
 
@@ -46,11 +48,24 @@ def pytest_configure(config):
     options.check(config)
     from mpt_kv.checks.strategies import load_profile
 
-    config._mpt_kv_profile = load_profile()
+    run = state.start(config)  # this session's state (one per process): what every module below records
+    run.profile = load_profile()
+    config.pluginmanager.register(Collector(run), "mpt_kv_collector")
     gate.configure(config)
     known_failures.configure(config)
-    outcomes.clear()  # one set of lists per process: the controller's (or a worker's) reports
     report.clear_stale_report(config)
+
+
+class Collector:
+    """Every report as it arrives (on the xdist controller: from every worker), into the session's
+    state: pytest_runtest_logreport gets no config, so the state's collector is a plugin object."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def pytest_runtest_logreport(self, report):
+        outcomes.collect(self.run, report)
+        known_failures.count(self.run, report)
 
 
 def pytest_sessionstart(session):
@@ -128,11 +143,6 @@ def pytest_runtest_makereport(item, call):
     return rep
 
 
-def pytest_runtest_logreport(report):
-    outcomes.collect(report)
-    known_failures.count(report)
-
-
 # --- the end: verdict, ceilings, report (written last), summary ---------------------------------------------------
 
 @pytest.hookimpl(tryfirst=True)
@@ -140,19 +150,19 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if getattr(config, "workerinput", None) is not None:
         return  # xdist worker: the controller sees every report and decides
+    run = state.run_state(config)
     verdict = gate.verdict(config)
     failed = bool(verdict)
     failed |= known_failures.strict_failure(config)
     failed |= ceilings.update_ceilings(config)
     path = config.getoption("mpt_kv_report")
     if path:
-        config._mpt_kv_report_problem = report.write_report(config, path, outcomes.results, outcomes.memory,
-                                                            outcomes.extras)
-        failed |= config._mpt_kv_report_problem is not None
+        run.report_problem = report.write_report(config, path, run.results, run.memory, run.extras)
+        failed |= run.report_problem is not None
     markdown = config.getoption("mpt_kv_markdown")
     if markdown:
-        config._mpt_kv_markdown_problem = markdown_summary.write(config, markdown, outcomes.results, verdict)
-        failed |= config._mpt_kv_markdown_problem is not None
+        run.markdown_problem = markdown_summary.write(config, markdown, run.results, verdict)
+        failed |= run.markdown_problem is not None
     if failed:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -160,13 +170,13 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if getattr(config, "workerinput", None) is not None:
         return
-    tw = terminalreporter
-    report.summary(tw, config, outcomes.results, outcomes.extras)
+    tw, run = terminalreporter, state.run_state(config)
+    report.summary(tw, config, run.results, run.extras)
     gate.summary(tw, config)
     cards.summary(tw, config)
     known_failures.summary(tw, config)
     ceilings.summary(tw, config)
-    for problem in (getattr(config, "_mpt_kv_report_problem", None), getattr(config, "_mpt_kv_markdown_problem", None)):
+    for problem in (run.report_problem, run.markdown_problem):
         if problem:
             tw.write_line(problem, red=True)
     hint = report.short_traceback_hint(tw, config)

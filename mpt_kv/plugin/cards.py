@@ -13,6 +13,7 @@ import pytest
 
 from mpt_kv import devices
 from mpt_kv.plugin.gate import device_survey
+from mpt_kv.plugin.state import run_state
 
 
 def check_pinned_in_worker() -> None:
@@ -37,13 +38,13 @@ def set_up_pool(config, specs) -> None:
                     f"{devices.VISIBLE[kind]} {','.join(info['cards'])}); each worker needs a card of its own: "
                     f"run with -n {len(info['cards'])} or fewer, or leave {kind} out (-m 'not {kind}' or --device)")
             cards[kind] = info["cards"]
-    config._mpt_kv_cards = devices.CardPool(cards) if cards else None
+    run_state(config).cards = devices.CardPool(cards) if cards else None
 
 
 def pin_worker(node) -> None:
     """xdist controller, a worker process started but its pytest not yet: set its card in its
     environment (execnet's remote_exec, as xdist itself does for sys.path)."""
-    pool = getattr(node.config, "_mpt_kv_cards", None)
+    pool = run_state(node.config).cards
     if pool is None:
         return
     env = devices.pin_env(pool.take(node.gateway.id))
@@ -53,12 +54,12 @@ def pin_worker(node) -> None:
 def give_back(node) -> None:
     """A worker finished or crashed: its cards go back to the pool (xdist starts a replacement
     under a new name, gwN beyond the card count, and it takes them)."""
-    pool = getattr(node.config, "_mpt_kv_cards", None)
+    pool = run_state(node.config).cards
     if pool is not None:
         pool.give_back(node.gateway.id)
 
 
 def summary(tw, config) -> None:
-    pool = getattr(config, "_mpt_kv_cards", None)
+    pool = run_state(config).cards
     if pool is not None:
         tw.write_line("xdist cards: " + "; ".join(pool.log))

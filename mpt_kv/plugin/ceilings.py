@@ -10,18 +10,19 @@ from __future__ import annotations
 import shlex
 from collections import defaultdict
 
-from mpt_kv.plugin import outcomes
+from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.options import ceilings_dir, required_ceilings
 
 
 def stored_ceilings(config):
     """The project's StoredCeilings for the memory checks (mpt_kv.checks.ceilings), made once."""
-    if not hasattr(config, "_mpt_kv_stored_ceilings"):
+    state = run_state(config)
+    if state.stored_ceilings is None:
         from mpt_kv.checks.ceilings import StoredCeilings  # (torch: a memory check runs, it is imported)
 
-        config._mpt_kv_stored_ceilings = StoredCeilings(ceilings_dir(config), required_ceilings(config),
+        state.stored_ceilings = StoredCeilings(ceilings_dir(config), required_ceilings(config),
                                                         bool(config.getoption("update_ceilings")))
-    return config._mpt_kv_stored_ceilings
+    return state.stored_ceilings
 
 
 def record_command(config) -> str:
@@ -44,12 +45,13 @@ def update_ceilings(config) -> bool:
         return False
     from mpt_kv.checks import ceilings
 
-    config._mpt_kv_ceilings_diff = lines = []
+    memory = run_state(config).memory
+    run_state(config).ceilings_diff = lines = []
     failed = False
-    for kind in sorted({m["device"] for m in outcomes.memory}):
+    for kind in sorted({m["device"] for m in memory}):
         path = ceilings.baseline_path(kind, ceilings_dir(config))
-        measured = [m for m in outcomes.memory if m["device"] == kind and not m.get("problems")]
-        broken = [m for m in outcomes.memory if m["device"] == kind and m.get("problems")]
+        measured = [m for m in memory if m["device"] == kind and not m.get("problems")]
+        broken = [m for m in memory if m["device"] == kind and m.get("problems")]
         if broken:
             lines.append(f"NOT recorded: {len(broken)} {kind} measurements failed the analytic check (a bug in the "
                          "target, never a baseline): fix it first")
@@ -68,7 +70,7 @@ def update_ceilings(config) -> bool:
             lines.append(f"NOT written: {len({c.key for c in refused})} entries would loosen their ceilings "
                          "(rerun with --allow-looser-ceilings to accept):")
             lines += ceilings.diff_lines(refused)
-    if not outcomes.memory:
+    if not memory:
         lines.append("--update-ceilings: no memory measurement ran, nothing written")
     return failed
 
@@ -83,7 +85,7 @@ def failure_lines(config) -> list[str]:
     from mpt_kv.checks import ceilings
 
     stored, analytic, missing = {}, defaultdict(int), defaultdict(int)
-    for m in outcomes.memory:
+    for m in run_state(config).memory:
         if m["outcome"] not in ("failed", "error"):
             continue
         target = m["target"] + (f" ({m['target_version']})" if m.get("target_version") else "")
@@ -113,13 +115,14 @@ def failure_lines(config) -> list[str]:
 def summary(tw, config) -> None:
     if getattr(config, "workerinput", None) is not None:
         return
-    if outcomes.memory and not config.getoption("no_mpt_kv_matrix"):
+    state = run_state(config)
+    if state.memory and not config.getoption("no_mpt_kv_matrix"):
         from mpt_kv.checks.ceilings import table
 
         tw.write_sep("=", "mpt-kv memory")
-        for line in table(outcomes.memory):
+        for line in table(state.memory):
             tw.write_line(line)
-    diff = getattr(config, "_mpt_kv_ceilings_diff", None)
+    diff = state.ceilings_diff
     if diff is not None:
         tw.write_sep("=", "mpt-kv memory ceilings updated")
         for line in diff:

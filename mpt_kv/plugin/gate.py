@@ -20,6 +20,7 @@ import pytest
 from mpt_kv import devices
 from mpt_kv.checks import index
 from mpt_kv.outputs import file_problem
+from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin import outcomes
 from mpt_kv.plugin.options import ENV_REQUIRE
 
@@ -132,7 +133,7 @@ def device_requirements(config) -> dict[str, str]:
 
 def configure(config) -> None:
     """What the gate refuses before collection: --update-ceilings under CI, an unwritable report
-    path. Sets config._mpt_kv_required."""
+    path. Sets the run's required devices (RunState.required)."""
     if config.getoption("update_ceilings") and in_ci():
         raise pytest.UsageError("--update-ceilings is refused under CI: recording a baseline is a local step whose "
                                 "diff a reviewer reads; run it locally, review the diff and commit the file")
@@ -142,7 +143,7 @@ def configure(config) -> None:
             problem = file_problem(path)
             if problem:
                 raise pytest.UsageError(f"{flag} {path}: {problem}")
-    config._mpt_kv_required = device_requirements(config)
+    run_state(config).required = device_requirements(config)
 
 
 def is_xdist_controller(config) -> bool:
@@ -153,15 +154,16 @@ def device_survey(config) -> dict[str, dict]:
     """{kind: {"reason", "cards"}} for the accelerator kinds the run selects or requires. The
     xdist controller probes them in a subprocess (devices.survey): it never initialises a device
     its workers need. A single process probes here; it is the one that uses the device."""
-    if getattr(config, "_mpt_kv_survey", None) is None:
+    state = run_state(config)
+    if state.survey is None:
         selectable = kinds_selectable_by_markexpr(config.getoption("markexpr", ""))
         kinds = [k for k in devices.KINDS if k != "cpu" and k in selectable and
-                 (k in (config.getoption("device") or devices.KINDS) or k in config._mpt_kv_required)]
+                 (k in (config.getoption("device") or devices.KINDS) or k in state.required)]
         if is_xdist_controller(config):
-            config._mpt_kv_survey = devices.survey(kinds)
+            state.survey = devices.survey(kinds)
         else:
-            config._mpt_kv_survey = {k: {"reason": devices.unavailable_reason(k), "cards": None} for k in kinds}
-    return config._mpt_kv_survey
+            state.survey = {k: {"reason": devices.unavailable_reason(k), "cards": None} for k in kinds}
+    return state.survey
 
 
 def kind_reason(config, kind: str) -> str | None:
@@ -177,7 +179,7 @@ def check_required_devices(config) -> None:
     device fixture), it must not crash and be restarted on the same card again and again."""
     if hasattr(config, "workerinput"):
         return
-    for kind, why in config._mpt_kv_required.items():
+    for kind, why in run_state(config).required.items():
         reason = kind_reason(config, kind)
         if reason:
             hint = "" if why.startswith(("--require-device", ENV_REQUIRE)) else \
@@ -191,8 +193,9 @@ def check_required_devices(config) -> None:
 def gate_failures(config) -> list[str]:
     """One line per required kind of which no case passed."""
     out = []
-    for kind, why in config._mpt_kv_required.items():
-        ran = [r for r in outcomes.results if kind in r["kinds"]]
+    state = run_state(config)
+    for kind, why in state.required.items():
+        ran = [r for r in state.results if kind in r["kinds"]]
         passed = [r for r in ran if r["outcome"] in ("passed", "xfail")]
         if not passed:
             out.append(f"{why}: no {kind} case passed ({len(ran)} {kind} cases reported). "
@@ -289,7 +292,7 @@ def _what_ran(cases: list[dict]) -> str:
 
 def run_problems(results: list[dict], allow_missing_device: bool = False,
                  allow_no_cache_check: bool = False) -> list[str]:
-    """What a green run must contain, over its result records (mpt_kv.plugin.outcomes.results, or a
+    """What a green run must contain, over its result records (the RunState's results, or a
     JSON report's: `python -m mpt_kv report` applies this same function): a target its conformance
     tests apply to; some conformance case that ran (unless --allow-missing-device); and per target
     that ran, a cache property checked on a cache path (unless --allow-no-cache-check). Empty: green."""
@@ -301,7 +304,7 @@ def run_problems(results: list[dict], allow_missing_device: bool = False,
 
 def verdict(config) -> list[str]:
     """Every reason the gate fails this run (empty: it does not)."""
-    return gate_failures(config) + run_problems(outcomes.results, bool(config.getoption("allow_missing_device")),
+    return gate_failures(config) + run_problems(run_state(config).results, bool(config.getoption("allow_missing_device")),
                                                 bool(config.getoption("allow_no_cache_check")))
 
 

@@ -1,30 +1,31 @@
-"""Known upstream failures (mpt_kv/targets/known_failures.json, or the project's own file): a
-case an entry covers is a strict xfail that only the PropertyFailure its pattern names
-satisfies; a pass (upstream fixed it) or any other failure fails the case, saying why. Entries
-that cover no case of the run are listed (an error with --strict-known-failures).
+"""Known upstream failures, one rule for every conformance case (`mpt_kv.checks.known_failures`):
+the MPT targets' entries (mpt_kv/targets/known_failures.json, or the project's own file) and the
+family checks' (mpt_kv/families/known_failures.json, loaded with the first family case: the families'
+registry imports torch). A case an entry covers is a strict xfail that only the PropertyFailure its
+pattern names satisfies; a pass (upstream fixed it) or any other failure fails the case, saying why.
+Entries that cover no case of the run are listed (an error with --strict-known-failures).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.options import (BUILTIN_PACKAGES, ENV_KNOWN_FAILURES, ini_relative, strict_known_failures,
                                    target_specs)
 
 KNOWN = pytest.StashKey[object]()  # item -> its known_failures.Entry
-_xfailed: defaultdict = defaultdict(int)  # entry index -> cases it xfailed
 
 
 def path(config):
     """The known-failures file: $MPT_KV_KNOWN_FAILURES, else the project's (ini
     mpt_kv_known_failures, relative to the ini file), else the packaged one. One file: a project
     lists the entries that apply to what it runs (copying mpt-kv's where it runs built-in targets)."""
-    from mpt_kv.targets import known_failures
+    from mpt_kv.checks import known_failures
 
     ini = config.getini("mpt_kv_known_failures")
     return os.environ.get(ENV_KNOWN_FAILURES) or (ini_relative(config, ini) if ini else known_failures.FILE)
@@ -32,25 +33,40 @@ def path(config):
 
 def configure(config) -> None:
     """Load the file (malformed: a usage error naming the file, the entry and the problem)."""
-    from mpt_kv.targets import known_failures
+    from mpt_kv.checks import known_failures
 
     try:
-        config._mpt_kv_known = known_failures.load(path(config))
+        run_state(config).known = known_failures.load(path(config))
     except known_failures.KnownFailuresError as e:
         raise pytest.UsageError(str(e)) from None
-    config._mpt_kv_known_covered = set()
-    config._mpt_kv_known_cases = False
-    _xfailed.clear()
+
+
+def family_entries(config) -> list:
+    """The family checks' entries, loaded once (their registry imports torch, so not at configure)."""
+    state = run_state(config)
+    if state.family_known is None:
+        from mpt_kv.families import known_failures as family_file
+
+        state.family_known = family_file.load()
+    return state.family_known
+
+
+def entries(config) -> list:
+    """Every entry this run judges: the MPT file's, and the families' where a family case was collected."""
+    state = run_state(config)
+    return state.known + (family_entries(config) if state.family_cases else [])
 
 
 def note_case(config, item, params: dict) -> None:
     """At collection (before -m/-k deselect: an entry is judged against every collected case):
     which entries cover this conformance case, and the one that applies to it."""
-    config._mpt_kv_known_cases = True
-    for e in config._mpt_kv_known:
+    state = run_state(config)
+    state.known_cases = True
+    state.family_cases |= bool(params.get("implementation"))
+    for e in entries(config):
         if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket"), params.get("check")):
-            config._mpt_kv_known_covered.add(e.index)
-    entry = match(params, config._mpt_kv_known)
+            state.known_covered.add(e.key)
+    entry = match(params, entries(config))
     if entry is not None:
         item.stash[KNOWN] = entry
 
@@ -58,15 +74,18 @@ def note_case(config, item, params: dict) -> None:
 def tell_controller(config) -> None:
     """xdist worker: the controller, which collects nothing, learns what was covered."""
     if hasattr(config, "workeroutput"):
-        config.workeroutput["mpt_kv_known"] = {"covered": sorted(config._mpt_kv_known_covered),
-                                               "cases": config._mpt_kv_known_cases}
+        state = run_state(config)
+        config.workeroutput["mpt_kv_known"] = {"covered": sorted(state.known_covered), "cases": state.known_cases,
+                                               "family_cases": state.family_cases}
 
 
 def from_worker(node) -> None:
     known = getattr(node, "workeroutput", {}).get("mpt_kv_known")
     if known:
-        node.config._mpt_kv_known_covered |= set(known["covered"])
-        node.config._mpt_kv_known_cases |= known["cases"]
+        state = run_state(node.config)
+        state.known_covered |= {tuple(key) for key in known["covered"]}
+        state.known_cases |= known["cases"]
+        state.family_cases |= known.get("family_cases", False)
 
 
 def match(params: dict, entries):
@@ -83,9 +102,11 @@ def expected_to_fail(item) -> bool:
 def words_for(entry) -> tuple[str, str]:
     """How a case's entry is named: mpt-kv's own file records upstream's failures; a project's own
     file records the project's (its own bug kept on purpose, or an upstream one it depends on)."""
-    from mpt_kv.targets.known_failures import FILE
+    from mpt_kv.checks.known_failures import FILE
 
-    if Path(entry.file).resolve() == FILE.resolve():
+    from mpt_kv.families.known_failures import FILE as FAMILY_FILE
+
+    if Path(entry.file).resolve() in (FILE.resolve(), FAMILY_FILE.resolve()):
         return "known upstream failure", "upstream fixed it"
     return f"known failure of this project ({Path(entry.file).name})", "it is fixed"
 
@@ -134,19 +155,19 @@ def apply(item, report, call) -> None:
     elif report.failed and excinfo is not None and entry.explains(excinfo.value):
         report.outcome = "skipped"
         report.wasxfail = f"{kind}, {entry.name}: {entry.reason}"
-        report.user_properties = [*report.user_properties, ("mpt_kv_known_xfail", entry.index)]
+        report.user_properties = [*report.user_properties, ("mpt_kv_known_xfail", entry.key)]
     elif report.failed:
         report.sections.append(("mpt-kv known failure", (
             f"{entry.name} in {entry.file} expects a PropertyFailure whose message matches "
             f"/{entry.pattern.pattern}/; this failure is not that one, so the case fails")))
 
 
-def count(report) -> None:
+def count(state, report) -> None:
     """On the controller: a case an entry xfailed."""
     if report.when == "call":
-        index = dict(report.user_properties).get("mpt_kv_known_xfail")
-        if index is not None:
-            _xfailed[index] += 1
+        key = dict(report.user_properties).get("mpt_kv_known_xfail")
+        if key is not None:
+            state.xfailed[tuple(key)] += 1
 
 
 def unmatched(config) -> list:
@@ -155,16 +176,17 @@ def unmatched(config) -> list:
     collected at all (e.g. only the suite's own tests ran). An entry about a built-in target this
     run does not run (--only-targets: mpt-kv's own entries for its transformers target) is not
     unmatched: it has no case here to match (`elsewhere`)."""
-    if not config._mpt_kv_known_cases:
+    state = run_state(config)
+    if not state.known_cases:
         return []
-    return [e for e in config._mpt_kv_known if e.applies() and e.index not in config._mpt_kv_known_covered
+    return [e for e in entries(config) if e.applies() and e.key not in state.known_covered
             and not elsewhere(config, e)]
 
 
 def elsewhere(config, entry) -> bool:
     """The entry is about a built-in target that is not a target of this run. A target that is
     neither built in nor run stays unmatched: it may be a typo of the project's own target."""
-    return entry.target in BUILTIN_PACKAGES and entry.target not in target_specs(config)
+    return entry.implementation in BUILTIN_PACKAGES and entry.implementation not in target_specs(config)
 
 
 def strict_failure(config) -> bool:
@@ -172,27 +194,27 @@ def strict_failure(config) -> bool:
 
 
 def summary(tw, config) -> None:
-    entries = config._mpt_kv_known
+    state, every = run_state(config), entries(config)
     missing = unmatched(config)
-    used = [e for e in entries if _xfailed.get(e.index)]
-    away = [e for e in entries if config._mpt_kv_known_cases and e.applies()
-            and e.index not in config._mpt_kv_known_covered and elsewhere(config, e)]
+    used = [e for e in every if state.xfailed.get(e.key)]
+    away = [e for e in every if state.known_cases and e.applies()
+            and e.key not in state.known_covered and elsewhere(config, e)]
     if not (used or missing or away):
         return
     tw.write_sep("=", "mpt-kv known failures")
     for e in used:
-        tw.write_line(f"{e.name}: {_xfailed[e.index]} cases xfailed as known")
+        tw.write_line(f"{e.name}: {state.xfailed[e.key]} cases xfailed as known")
     strict = strict_known_failures(config)
     targets = target_specs(config)
     for e in missing:
         why = (f"a typo, or its property, path or check is gone (its target {e.target!r} runs)"
-               if e.target in targets else
+               if e.implementation in targets else
                f"its target {e.target!r} is no target of this run ({', '.join(targets)}): a typo, or the target is gone")
         tw.write_line(f"{e.name} in {e.file} matched no case of this run: {why}"
                       f"{' (--strict-known-failures: an error)' if strict else ''}", red=strict)
     if away:
         tw.write_line(f"{len(away)} entries are about built-in targets this run does not run "
-                      f"({', '.join(sorted({e.target for e in away}))})")
-    rest = len([e for e in entries if not e.applies()])
+                      f"({', '.join(sorted({e.implementation for e in away}))})")
+    rest = len([e for e in every if not e.applies()])
     if rest:
         tw.write_line(f"{rest} entries do not apply to the installed versions")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from mpt_kv.plugin.report import absent_devices, matrix_lines, with_versions
+from mpt_kv.plugin.state import run_state
 
 BROKE = ("failed", "error", "XPASS")  # the outcomes a reviewer must act on
 MAX_ROWS = 50  # of the "what broke" table; the rest is counted
@@ -96,7 +97,7 @@ def write(config, path, results: list[dict], verdict: list[str]) -> str | None:
     results = with_versions([r for r in results if "property" in r])
     try:
         with open(path, "w", encoding="utf-8") as f:
-            f.write(render(results, verdict, absent_devices(config, results), config._mpt_kv_profile))
+            f.write(render(results, verdict, absent_devices(config, results), run_state(config).profile))
     except OSError as e:
         return f"--mpt-kv-markdown {path}: the summary could not be written: {e}"
     return None

@@ -99,15 +99,18 @@ def check(config) -> None:
 
 def reference_model(config) -> dict:
     """The real model the reach table compares with (ini mpt_kv_reference_model), read once."""
-    if not hasattr(config, "_mpt_kv_reference_model"):
+    from mpt_kv.plugin.state import run_state
+
+    state = run_state(config)
+    if state.reference_model is None:
         from mpt_kv.checks import reach
 
         ini = config.getini("mpt_kv_reference_model")
         try:
-            config._mpt_kv_reference_model = reach.load_reference_model(ini_relative(config, ini) if ini else None)
+            state.reference_model = reach.load_reference_model(ini_relative(config, ini) if ini else None)
         except ValueError as e:
             raise pytest.UsageError(f"ini option mpt_kv_reference_model: {e}") from None
-    return config._mpt_kv_reference_model
+    return state.reference_model
 
 
 # --- targets and dtypes --------------------------------------------------------------------------------------------

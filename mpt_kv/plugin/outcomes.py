@@ -4,8 +4,8 @@ phase (passed, failed, error, unsupported, xfail, XPASS), each conformance case'
 measurements, notes, declared capabilities, ceilings not stored, reach).
 
 Under xdist every record travels from the workers to the controller as report
-user_properties; the controller's lists are the run's (the gate, the report and the ceilings
-read them). One list of each per process, emptied at pytest_configure.
+user_properties; the controller's run state (mpt_kv.plugin.state.RunState: results, memory,
+extras) is the run's, which the gate, the report and the ceilings read.
 """
 
 from __future__ import annotations
@@ -17,21 +17,6 @@ import sys
 import pytest
 
 from mpt_kv import devices
-
-results: list[dict] = []   # one per case: its call, or its setup where that did not pass
-memory: list[dict] = []    # measurements of the memory checks (user property "mpt_kv_memory")
-# per target: declared unsupported features; per (target, device, file): cases without stored
-# ceilings; what the checks reached (user property "mpt_kv_reach", a dict per case)
-extras: dict = {"capabilities": {}, "unrecorded": {}, "reach": []}
-
-
-def clear() -> None:
-    results.clear()
-    memory.clear()
-    extras["capabilities"].clear()
-    extras["unrecorded"].clear()
-    extras["reach"].clear()
-
 
 # --- at collection ------------------------------------------------------------------------------------------------
 
@@ -105,10 +90,13 @@ def check_params(params: dict) -> dict:
         params = {**params, "check": check.id, "path": check.path, "bucket": check.bucket}
         if check.path is None:
             del params["path"]
-    if "target" in params and not isinstance(params["target"], str):
+    target = params.get("target")
+    if target is not None and not isinstance(target, str):
         from mpt_kv.targets import target_name
 
-        params["target"] = target_name(params["target"])
+        params["target"] = target_name(target)
+        if hasattr(target, "implementation_name"):  # a FamilyTarget: the gate judges its implementation's ports
+            params["implementation"] = target.implementation_name
     return params
 
 
@@ -187,9 +175,10 @@ def message_of(report) -> str | None:
     return text[:MESSAGE_CHARS] or None
 
 
-def collect(report) -> None:
+def collect(state, report) -> None:
     """A case's call report, or its setup report where that did not pass (a device case whose
-    setup errored counts as a case of that device)."""
+    setup errored counts as a case of that device), into the run's state."""
+    results, memory, extras = state.results, state.memory, state.extras
     if not (report.when == "call" or (report.when == "setup" and report.outcome != "passed")):
         return
     props = dict(report.user_properties)

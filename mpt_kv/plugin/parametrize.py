@@ -18,6 +18,7 @@ import os
 import pytest
 
 from mpt_kv import devices, versions
+from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.options import BUILTIN_PACKAGES, dtype_names, named_targets, target_specs
 
 
@@ -56,7 +57,7 @@ def device_for(request) -> "torch.device":  # noqa: F821
         if card:  # the controller counted this card; a worker that cannot see it must not pass quietly
             pytest.fail(f"xdist worker {worker} was given {kind} card {card} ({devices.VISIBLE[kind]}={card}) but "
                         f"{kind} is not available in it: {reason}", pytrace=False)
-        why = request.config._mpt_kv_required.get(kind)
+        why = run_state(request.config).required.get(kind)
         if why:
             pytest.fail(f"{why}: {kind} is not available: {reason}", pytrace=False)
         pytest.skip(f"{kind} unavailable: {reason}")
@@ -67,7 +68,7 @@ def resolved(config, spec: str):
     """The ResolvedTarget of a spec, resolved once per process (TargetUnavailable if it does not load)."""
     from mpt_kv.targets import resolve_target
 
-    cache = config.__dict__.setdefault("_mpt_kv_resolved", {})
+    cache = run_state(config).resolved
     if spec not in cache:
         cache[spec] = resolve_target(spec)
     return cache[spec]

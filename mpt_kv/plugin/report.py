@@ -15,6 +15,7 @@ from collections import defaultdict
 
 from mpt_kv import devices, versions
 from mpt_kv.checks import index
+from mpt_kv.plugin.state import run_state
 
 PROPERTY_NAMES = index.TITLES  # the matrix's columns, in the index's order, and their legend
 ALWAYS = index.ALWAYS  # shown in every run; the others where the run has them
@@ -163,7 +164,7 @@ def write_report(config, path, results: list[dict], memory: list[dict], extras: 
     environment. Returns why it could not be written (None: written)."""
     results = with_versions([r for r in results if "property" in r])
     data = {"results": results, "memory": memory, "absent_devices": absent_devices(config, results),
-            "hypothesis_profile": config._mpt_kv_profile, "environment": environment(),
+            "hypothesis_profile": run_state(config).profile, "environment": environment(),
             "written": time.strftime("%Y-%m-%d %H:%M:%S"),
             "allow_missing_device": bool(config.getoption("allow_missing_device")),
             "allow_no_cache_check": bool(config.getoption("allow_no_cache_check")),
@@ -212,7 +213,7 @@ def summary(tw, config, results: list[dict], extras: dict) -> None:
     if config.getoption("no_mpt_kv_matrix"):
         return
     results = with_versions([r for r in results if "property" in r])
-    lines = matrix_lines(results, absent_devices(config, results), config._mpt_kv_profile)
+    lines = matrix_lines(results, absent_devices(config, results), run_state(config).profile)
     if lines:
         tw.write_sep("=", "mpt-kv conformance")
     for line in lines + project_lines(extras, config):

@@ -172,10 +172,58 @@ DTYPE_FEATURES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 BUILTIN = {name: builtin.factory for name, builtin in versions.BUILTIN.items()}  # the package map: mpt_kv.versions
 
 
+@dataclass(frozen=True)
+class FamilyTarget:
+    """A target of the family checks (docs/families.md): one implementation of one variant of another
+    decoder family, checked against transformers' own model of the same weights.
+
+    implementation  "transformers", "optimum-habana" (mpt_kv.families.implementations), or a builder
+                    `(family, variant, dtype, *, seed, **options) -> Runner` (a fork's `gaudi_runner`)
+    family          a family's name or its `mpt_kv.families.Family` (a fork: a copy of the entry)
+    variant         one of the family's variants ("mha", "gqa", "alibi", ...)
+    paths           the cache paths the implementation has (the family checks' cells: index paths)
+    oracle          the implementation is transformers itself, family-P0's oracle (no P0 cell)
+
+    Named "<implementation>/<family>/<variant>" in test ids, the matrix and known failures; a spec
+    string of that form resolves to one (`family_target`)."""
+
+    implementation: object
+    family: object
+    variant: str
+    paths: tuple[str, ...] = ("concat", "static")
+    oracle: bool = False
+
+    @property
+    def implementation_name(self) -> str:
+        impl = self.implementation
+        return impl if isinstance(impl, str) else (getattr(impl, "implementation_name", None)
+                                                  or getattr(impl, "__name__", "custom"))
+
+    @property
+    def family_name(self) -> str:
+        return self.family if isinstance(self.family, str) else self.family.name
+
+    @property
+    def name(self) -> str:
+        return f"{self.implementation_name}/{self.family_name}/{self.variant}"
+
+
+def family_target(target) -> FamilyTarget:
+    """A FamilyTarget, or its spec "<implementation>/<family>/<variant>" (names, checked where the
+    family checks build it); anything else is an InputError naming the form."""
+    if isinstance(target, FamilyTarget):
+        return target
+    parts = target.split("/") if isinstance(target, str) else []
+    if len(parts) != 3 or not all(parts):
+        raise InputError(f"a family check's target is a FamilyTarget or '<implementation>/<family>/<variant>' "
+                         f"(e.g. 'transformers/gpt2/mha'), not {target!r}")
+    return FamilyTarget(*parts)
+
+
 def target_name(target: Target) -> str:
     """How a target is named in test ids, messages, known failures and reports: the spec as
     given, or `module:qualname` for a factory passed as a callable (the spec that would load it)."""
-    if isinstance(target, ResolvedTarget):
+    if isinstance(target, (ResolvedTarget, FamilyTarget)):
         return target.name
     if isinstance(target, str):
         return target

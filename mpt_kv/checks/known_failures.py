@@ -1,5 +1,9 @@
-"""Known upstream failures are data: a JSON list of entries, one per (target, property, path)
-with the package versions it applies to (default: `known_failures.json` beside this file).
+"""The known-failure rule, one for every check (MPT and family alike) and every file: known upstream
+failures are data, a JSON list of entries, one per (target, property, path) with the package
+versions it applies to. mpt-kv's own for its MPT targets is mpt_kv/targets/known_failures.json (a
+project's own file replaces it); the family checks' is mpt_kv/families/known_failures.json, whose
+loader (`mpt_kv.families.known_failures`) makes the same `Entry` objects, its target
+"<implementation>/<family>/<variant>".
 
     {"target": "transformers", "property": "P3", "path": "concat",
      "when": {"transformers": "<4.56"},
@@ -31,10 +35,11 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from mpt_kv import versions
+from mpt_kv.checks import index
 from mpt_kv.errors import KnownFailuresError, PropertyFailure
 
-FILE = Path(__file__).with_name("known_failures.json")
-PROPERTIES = ("P0", "P1", "P2", "P3", "memory", "static-shape", "ops-P1", "ops-P2", "ops-P3", "ops-memory")
+FILE = Path(__file__).resolve().parent.parent / "targets" / "known_failures.json"
+PROPERTIES = tuple(p.name for p in index.PROPERTIES if not p.family)  # what an MPT entry may name
 PATHS = ("concat", "static")
 REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}
 OPTIONAL = {"path": str, "bucket": bool, "when": dict, "check": str}
@@ -54,6 +59,32 @@ class Entry:
     when: dict = field(default_factory=dict)  # distribution -> SpecifierSet
     file: str = ""
     check: str | None = None  # one registry check id only
+    # a family entry's (mpt_kv.families.known_failures): the upstream file and line, which cached
+    # tensors view the fused output, the real config its cost is computed at
+    upstream: str = ""
+    views: tuple = ()
+    cost_config: str | None = None
+
+    @property
+    def implementation(self) -> str:
+        """The built-in target or family implementation the entry is about (a family entry's target is
+        "<implementation>/<family>/<variant>")."""
+        return self.target.split("/", 1)[0]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The entry's identity in a run that judges several files: (its file, its index there)."""
+        return (self.file, self.index)
+
+    @property
+    def family(self) -> str | None:
+        parts = self.target.split("/")
+        return parts[1] if len(parts) == 3 else None
+
+    @property
+    def variant(self) -> str | None:
+        parts = self.target.split("/")
+        return parts[2] if len(parts) == 3 else None
 
     @property
     def name(self) -> str:
@@ -102,7 +133,7 @@ def _entry(raw, index: int, file: str) -> Entry:
                  when, file, raw.get("check"))
 
 
-# --- what every known-failures file checks (also mpt_kv.families.known_failures) -------------------------
+# --- what every known-failures file checks (mpt_kv.families.known_failures too) ----------------------------
 
 def check_fields(raw, required: dict, optional: dict, bad) -> None:
     """An object with every required field, no unknown one (a typo must not pass silently), each of
@@ -229,7 +260,7 @@ def generic_failures() -> tuple[str, ...]:
              "family-memory after prefill: the cache's distinct storages hold 2 bytes, the family's analytic K/V "
              "for 1 x 1 tokens 1: +1 bytes; x [step=prefill, operation=prefill]",
              "ops-memory decode: transient 2 bytes > bound 1 bytes: x [operation=decode]"]
-    lines += [f"{p}: raised while running the target [step=0]" for p in PROPERTIES]
+    lines += [f"{p}: raised while running the target [step=0]" for p in index.NAMES]
     for crash in crashes:
         for kind, described in ops.items():
             lines += [f"{what}: the target's {kind} raised {crash} at step 0 ({described}) "

@@ -1,0 +1,75 @@
+"""transformers' model of a family variant's tiny config: built once per process (keyed by the config
+itself, never by a name) and copied for each caller, so the oracle and every implementation of a
+variant hold the same weights; and the cached tensors of a transformers cache, named.
+
+    model, config = build(family, variant, seed)    # fp32, eager attention, seeded weights
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from mpt_kv.families import FAMILIES
+from mpt_kv.families.base import Family
+
+
+def family_of(name) -> Family:
+    if isinstance(name, Family):
+        return name
+    return FAMILIES[name]  # an unknown name: UnknownName, naming the families
+
+
+def build(family: Family, variant: str, seed: int = 0):
+    """transformers' model of a tiny config, random weights (seeded), eager attention (a fully
+    padded query row gives uniform weights there, not the NaN of an all -inf softmax)."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_of(family).config(variant)
+    key = (config_key(config), seed)
+    if key in _built:  # a copy of the model built once per process: the same weights, its own modules
+        return copy.deepcopy(_built[key]), config
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # no dtype: 4.x does not take it
+    _built[key] = model.to(torch.float32).eval()
+    return copy.deepcopy(model), config
+
+
+def config_key(config) -> str:
+    """What a transformers model built from `config` is: the config itself (its JSON, model_type
+    included), never the family's name, which a Family copy with other variants or tiny settings
+    shares."""
+    return config.to_json_string(use_diff=False)
+
+
+# (config, seed) -> transformers' model, per process (build copies it)
+_built: dict = {}
+
+
+def cached_kv(past) -> list[tuple[int, str, torch.Tensor]]:
+    """(layer, "key"/"value", tensor) of every cached tensor of a transformers cache, as it stores
+    them: a 5.x Cache's `layers[i].keys/.values`, a 4.x DynamicCache's `key_cache/value_cache`,
+    legacy tuples (a layer's single tensor, as GPT-BigCode's fused key_value in 4.x, is named
+    "key_value")."""
+    if hasattr(past, "layers"):
+        pairs = [(layer.keys, layer.values) for layer in past.layers]
+    elif hasattr(past, "key_cache"):
+        pairs = list(zip(past.key_cache, past.value_cache))
+    elif isinstance(past, (tuple, list)):
+        pairs = [tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in past]
+    else:
+        raise TypeError(f"unknown cache type {type(past).__name__}: expected a transformers Cache or legacy tuples")
+    return named_kv(pairs)
+
+
+def named_kv(pairs) -> list[tuple[int, str, torch.Tensor]]:
+    """`Session.kv()`'s per-layer tuples -> (layer, "key"/"value"/"key_value", tensor)."""
+    out = []
+    for layer, pair in enumerate(pairs):
+        pair = tuple(pair) if isinstance(pair, (tuple, list)) else (pair,)
+        if len(pair) not in (1, 2):
+            raise TypeError(f"kv() layer {layer}: {len(pair)} tensors, expected (key, value) or (key_value,)")
+        names = ("key", "value") if len(pair) == 2 else ("key_value",)
+        out += [(layer, n, t) for n, t in zip(names, pair) if t is not None]
+    return out
