@@ -8,6 +8,7 @@ a version is the installed distribution's even where importing the package would
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -30,8 +31,10 @@ BUILTIN = {
 # the family implementations (mpt_kv.families.implementations) are built-in targets of the same names
 
 
+@functools.lru_cache(maxsize=None)
 def installed(dist: str) -> str | None:
-    """The installed version of distribution `dist`, or None."""
+    """The installed version of distribution `dist`, or None (read once per process: a metadata lookup
+    costs milliseconds, and a session is built per check)."""
     try:
         return version(dist)
     except PackageNotFoundError:
