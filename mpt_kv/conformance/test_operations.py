@@ -4,14 +4,16 @@ crops (rejected candidates) and reorders (beam search), each checked after every
 
 ops-P1 against the target's own uncached forward over each row's surviving history; ops-P2 its
 static path against its concat path after the same program; ops-P3 the storage of the cached K/V
-after crops and reorders; ops-memory the transient of one reorder and of one k-token extend
+after crops and reorders; ops-static-storage the static cache's buffers staying where a captured
+graph replays into them; ops-memory the transient of one reorder and of one k-token extend
 (mpt_kv/checks/programs.py, docs/operations.md). Each test runs one check of
 `mpt_kv.checks.registry`, as test_properties.py does.
 """
 
+from mpt_kv.checks import index
 from mpt_kv.checks.registry import parametrize_with_checks
 
 
-@parametrize_with_checks(checks=["ops-P1", "ops-P2", "ops-P3", "ops-memory"])
+@parametrize_with_checks(checks=index.of_runs("program", "operation"))  # ops-*: the index's program checks
 def test_operation(check, target, device, dtype):
     check(target, device, dtype)

@@ -10,9 +10,10 @@ runs one check of `mpt_kv.checks.registry`, the same functions a project's own t
 through `mpt_kv.parametrize_with_checks`; targets, devices and dtypes come from the plugin.
 """
 
+from mpt_kv.checks import index
 from mpt_kv.checks.registry import parametrize_with_checks
 
 
-@parametrize_with_checks(checks=["P0", "P1", "P2", "P3", "P4"])
+@parametrize_with_checks(checks=index.of_runs("case"))  # P0-P4: the index's drawn-case checks
 def test_property(check, target, device, dtype):
     check(target, device, dtype)

@@ -5,10 +5,11 @@ move, and no step makes a host sync. This is what HPU graphs, CUDA graphs and to
 import pytest
 import torch
 
+from mpt_kv.checks import index
 from mpt_kv.checks.registry import parametrize_with_checks
 
 
-@parametrize_with_checks(checks=["static-shape"])
+@parametrize_with_checks(checks=index.of_runs("fixed"))
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32")])  # shapes and pointers: one dtype is enough
 def test_static_path_keeps_shapes_and_storage(check, target, device, dtype):
     check(target, device, dtype)
