@@ -741,6 +741,20 @@ reorder_through_whole_cache_copy = variant(
     "beam_idx) ...) for layer_past in past) builds the whole new tuple while the old one is alive",
     ["ops"], concat=WholeCopyReorderConcat, static=WholeCopyReorderStatic)
 
+class ReallocatingReorderStatic(StaticCache):
+    def reorder(self, index):
+        for layer, (k, v) in enumerate(self.kv):  # one layer at a time (no whole-cache transient), into new buffers
+            self.kv[layer] = (k.index_select(0, index), v.index_select(0, index))
+
+
+static_reorder_reallocates = variant(
+    "static_reorder_reallocates",
+    "a static cache's reorder gathers each layer into a new buffer: right values, but the buffers a captured "
+    "graph replays into are gone",
+    "transformers 5.24's StaticLayer.reorder_cache (self.keys = self.keys.index_select(0, beam_idx)); any "
+    "out-of-place index_select on a preallocated cache",
+    ["ops"], static=ReallocatingReorderStatic)
+
 # --- bugs past the drawn ranges: batch, layers, heads, prompt length, config fields, model state (issue 17) ---
 
 class RowZeroMaskForLargeBatch(Attention):

@@ -109,6 +109,9 @@ PROPERTIES: tuple[Property, ...] = (
              oracle="twin", column="ops"),
     Property("ops-P3", "P3 over programs", "after a crop or a reorder a cached tensor pins storage beyond the cache",
              "docs/operations.md", "mpt_kv.checks.programs:check_program_aliasing", "program", column="ops"),
+    Property("ops-static-storage", "static buffers stay through operations", "on the static path a crop, reorder "
+             "or extend moves a cache buffer (a captured graph replays into the old address)", "docs/operations.md",
+             "mpt_kv.checks.programs:check_program_static_storage", "program", STATIC_PATHS, column="ops"),
     Property("ops-memory", "reorder and extend transients", "a reorder or an extend's transient is a whole-cache "
              "copy, not bounded per layer", "docs/operations.md", "mpt_kv.checks.programs:check_operation_memory",
              "operation", column="ops"),

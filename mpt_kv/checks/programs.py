@@ -49,6 +49,7 @@ from mpt_kv.checks.compare import NOT_CRASHES, PropertyFailure, assert_close, cr
 from mpt_kv.checks.properties import WqkvCapture, aliasing_problems, fresh_memory_holds_nan, poison_unwritten, twin_of
 from mpt_kv.checks.quantized import widened  # a declared quantized cache's bound
 from mpt_kv.checks.results import copied, snapshot
+from mpt_kv.checks.static_shape import cache_tensors
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, HPU_PROMPT_BUCKET, HypothesisPicks, case_from
 from mpt_kv.memory import analytic
@@ -506,6 +507,43 @@ def fail_p3(problems, step, c, program, op: Op | None = None) -> None:
         what = "prefill" if op is None else op.kind
         raise PropertyFailure(f"ops-P3 cache aliasing after {what} (step {step}): " + "; ".join(problems)
                               + f" [{describe(ctx_of(c, program, step=step, operation=what))}]")
+
+
+# --- ops-static-storage ---------------------------------------------------------------------------------------
+
+def check_program_static_storage(runner, c: Context, program: Program | None = None, fed: Fed | None = None) -> list[str]:
+    """ops-static-storage: on the static path every tensor the cache lives in (each layer's K and V
+    buffer; a paged cache's pools and block table; a quantized cache's codes and scales:
+    `static_shape.cache_tensors`) keeps its storage, at its address, from the prefill through every
+    operation of the program. A CUDA or HPU graph captured on a decode step replays into the
+    addresses it captured: a crop or a reorder that replaces a buffer leaves the graph reading and
+    writing memory the cache no longer holds. The old buffers are held until the check ends, so a
+    replaced one cannot come back at the same address by chance."""
+    program, fed = program_of(c, program, fed)
+    ids, mask = program.case.inputs(c.device)
+    with torch.inference_mode():
+        session = runner.session(c.path, program.max_len, c.bucket)
+        fed.add("prefill", ids)
+        session.prefill(ids, mask)
+        first = {what: t for what, _, t in cache_tensors(session)}
+        held = ["prefill"]
+        for step, op in enumerate(program.ops):
+            tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
+            run_op(session, op, tokens, step, "ops-static-storage", c, fed, held)
+            now = {what: t for what, _, t in cache_tensors(session)}
+            moved = [f"{what} moved from storage {first[what].untyped_storage().data_ptr():#x} to "
+                     f"{t.untyped_storage().data_ptr():#x}" for what, t in now.items()
+                     if what in first and t.untyped_storage().data_ptr() != first[what].untyped_storage().data_ptr()]
+            gone = sorted(set(first) - set(now))
+            if moved or gone:
+                parts = moved[:4] + ([f"and {len(moved) - 4} more"] if len(moved) > 4 else [])
+                parts += [f"{', '.join(gone[:4])} no longer in the cache"] if gone else []
+                raise PropertyFailure(
+                    f"ops-static-storage: after {op.describe()} (step {step}) the static cache's storage moved: "
+                    + "; ".join(parts) + ". A graph captured on a decode step replays into the old addresses; a "
+                    f"static cache keeps its buffers and writes into them [{describe(ctx_of(c, program, step=step, operation=op.kind))}]")
+            held.append(f"step {step} ({op.describe()})")
+    return c.notes
 
 
 # --- ops-memory ----------------------------------------------------------------------------------------------
