@@ -89,14 +89,14 @@ PROPERTIES: tuple[Property, ...] = (
              "mpt_kv.checks.properties:check_static_equals_concat", "case", STATIC_PATHS, edges=("static",),
              graphs=True, oracle="twin", column="P2"),
     Property("P3", "no aliasing", "a cached key or value pins storage beyond the cache (a view of mixed_qkv or of a "
-             "per-step temporary), naming layer, tensor and bytes", "docs/catalogues.md",
+             "per-step temporary), naming layer, tensor and bytes", "docs/catalogues.md#p3-what-a-cached-tensor-may-keep-alive",
              "mpt_kv.checks.properties:check_no_aliasing", "case", edges=ALL_PATHS, edge_set="P3_EDGES",
              column="P3"),
     Property("P4", "outputs not reused", "a returned tensor changes when the target runs again, undeclared",
-             "docs/value-checks.md", "mpt_kv.checks.properties:check_outputs_not_reused", "case", graphs=True,
+             "docs/value-checks.md#p4-outputs-not-reused", "mpt_kv.checks.properties:check_outputs_not_reused", "case", graphs=True,
              cache=False, column="P4"),
     Property("memory", "memory ceilings", "retained bytes above the analytic KV cache, a decode step above its "
-             "transient bound, a leak, a stored ceiling passed", "docs/memory-model.md",
+             "transient bound, a leak, a stored ceiling passed", "docs/memory-model.md#the-memory-checks",
              "mpt_kv.checks.ceilings:check_memory", "memory", column="memory"),
     Property("static-shape", "static shapes", "a static decode step changes a shape handed to attention, moves a "
              "cache storage or makes a host sync (what graphs need)", "docs/checks.md",
@@ -117,14 +117,14 @@ PROPERTIES: tuple[Property, ...] = (
              "operation", column="ops"),
     _family("family-P0", "a family's uncached logits = transformers'", "another family's uncached logits differ from "
             "transformers' model of the same weights", "check_uncached", paths=("concat",), cache=False),
-    _family("family-P1", "P1 on another decoder family (decode and extend)", "P1 on another decoder family: prefill, "
-            "decode and a 3-token extend", "check_cached"),
-    _family("family-P2", "P2 on another decoder family", "P2 on another decoder family", "check_static_concat",
-            paths=("static", "static+reuse")),
+    _family("family-P1", "P1 on another decoder family (decode and extend)", "another family's cached prefill, decode "
+            "or 3-token extend differs from transformers' uncached forward of the same weights", "check_cached"),
+    _family("family-P2", "P2 on another decoder family", "another family's static path differs from its concat path "
+            "(logits, and K/V at the written positions)", "check_static_concat", paths=("static", "static+reuse")),
     _family("family-P3", "P3 on another decoder family", "the seed bug class in another family: a cached tensor "
             "pins the fused projection's output", "check_no_pinned_storage"),
-    _family("family-P4", "P4 on another decoder family", "P4 on another decoder family", "check_outputs_not_reused",
-            cache=False),
+    _family("family-P4", "P4 on another decoder family", "another family's returned logits are overwritten by a later "
+            "call, or a cached tensor shares memory with them", "check_outputs_not_reused", cache=False),
     _family("family-ops", "fixed beam and assisted programs", "P1 after a beam reorder or an assisted extend and "
             "crop, in another family", "check_operations"),
     _family("family-memory", "a family's cache bytes = its analytic K/V, nothing kept after", "another family's cache "

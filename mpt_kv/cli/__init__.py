@@ -9,6 +9,7 @@
   findings    the family findings and their cost at real configs (docs/findings.md)
   reach       the ranges each check's cases reached (docs/reach.md)
   calibrate   the tolerances' calibration: run, report, quantized (docs/calibration.md)
+  checks      the index of checks: the README's table, every check id
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ COMMANDS = {
     "findings": "mpt_kv.cli.findings",
     "reach": "mpt_kv.cli.reach",
     "calibrate": "mpt_kv.cli.calibrate",
+    "checks": "mpt_kv.cli.checks",
 }
 
 
