@@ -17,6 +17,7 @@ from mpt_kv.model.cache import ConcatCache, StaticCache
 from mpt_kv.model.reference import Attention, ReferenceMPT
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
+from mpt_kv.devices import sync
 
 
 def model_with(attention=Attention, concat=ConcatCache, static=StaticCache, base=ReferenceMPT):
@@ -52,8 +53,6 @@ def runner_factory(name, model_class=ReferenceMPT, session_class=ReferenceSessio
     AssembledRunner.capabilities = capabilities
 
     def build(cfg, state_dict, device, dtype):
-        from mpt_kv.devices import sync
-
         return AssembledRunner(cfg, state_dict, device, dtype, sync=lambda: sync(device.type))
 
     build.__name__ = name

@@ -19,9 +19,11 @@ from typing import Callable
 import torch
 
 from mpt_kv.catalogue.assembly import StaticOutputMPT, attention_forward, attention_with, model_with, runner_factory
-from mpt_kv.model.cache import ConcatCache, StaticCache
+from mpt_kv.errors import InputError
+from mpt_kv.model.cache import ConcatCache, StaticCache, check_size, write_slots
 from mpt_kv.model.reference import Attention, ReferenceMPT
 from mpt_kv.targets import Capabilities
+from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, QuantizedKV
 
 
 @dataclass(frozen=True)
@@ -463,8 +465,6 @@ class PagedSession(ReferenceSession):
         return [(gathered(k, c.table, T), gathered(v, c.table, T)) for k, v in c.pool.kv]
 
     def cache_layout(self):
-        from mpt_kv.targets.layouts import PagedLayout
-
         c = self.cache
         return None if c is None else PagedLayout(pools=c.pool.kv, block_table=c.table, block_size=c.block_size,
                                                   lengths=c.lengths)
@@ -531,8 +531,6 @@ class BlockGrowthConcatCache(ConcatCache):
 
 class BlockGrowthSession(ReferenceSession):
     def cache_layout(self):
-        from mpt_kv.targets.layouts import BlockGrowth
-
         return BlockGrowth(self.cache.block_size) if self.path == "concat" and self.cache is not None else None
 
 
@@ -679,8 +677,6 @@ class QuantizedCache:
         return [None if q is None else tuple(dequantize(c, s, self.out_dtype) for c, s in zip(*q)) for q in self.q]
 
     def layout(self):
-        from mpt_kv.targets.layouts import QuantizedKV
-
         return QuantizedKV(self.storage, "token", torch.float32, [q[0] for q in self.q if q is not None],
                            [q[1] for q in self.q if q is not None])
 
@@ -736,8 +732,6 @@ class QuantizedStaticCache(QuantizedCache, StaticCache):
         self.out_dtype, self.prefilled, self.max_len, self.written = dtype, [False] * n_layers, max_len, 0
 
     def update(self, layer, k, v, token_idx=None, cache_idx=None):
-        from mpt_kv.model.cache import write_slots
-
         (kc, vc), (ks, vs) = self.q[layer]
         if not self.prefilled[layer]:
             T = k.shape[2]
@@ -764,8 +758,6 @@ class QuantizedMPT(ReferenceMPT):
     concat_class, static_class = QuantizedConcatCache, QuantizedStaticCache
 
     def new_cache(self, path, batch, max_len=None, fill=None):
-        from mpt_kv.errors import InputError
-        from mpt_kv.model.cache import check_size
 
         batch = check_size("cache batch", batch)  # the reference's checks, without its full-precision buffers
         if path == "concat":

@@ -41,6 +41,7 @@ from mpt_kv.checks.registry import Check, path_label
 from mpt_kv.errors import PropertyFailure, Unsupported
 from mpt_kv.model.config import ModelConfig, random_state_dict
 from mpt_kv.targets import resolve_target
+from mpt_kv.targets.reference import build
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,6 @@ def inputs(prop: index.Property, mc: MatrixCase, bucket: int | None) -> list[dic
 
 
 def reference_build(cfg, state_dict, device, dtype):
-    from mpt_kv.targets.reference import build
-
     return build(cfg, state_dict, device, dtype)
 
 

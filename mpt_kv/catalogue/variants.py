@@ -27,7 +27,7 @@ from mpt_kv.checks import index
 from mpt_kv.catalogue.assembly import (StaticAt, StaticDecode, StaticOutputMPT, attention_forward, attention_with,
                                        model_with, runner_factory)
 from mpt_kv.model.cache import ConcatCache, StaticCache
-from mpt_kv.model.reference import Attention, ReferenceMPT
+from mpt_kv.model.reference import Attention, ReferenceMPT, alibi_bias
 from mpt_kv.targets.reference import ReferenceSession
 
 # The kill-matrix columns: the index's (mpt_kv.checks.index.COLUMNS): P0-P4, static-shape, memory,
@@ -798,16 +798,12 @@ layer_ring_of_3 = variant(
 
 
 def alibi_of_8_head_groups(cfg, device=None):
-    from mpt_kv.model.reference import alibi_bias
-
     bias = alibi_bias(cfg, device)
     return bias[torch.arange(cfg.n_heads) % 8] if cfg.n_heads > 8 else bias  # heads 8.. repeat 0-7's slopes
 
 
 def alibi_of_config_max_8(cfg, device=None):
     import dataclasses
-
-    from mpt_kv.model.reference import alibi_bias
 
     return alibi_bias(dataclasses.replace(cfg, alibi_bias_max=8), device)
 

@@ -75,6 +75,7 @@ from mpt_kv.memory.meter import Meter, meter_for
 from mpt_kv.checks.cases import Case, Context
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, QuantizedKV, layout_of, storage_tensors
+from mpt_kv.targets import Runner
 
 # --- the config table --------------------------------------------------------------------------------
 
@@ -608,8 +609,6 @@ def model_state_tensors(runner, preexisting: set[int]) -> list[tuple[str, torch.
 def _tensors_in(x, where, depth, seen=None):
     """Tensors reachable from x through dicts, lists, tuples and plain objects' attributes (a kept
     session, a history list), not through modules (walked on their own) or runners."""
-    from mpt_kv.targets import Runner
-
     seen = set() if seen is None else seen
     if isinstance(x, torch.Tensor):
         yield where, x

@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = a.target or list(BUILTIN)
     paths = a.path or list(PATHS)
     dtype = DTYPES[dtype_name]
-    from mpt_kv.plugin import missing_package
+    from mpt_kv.plugin import missing_package  # lazy: torch and the models only where this command needs them
 
     check_fits(p, cfg, configs, len([t for t in targets if not missing_package(t)]), paths, a.device, dtype, a.model)
     import transformers

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc is not None and not (args.update or args.check):
         usage_error("--doc is only read with --update-docs or --check")
     if args.ids:
-        from mpt_kv.checks.registry import CHECKS
+        from mpt_kv.checks.registry import CHECKS  # lazy: torch and the models only where this command needs them
 
         print("\n".join(CHECKS))
         return 0

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from mpt_kv.cli import docblocks
+from mpt_kv.outputs import file_problem
 
 BEGIN, END = docblocks.markers("findings")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "findings.md"
@@ -55,7 +56,7 @@ def human(n: int | None) -> str:
 
 def what(entry: dict) -> str:
     """What pins (the views) or the error the finding's pattern names."""
-    from mpt_kv.families import FAMILIES
+    from mpt_kv.families import FAMILIES  # lazy: torch and the models only where this command needs them
 
     views = entry.get("views")
     if views:
@@ -92,7 +93,7 @@ def rows() -> list[list[str]]:
     """One row per finding (`grouped`), in the file's order of first appearance."""
     import torch
 
-    from mpt_kv.families.costs import finding_cost, known_entries
+    from mpt_kv.families.costs import finding_cost, known_entries  # lazy: torch and the models only where this command needs them
 
     out = []
     for entries in grouped(known_entries()):
@@ -154,7 +155,7 @@ def configs_text() -> str:
     bytes per token and layer."""
     import torch
 
-    from mpt_kv.families.costs import real_configs, sizes_per_token
+    from mpt_kv.families.costs import real_configs, sizes_per_token  # lazy: torch and the models only where this command needs them
 
     table = [["config", "checkpoint", "family", f"K/V bytes per token ({DTYPE_NAME})",
               "fused output bytes per token and layer", "source"]]
@@ -193,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             usage_error(f"{readme_path}: {e}")
         if args.update:
-            from mpt_kv.outputs import file_problem
 
             problem = file_problem(readme_path)
             if problem:

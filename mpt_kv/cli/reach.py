@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 from mpt_kv.cli import docblocks
+from mpt_kv.checks import reach
+from mpt_kv.outputs import file_problem
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reach.md"
 COMMAND = "python -m mpt_kv reach --update-docs"
@@ -34,7 +36,6 @@ def usage_error(message: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpt_kv.checks import reach
 
     p = Parser(prog="python -m mpt_kv reach", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("report", nargs="?", help="a JSON report with a 'reach' list of records")
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         rest = [args.report] + (["--reference-model", args.reference_model] if args.reference_model else [])
         return reach.main(rest)
     if args.draw:
-        from mpt_kv.checks.registry import drawn_records
-        from mpt_kv.checks.strategies import load_profile
+        from mpt_kv.checks.registry import drawn_records  # lazy: torch and the models only where this command needs them
+        from mpt_kv.checks.strategies import load_profile  # lazy: torch and the models only where this command needs them
 
         if args.report:
             usage_error("give a report file or --draw PROFILE, not both")
@@ -71,11 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         usage_error(f"{path}: {e}")
     if args.update:
-        from mpt_kv.outputs import file_problem
 
         if problem := file_problem(path):
             usage_error(f"{path}: {problem}")
-    from mpt_kv.checks.registry import drawn_records
+    from mpt_kv.checks.registry import drawn_records  # lazy: torch and the models only where this command needs them
 
     table = "\n".join(reach.table_lines(reach.summarize(drawn_records(DOC_PROFILE)),
                                         reach.load_reference_model(args.reference_model))) + "\n"

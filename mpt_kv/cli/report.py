@@ -21,6 +21,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from mpt_kv.outputs import file_problem
+from mpt_kv.plugin.gate import run_problems
+from mpt_kv.plugin.report import matrix_lines, project_lines
+from mpt_kv.checks import reach
+from mpt_kv.plugin.report import reach_summary
+from mpt_kv.plugin.markdown import render
 
 BAD = ("failed", "error", "XPASS")
 
@@ -105,7 +111,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--previous", metavar="REPORT", type=Path,
                    help="a stored run's JSON report: the summary also lists every case whose outcome changed")
     args = p.parse_args(argv)
-    from mpt_kv.outputs import file_problem
 
     for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
         problem = path is not None and file_problem(path)
@@ -114,8 +119,6 @@ def main(argv: list[str]) -> int:
     if args.previous is not None and args.markdown is None:
         usage_error("--previous is only read with --markdown")
     previous = load(args.previous)["results"] if args.previous is not None else None
-    from mpt_kv.plugin.gate import run_problems
-    from mpt_kv.plugin.report import matrix_lines, project_lines
 
     merged = merge([load(path) for path in args.reports])
     print("=" * 30 + " mpt-kv conformance " + "=" * 30)
@@ -126,19 +129,17 @@ def main(argv: list[str]) -> int:
     for line in project_lines({"capabilities": merged["capabilities"], "unrecorded": merged["unrecorded"]}):
         print(line)
     if merged["reach"]:
-        from mpt_kv.checks import reach
 
         print("=" * 34 + " mpt-kv reach " + "=" * 34)
         print("\n".join(reach.table_lines(reach.summarize(merged["reach"]), reach.load_reference_model())))
     if merged["memory"]:
-        from mpt_kv.checks.ceilings import table
+        from mpt_kv.checks.ceilings import table  # lazy: torch and the models only where this command needs them
 
         print("=" * 34 + " mpt-kv memory " + "=" * 33)
         print("\n".join(table(merged["memory"])))
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        from mpt_kv.plugin.report import reach_summary
 
         out.write_text(json.dumps({**merged, "unrecorded": list(merged["unrecorded"].values()),
                                    "reach_summary": reach_summary(merged["reach"])}, indent=1,
@@ -146,7 +147,6 @@ def main(argv: list[str]) -> int:
     bad = [r for r in merged["results"] if r.get("outcome") in BAD]
     problems = run_problems(merged["results"], merged["allow_missing_device"], merged["allow_no_cache_check"])
     if args.markdown:
-        from mpt_kv.plugin.markdown import render
 
         verdict = (["no results in the reports: nothing ran, which is not a pass"] if not merged["results"]
                    else problems)

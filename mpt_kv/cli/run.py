@@ -28,8 +28,8 @@ def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
     is shown with its reason (pytest then reports it per case), never raised from here."""
     import torch
 
-    from mpt_kv.model.config import ModelConfig, random_state_dict
-    from mpt_kv.targets import build, factory_error
+    from mpt_kv.model.config import ModelConfig, random_state_dict  # lazy: torch and the models only where this command needs them
+    from mpt_kv.targets import build, factory_error  # lazy: torch and the models only where this command needs them
 
     lines = [f"python {platform.python_version()}, torch {torch.__version__}"]
     for kind in devices.KINDS:
@@ -52,7 +52,7 @@ def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from mpt_kv.targets import BUILTIN
+    from mpt_kv.targets import BUILTIN  # lazy: torch and the models only where this command needs them
 
     p = argparse.ArgumentParser(prog="python -m mpt_kv run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -23,6 +23,8 @@ import torch
 
 from mpt_kv.checks.registry import CHECKS, applies
 from mpt_kv.families.implementations import IMPLEMENTATIONS, family_targets
+from mpt_kv.plugin.options import named_targets, target_specs
+from mpt_kv.plugin.parametrize import missing_package
 
 
 def cases(implementations):
@@ -39,8 +41,6 @@ def pytest_generate_tests(metafunc):
     `target`, `device` and `dtype` alone (mpt_kv.plugin.parametrize.explicitly_parametrized)."""
     if metafunc.definition.name != "test_family":
         return
-    from mpt_kv.plugin.options import target_specs
-
     selected = [i for i in IMPLEMENTATIONS if i in target_specs(metafunc.config)]
     params = list(cases(selected))
     if not params:  # e.g. --only-targets with a user's target alone: one skip saying why (no property: no
@@ -52,9 +52,6 @@ def pytest_generate_tests(metafunc):
 
 
 def test_family(request, check, target, device, dtype):
-    from mpt_kv.plugin.options import named_targets
-    from mpt_kv.plugin.parametrize import missing_package
-
     missing = missing_package(target.implementation_name)
     if missing:
         if target.implementation_name in named_targets(request.config):

@@ -57,6 +57,10 @@ from mpt_kv.families.base import Family
 from mpt_kv.families.models import _built, build, cached_kv, config_key, family_of, named_kv  # noqa: F401  (public
 # here before families/models.py: build, cached_kv, named_kv)
 from mpt_kv.model.config import as_dtype
+from mpt_kv.families.implementations import IMPLEMENTATIONS
+from mpt_kv.checks.programs import Op
+from mpt_kv.checks.programs import History
+from mpt_kv.checks.ceilings import model_state_tensors
 
 BATCH, PROMPT, PAD, STEPS, EXTEND = 2, 6, 2, 2, 3  # row 0 has PAD left-padding tokens
 MAX_LEN = 16          # every session's cache length: prompt + steps + extend + decode fit
@@ -104,8 +108,6 @@ def implementation_name(implementation) -> str:
 def runner_for(implementation, family: Family, variant: str, dtype: torch.dtype, options: dict):
     """The implementation's runner, built once per process for a named one and this Family object
     (a callable, as the tests' broken wrappers, is built every time)."""
-    from mpt_kv.families.implementations import IMPLEMENTATIONS
-
     if not isinstance(implementation, str):
         return implementation(family, variant, dtype, seed=0, **options)
     if implementation not in IMPLEMENTATIONS:
@@ -550,8 +552,6 @@ def check_outputs_not_reused(implementation, family, variant: str, path: str = "
 # --- family-ops ---------------------------------------------------------------------------------------------
 
 def beam_program():
-    from mpt_kv.checks.programs import Op
-
     ops = []
     for index in ((2, 0, 1), (1, 1, 0)):
         ops += [Op("decode"), Op("reorder", index=index)]
@@ -559,15 +559,11 @@ def beam_program():
 
 
 def assisted_program():
-    from mpt_kv.checks.programs import Op
-
     return "assisted", ("extend", "crop"), [Op("extend", 3), Op("crop", 2), Op("decode"), Op("extend", 3)]
 
 
 def run_program(c: Case, name: str, ops) -> None:
     """One fixed program on a fresh session: P1 after every logits-producing operation."""
-    from mpt_kv.checks.programs import History
-
     ids, mask = prompt(c.config, pads=OPS_PADS, length=OPS_PROMPT)
     tol = c.tol(f"logits:{c.session_path}")
     session = c.session()
@@ -673,8 +669,6 @@ def check_memory(implementation, family, variant: str, path: str = "concat", dty
 
 
 def measured_memory(c: Case, modules) -> list[str]:
-    from mpt_kv.checks.ceilings import model_state_tensors
-
     warm_up(c)
     before = {storage_key(t) for _, t in model_state_tensors(c.runner, set())}
     capture = FusedCapture(modules)

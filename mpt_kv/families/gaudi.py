@@ -50,6 +50,9 @@ from mpt_kv.families.base import Family
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets import gaudi as gaudi_target
 from mpt_kv.targets.wrappers import GaudiStyleSession, ModelRunner
+from mpt_kv.families import FAMILIES
+from mpt_kv.families.models import build as build_transformers
+from mpt_kv.model.session import check_prompt
 
 __all__ = ["PortError", "load_port_module", "port_patches", "fork_loader", "build_port", "gaudi_runner",
            "GaudiPortRunner", "GaudiPortSession", "max_positions"]
@@ -109,8 +112,6 @@ def fork_loader(family_name: str, module_name: str):
     port of `family_name` is loaded first (its parent packages bare, under the stand-in where the
     registry's entry says so), then the fork, under the stand-in too where that entry needs it.
     Where a real habana_frameworks is installed, the fork is imported normally."""
-    from mpt_kv.families import FAMILIES
-
     FAMILIES[family_name]  # an unknown family: UnknownName now, naming the families, not at the first load
 
     def load():
@@ -150,8 +151,6 @@ def set_generation_settings(model, settings: dict) -> None:
 def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     """(port model, its config): the port of the tiny config with the weights of transformers'
     model of it (`mpt_kv.families.models.build(family, variant, seed)`), strict, cast to dtype."""
-    from mpt_kv.families.models import build as build_transformers
-
     port = _port(family)
     module = load_port_module(family)
     reference, config = build_transformers(family, variant, seed)
@@ -321,8 +320,6 @@ class GaudiPortRunner(ModelRunner):
             self.capabilities = Capabilities(self.capabilities.unsupported, cache_pool=True)
 
     def logits(self, input_ids, attention_mask):
-        from mpt_kv.model.session import check_prompt
-
         check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)
         extra = dict(self.port.forward_kwargs)
         if self.takes("position_ids"):

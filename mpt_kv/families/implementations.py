@@ -25,6 +25,9 @@ from mpt_kv.errors import InputError, Registry, TargetUnavailable
 from mpt_kv.families.base import Family
 from mpt_kv.versions import BUILTIN, transformers_major, transformers_version
 from mpt_kv.targets import Capabilities, FamilyTarget, Runner
+from mpt_kv.families.models import build
+from mpt_kv.targets.wrappers import TransformersRunner
+from mpt_kv.families import variants
 
 # A tiny config's limit on positions, where the family has none (ALiBi: BLOOM): far past what the
 # checks write (a prompt of 6-8 and a few steps)
@@ -74,8 +77,6 @@ def transformers_runner(family: Family, variant: str, dtype: torch.dtype = torch
         import transformers  # noqa: F401
     except ImportError as e:
         raise TargetUnavailable(f"transformers is not installed ({e})") from e
-    from mpt_kv.families.models import build
-    from mpt_kv.targets.wrappers import TransformersRunner
 
     model, config = build(family, variant, seed)
     model.to(dtype)
@@ -117,8 +118,6 @@ PATHS = {"transformers": ("concat", "static"), "optimum-habana": ("concat", "sta
 def family_targets(implementations=tuple(IMPLEMENTATIONS)) -> list[FamilyTarget]:
     """Every variant of every family of the registry on each implementation, with its paths;
     transformers is family-P0's oracle (no P0 cell of its own)."""
-    from mpt_kv.families import variants
-
     return [FamilyTarget(impl, family, variant, PATHS[impl], oracle=impl == "transformers")
             for impl in implementations for family, variant in variants()]
 # the distribution whose absence makes an implementation's cases skip (the package map: mpt_kv.versions)

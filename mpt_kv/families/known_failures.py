@@ -31,6 +31,11 @@ from pathlib import Path
 from mpt_kv.checks.known_failures import Entry, check_fields, compile_pattern, parse_when
 from mpt_kv.checks.index import FAMILY_PATHS, NAMES
 from mpt_kv.errors import KnownFailuresError
+from mpt_kv.families import FAMILIES
+from mpt_kv.families.implementations import IMPLEMENTATIONS
+from mpt_kv.checks.registry import CHECKS, applies
+from mpt_kv.families.implementations import PATHS
+from mpt_kv.targets import FamilyTarget
 
 FILE = Path(__file__).with_name("known_failures.json")
 COST_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "families"
@@ -51,8 +56,6 @@ def cost_configs() -> set[str]:
 
 
 def _entry(raw, i: int, path, first_index: int = 0) -> Entry:
-    from mpt_kv.families import FAMILIES
-    from mpt_kv.families.implementations import IMPLEMENTATIONS
 
     def bad(what):
         return KnownFailuresError(f"family known failures {path}: entry {i}: {what}")
@@ -85,9 +88,6 @@ def check_entries_cover_cells(entries) -> None:
     """An entry about a cell the family matrix does not have (P0 of transformers, P2 on concat, a path
     the implementation lacks: `mpt_kv.checks.registry.applies`) would never apply: an error naming it,
     not an entry silently unused."""
-    from mpt_kv.checks.registry import CHECKS, applies
-    from mpt_kv.families.implementations import PATHS
-    from mpt_kv.targets import FamilyTarget
 
     for e in entries:
         target = FamilyTarget(e.implementation, e.family, e.variant, PATHS[e.implementation],

@@ -1,12 +1,11 @@
 """MPT: fused `Wqkv`, ALiBi, no GQA in transformers' port."""
 
 from mpt_kv.families.base import Family, GaudiPort
+from mpt_kv.targets.gaudi import load_gaudi_mpt_module
 
 
 def load_gaudi_mpt():
     """optimum-habana's MPT module, as the "optimum-habana" target loads it (mpt_kv/targets/gaudi.py)."""
-    from mpt_kv.targets.gaudi import load_gaudi_mpt_module
-
     return load_gaudi_mpt_module()
 
 

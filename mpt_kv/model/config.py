@@ -13,6 +13,7 @@ from numbers import Integral, Real
 import torch
 
 from mpt_kv.errors import InputError
+from mpt_kv import devices
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # ALiBi's key positions are float32 (as in MPT): integers are exact in float32 only up to 2**24,
@@ -114,8 +115,6 @@ def check_bytes_free(need: int, kind: str, what: str, detail: str) -> None:
     only above 256 MiB (reading it for every tiny case is waste)."""
     if need < 256 << 20:
         return
-    from mpt_kv import devices
-
     free, source = devices.available_memory(kind)
     if need > free:
         raise InputError(f"{what} needs about {need / GiB:.1f} GiB of {kind} memory ({detail}), but only "

@@ -46,7 +46,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "no_target(reason): the placeholder of a conformance test with no target "
                                        "of this run (a run of such placeholders alone is a usage error)")
     options.check(config)
-    from mpt_kv.checks.strategies import load_profile
+    from mpt_kv.checks.strategies import load_profile  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
     run = state.start(config)  # this session's state (one per process): what every module below records
     run.profile = load_profile()
@@ -128,7 +128,7 @@ def pytest_runtest_call(item):
     context = outcomes.run_context(item, ceilings.stored_ceilings, known_failures.expected_to_fail(item))
     if context is None:
         return (yield)
-    from mpt_kv.checks.running import running
+    from mpt_kv.checks.running import running  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
     with running(context):
         return (yield)

@@ -43,7 +43,7 @@ def update_ceilings(config) -> bool:
     fail (a loosening refused, or a corrupt file)."""
     if not config.getoption("update_ceilings") or getattr(config, "workerinput", None) is not None:
         return False
-    from mpt_kv.checks import ceilings
+    from mpt_kv.checks import ceilings  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
     memory = run_state(config).memory
     run_state(config).ceilings_diff = lines = []
@@ -82,7 +82,7 @@ def failure_lines(config) -> list[str]:
     that records them locally, not under CI."""
     if config.getoption("update_ceilings"):
         return []
-    from mpt_kv.checks import ceilings
+    from mpt_kv.checks import ceilings  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
     stored, analytic, missing = {}, defaultdict(int), defaultdict(int)
     for m in run_state(config).memory:
@@ -117,7 +117,7 @@ def summary(tw, config) -> None:
         return
     state = run_state(config)
     if state.memory and not config.getoption("no_mpt_kv_matrix"):
-        from mpt_kv.checks.ceilings import table
+        from mpt_kv.checks.ceilings import table  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
         tw.write_sep("=", "mpt-kv memory")
         for line in table(state.memory):

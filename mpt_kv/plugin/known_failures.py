@@ -17,6 +17,8 @@ import pytest
 from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.options import (BUILTIN_PACKAGES, ENV_KNOWN_FAILURES, ini_relative, strict_known_failures,
                                    target_specs)
+from mpt_kv.checks import known_failures
+from mpt_kv.checks.known_failures import FILE
 
 KNOWN = pytest.StashKey[object]()  # item -> its known_failures.Entry
 
@@ -25,7 +27,6 @@ def path(config):
     """The known-failures file: $MPT_KV_KNOWN_FAILURES, else the project's (ini
     mpt_kv_known_failures, relative to the ini file), else the packaged one. One file: a project
     lists the entries that apply to what it runs (copying mpt-kv's where it runs built-in targets)."""
-    from mpt_kv.checks import known_failures
 
     ini = config.getini("mpt_kv_known_failures")
     return os.environ.get(ENV_KNOWN_FAILURES) or (ini_relative(config, ini) if ini else known_failures.FILE)
@@ -33,7 +34,6 @@ def path(config):
 
 def configure(config) -> None:
     """Load the file (malformed: a usage error naming the file, the entry and the problem)."""
-    from mpt_kv.checks import known_failures
 
     try:
         run_state(config).known = known_failures.load(path(config))
@@ -45,7 +45,7 @@ def family_entries(config) -> list:
     """The family checks' entries, loaded once (their registry imports torch, so not at configure)."""
     state = run_state(config)
     if state.family_known is None:
-        from mpt_kv.families import known_failures as family_file
+        from mpt_kv.families import known_failures as family_file  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
         state.family_known = family_file.load()
     return state.family_known
@@ -102,9 +102,8 @@ def expected_to_fail(item) -> bool:
 def words_for(entry) -> tuple[str, str]:
     """How a case's entry is named: mpt-kv's own file records upstream's failures; a project's own
     file records the project's (its own bug kept on purpose, or an upstream one it depends on)."""
-    from mpt_kv.checks.known_failures import FILE
 
-    from mpt_kv.families.known_failures import FILE as FAMILY_FILE
+    from mpt_kv.families.known_failures import FILE as FAMILY_FILE  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
     if Path(entry.file).resolve() in (FILE.resolve(), FAMILY_FILE.resolve()):
         return "known upstream failure", "upstream fixed it"

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from mpt_kv import devices, versions
+from mpt_kv.plugin.state import run_state
+from mpt_kv.checks import reach
 
 ENV_REQUIRE = "MPT_KV_REQUIRE_DEVICE"
 ENV_KNOWN_FAILURES = "MPT_KV_KNOWN_FAILURES"
@@ -99,11 +101,9 @@ def check(config) -> None:
 
 def reference_model(config) -> dict:
     """The real model the reach table compares with (ini mpt_kv_reference_model), read once."""
-    from mpt_kv.plugin.state import run_state
 
     state = run_state(config)
     if state.reference_model is None:
-        from mpt_kv.checks import reach
 
         ini = config.getini("mpt_kv_reference_model")
         try:

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from mpt_kv import devices
+from mpt_kv.errors import PropertyFailure, Unsupported
 
 # --- at collection ------------------------------------------------------------------------------------------------
 
@@ -92,7 +93,7 @@ def check_params(params: dict) -> dict:
             del params["path"]
     target = params.get("target")
     if target is not None and not isinstance(target, str):
-        from mpt_kv.targets import target_name
+        from mpt_kv.targets import target_name  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
         params["target"] = target_name(target)
         if hasattr(target, "implementation_name"):  # a FamilyTarget: the gate judges its implementation's ports
@@ -120,7 +121,6 @@ def outcome_of(excinfo) -> str:
     """'failed' only for PropertyFailure (also a group of them); 'unsupported' for Unsupported;
     any other exception is the target's or the adapter's 'error' (a TypeError from a forward
     without a keyword, an AttributeError, a corrupt ceilings file)."""
-    from mpt_kv.errors import PropertyFailure, Unsupported
 
     if sys.version_info >= (3, 11):
         from builtins import BaseExceptionGroup

@@ -20,6 +20,7 @@ import pytest
 from mpt_kv import devices, versions
 from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.options import BUILTIN_PACKAGES, dtype_names, named_targets, target_specs
+from mpt_kv.errors import TargetUnavailable
 
 
 def generate(metafunc) -> None:
@@ -32,7 +33,7 @@ def generate(metafunc) -> None:
     if "target" in metafunc.fixturenames and "target" not in explicit:
         metafunc.parametrize("target", target_specs(config), indirect=True)
     if "dtype" in metafunc.fixturenames and "dtype" not in explicit:
-        from mpt_kv.model.config import DTYPES
+        from mpt_kv.model.config import DTYPES  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
         metafunc.parametrize("dtype", [pytest.param(DTYPES[n], id=n) for n in dtype_names(config)])
 
@@ -66,7 +67,7 @@ def device_for(request) -> "torch.device":  # noqa: F821
 
 def resolved(config, spec: str):
     """The ResolvedTarget of a spec, resolved once per process (TargetUnavailable if it does not load)."""
-    from mpt_kv.targets import resolve_target
+    from mpt_kv.targets import resolve_target  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
     cache = run_state(config).resolved
     if spec not in cache:
@@ -89,7 +90,7 @@ def target_for(request, device):
         target = resolved(request.config, spec)
         target.capabilities(device, torch.float32)
     except Exception as e:
-        from mpt_kv.targets import factory_error
+        from mpt_kv.targets import factory_error  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
         why = " (named with --target: an error, not a skip)" if named else ""
         e = factory_error(e)
@@ -107,7 +108,6 @@ def check_named_targets(config) -> None:
     the controller under xdist)."""
     if hasattr(config, "workerinput"):
         return
-    from mpt_kv.errors import TargetUnavailable
 
     for spec in named_targets(config):
         problem = missing_package(spec)

@@ -16,6 +16,10 @@ from collections import defaultdict
 from mpt_kv import devices, versions
 from mpt_kv.checks import index
 from mpt_kv.plugin.state import run_state
+from mpt_kv.plugin.ceilings import record_command
+from mpt_kv.plugin.gate import kind_reason
+from mpt_kv.checks import reach
+from mpt_kv.plugin.options import reference_model
 
 PROPERTY_NAMES = index.TITLES  # the matrix's columns, in the index's order, and their legend
 ALWAYS = index.ALWAYS  # shown in every run; the others where the run has them
@@ -109,7 +113,6 @@ def matrix_lines(results: list[dict], absent: dict[str, str], profile: str | Non
 
 def project_lines(extras: dict, config=None) -> list[str]:
     """What targets declared unsupported, and which memory cases had no stored ceiling (one line each)."""
-    from mpt_kv.plugin.ceilings import record_command
 
     lines = []
     for target, unsupported in sorted(extras.get("capabilities", {}).items()):
@@ -126,7 +129,6 @@ def project_lines(extras: dict, config=None) -> list[str]:
 def absent_devices(config, results: list[dict]) -> dict[str, str]:
     """Device kinds with cases in `results` that are not available here, with the reason (as the
     gate's survey sees them: under xdist, the controller's)."""
-    from mpt_kv.plugin.gate import kind_reason
 
     kinds = {r.get("device") for r in results}
     return {k: kind_reason(config, k) for k in devices.KINDS if k in kinds and kind_reason(config, k)}
@@ -184,7 +186,6 @@ def reach_summary(records: list[dict]) -> dict:
     """What the checks reached, per knob and check (mpt_kv.checks.reach.summarize): in the JSON report."""
     if not records:
         return {}
-    from mpt_kv.checks import reach
 
     return reach.summarize(records)
 
@@ -224,8 +225,6 @@ def summary(tw, config, results: list[dict], extras: dict) -> None:
         for line in cost:
             tw.write_line(line)
     if extras.get("reach"):
-        from mpt_kv.checks import reach
-        from mpt_kv.plugin.options import reference_model
 
         tw.write_sep("=", "mpt-kv reach")
         try:

@@ -31,6 +31,7 @@ import importlib.util
 from pathlib import Path
 
 from mpt_kv.errors import TargetUnavailable
+from mpt_kv.versions import transformers_major
 
 UTILS = Path("transformers") / "generation" / "utils.py"
 
@@ -132,8 +133,6 @@ def assisted_crop(past_key_values, length: int, model=None):
 
         return _crop_past_key_values(model, past_key_values, length)
     crop = past_key_values.crop  # a tuple/list cache: AttributeError, as in _assisted_decoding
-    from mpt_kv.versions import transformers_major
-
     if transformers_major() >= 5 and hasattr(past_key_values, "get_seq_length"):
         crop(length - int(past_key_values.get_seq_length()))
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mpt_kv.model.reference import ReferenceMPT
 from mpt_kv.model.session import TokenIdxSession
 from mpt_kv.targets import Runner
+from mpt_kv.devices import sync
 
 
 class ReferenceSession(TokenIdxSession):
@@ -48,6 +49,4 @@ class ReferenceRunner(Runner):
 
 
 def build(cfg, state_dict, device, dtype):
-    from mpt_kv.devices import sync
-
     return ReferenceRunner(cfg, state_dict, device, dtype, sync=lambda: sync(device.type))

@@ -29,6 +29,10 @@ from mpt_kv.model.session import Session, TokenIdxSession, check_prompt
 from mpt_kv.versions import transformers_major, transformers_version  # noqa: F401  (public here before)
 from mpt_kv.targets import Capabilities, Runner
 from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
+from mpt_kv.devices import sync
+from mpt_kv.targets.gaudi_generation import assisted_crop
+from mpt_kv.targets.gaudi_generation import temporary_reorder_cache
+from mpt_kv.errors import Unsupported
 
 __all__ = ["GaudiStyleRunner", "GaudiStyleSession", "TransformersRunner", "TransformersSession",
            "ReferenceRunner", "ReferenceSession", "forward_accepts"]
@@ -44,8 +48,6 @@ def device_sync(device) -> Callable[[], None]:
     """What makes queued work finish on `device` (cuda synchronize, hpu mark_step); None: nothing."""
     if device is None:
         return lambda: None
-    from mpt_kv.devices import sync
-
     kind = torch.device(device).type
     return lambda: sync(kind)
 
@@ -119,15 +121,11 @@ class GaudiStyleSession(TokenIdxSession):
         """As optimum-habana's `_assisted_decoding`: `past_key_values.crop(n)` (gaudi_generation.py);
         a tuple/list cache has no crop (AttributeError, as there). The session has already moved
         token_idx and the mask back."""
-        from mpt_kv.targets.gaudi_generation import assisted_crop
-
         self.past = assisted_crop(self.past, n, model=self.runner.model)
 
     def _reorder_cache(self, index):
         """As optimum-habana's `_beam_search` with reuse_cache off: its own
         `_temporary_reorder_cache(model, past_key_values, beam_idx)` (gaudi_generation.py)."""
-        from mpt_kv.targets.gaudi_generation import temporary_reorder_cache
-
         self.past = temporary_reorder_cache(self.runner.model, self.past, index)
 
     def kv(self):
@@ -233,8 +231,6 @@ class TransformersSession(Session):
         int (`DynamicLayer.crop` slices, `StaticLayer.crop` moves `cumulative_length` back),
         4.x the length to keep (`DynamicCache.crop(max_length)`)."""
         if self.path == "static" and transformers_major() < 5:
-            from mpt_kv.errors import Unsupported
-
             raise Unsupported(f"{self.runner.name}: transformers {transformers_version()}: StaticCache cannot crop "
                               "(Cache.crop calls StaticLayer.crop, which 4.x does not have: AttributeError)")
         self.mask = self.mask[:, :n].clone()
