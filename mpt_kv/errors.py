@@ -16,6 +16,7 @@ What a check's caller sees:
 
 and the files and tools behind them: BaselineError (stored ceilings), KnownFailuresError (a
 known-failures file), PortError (an optimum-habana port), MeterError (a memory meter),
+BuildError (the benchmark's target), SweepError (a release the sweep could not run),
 AliasedComparison (a check comparing a buffer with itself: a bug in the check).
 
 No torch here: the pytest plugin imports this module before a worker's device card is pinned.
@@ -138,6 +139,14 @@ class PortError(RuntimeError):
 
 class MeterError(Exception):
     """A meter that cannot be built here or that does not read what was allocated."""
+
+
+class BuildError(RuntimeError):
+    """The benchmark's target factory raised (anything but TargetUnavailable) or returned no Runner."""
+
+
+class SweepError(Exception):
+    """A release that could not be swept: the reason is its row of the sweep's table."""
 
 
 # --- registries --------------------------------------------------------------------------------------------

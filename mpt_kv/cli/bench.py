@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from mpt_kv import devices
+from mpt_kv import devices, versions
+from mpt_kv.errors import BuildError  # noqa: F401  (raised here; its home is errors.py)
 from mpt_kv.outputs import dir_problem
 from mpt_kv.memory import analytic
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
@@ -310,8 +311,6 @@ def load(cfg: ModelConfig, targets: list[str], paths: list[str], kind: str, dtyp
     return runners, pairs, skipped
 
 
-class BuildError(RuntimeError):
-    """A target's factory raised (anything but TargetUnavailable) or returned no Runner."""
 
 
 def run(cfg: ModelConfig, configs: list[BenchConfig], runners: dict[str, Runner], pairs: list[tuple[str, str]],
@@ -605,10 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = a.target or list(BUILTIN)
     paths = a.path or list(PATHS)
     dtype = DTYPES[dtype_name]
-    from mpt_kv.plugin import missing_package  # lazy: torch and the models only where this command needs them
-
-    check_fits(p, cfg, configs, len([t for t in targets if not missing_package(t)]), paths, a.device, dtype, a.model)
-    import transformers
+    check_fits(p, cfg, configs, len([t for t in targets if not versions.missing(t)]), paths, a.device, dtype, a.model)
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     try:
@@ -629,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     report.meta = {"command": "python -m mpt_kv bench " + " ".join(argv), "model": a.model, "model_config": asdict(cfg),
                    "device": a.device, "dtype": dtype_name, "threads": torch.get_num_threads(), "repeat": a.repeat,
                    "warmup": a.warmup, "seed": a.seed, "torch": torch.__version__,
-                   "transformers": transformers.__version__, "python": platform.python_version(),
+                   "transformers": versions.transformers_version(), "python": platform.python_version(),
                    "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     print(f"{a.model} ({dtype_name}) on {a.device}, torch threads {torch.get_num_threads()}, median of {a.repeat}:")
     print(text_table(report))

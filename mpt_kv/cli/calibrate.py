@@ -38,6 +38,7 @@ import torch
 
 from mpt_kv.catalogue import designs, variants
 from mpt_kv.checks import properties as P
+from mpt_kv import versions as installed_versions
 from mpt_kv.checks import running
 from mpt_kv.checks.compare import TOLERANCES, PropertyFailure, measuring
 from mpt_kv.checks.quantized import QUANTIZED
@@ -114,15 +115,9 @@ def d_model(described: str) -> int:
 
 
 def versions() -> dict:
-    import transformers
-
-    out = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        from importlib.metadata import version
-
-        out["optimum-habana"] = version("optimum-habana")
-    except Exception:  # noqa: BLE001  not installed
-        pass
+    out = {"torch": torch.__version__, "transformers": installed_versions.transformers_version()}
+    if installed_versions.installed("optimum-habana"):
+        out["optimum-habana"] = installed_versions.installed("optimum-habana")
     return out
 
 

@@ -54,6 +54,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from mpt_kv import versions
+from mpt_kv.errors import SweepError  # noqa: F401  (raised here; its home is errors.py)
 from mpt_kv.outputs import dir_problem
 
 PACKAGES = dict(sorted((b.requires[0], name) for name, b in versions.BUILTIN.items() if b.requires))  # package -> target
@@ -65,8 +66,6 @@ FINDINGS = ("error", "failed", "XPASS")
 SOURCE = Path(__file__).resolve().parents[2]  # the checkout whose mpt-kv every env runs
 
 
-class SweepError(Exception):
-    """A release that could not be swept: the reason is its row."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)

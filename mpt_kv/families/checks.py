@@ -51,6 +51,7 @@ import torch
 from mpt_kv.checks.compare import (NOT_CRASHES, Crash, PropertyFailure, assert_close, crash_of, describe,
                                    judged_before, shares_memory, tolerance)
 from mpt_kv.checks import index
+from mpt_kv.checks.results import snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import InputError, Registry, Unsupported
 from mpt_kv.families.base import Family
@@ -200,7 +201,8 @@ def call(c: Case, what: str, step, operation: str, fn, *args):
 
 
 def copy_of(logits):
-    return None if logits is None else logits.detach().clone()
+    """The copy rule (`mpt_kv.checks.results.snapshot`), for what a family call returns."""
+    return None if logits is None else snapshot(logits)
 
 
 # --- the program P1, P2, P3, P4 and memory drive -------------------------------------------------------------
