@@ -31,6 +31,15 @@ The crash rule, which the property functions apply as they drive a target, is
 
 A property's function is imported by its dotted name when it first runs: the index names it
 without importing torch (the pytest plugin reads the index before a worker's card is pinned).
+
+Each property drives its own generation on a case, on purpose: P1 compares every path with the
+target's own uncached forward on that path's greedy tokens; P2 feeds the concat path's tokens to both
+paths, poisoning never-written static slots first; P3 holds every Wqkv output alive until it is
+compared (a freed view's address could be reused), which changes what memory measures; P4 interleaves
+two uncached forwards of one shape with the generation to see a reused output buffer; memory needs a
+quiet allocator (nothing else alive) and three generations for a leak; the ops checks run their own
+programs. Measured (docs/cost.md): P3 and P4, the drives P1's could carry, are 8% of a conformance
+run's call time; sharing them would couple three verdicts to one drive for that.
 """
 
 from __future__ import annotations
