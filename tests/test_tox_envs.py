@@ -1,0 +1,54 @@
+"""tox.ini: the main job's commands are written once ([conformance]) and run both by `tox` (each
+test env's conformance run after its tests, the matrix after the ohabana env) and by `tox -m
+conformance` (envs of their own): CI runs `tox`, so the README's main-job command runs there as the
+same commands."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tox_config(envs: str) -> dict[str, dict[str, list[str]]]:
+    run = subprocess.run([sys.executable, "-m", "tox", "config", "-e", envs, "-k", "commands", "commands_post"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out, env, key = {}, None, None
+    for line in run.stdout.splitlines():
+        if line.startswith("[testenv:"):
+            env = line[len("[testenv:"):-1]
+            out[env] = {"commands": [], "commands_post": []}
+        elif line.startswith(("commands =", "commands_post =")):
+            key, _, rest = line.partition("=")
+            key = key.strip()
+            out[env][key] = [rest.strip()] if rest.strip() else []
+        elif line.startswith("  ") and env and key:
+            out[env][key].append(line.strip())
+    return out
+
+
+@pytest.fixture(scope="module")
+def envs():
+    pytest.importorskip("tox")
+    return tox_config("cpu,ohabana,conformance-cpu,conformance-ohabana")
+
+
+def test_tox_runs_the_main_jobs_commands_as_tox_m_conformance_does(envs):
+    assert envs["conformance-cpu"]["commands"] and envs["conformance-ohabana"]["commands"]
+    assert set(envs["conformance-cpu"]["commands"]) <= set(envs["cpu"]["commands"])
+    assert set(envs["conformance-ohabana"]["commands"]) <= set(envs["ohabana"]["commands"])
+    assert envs["ohabana"]["commands_post"] == envs["conformance-ohabana"]["commands_post"]
+    assert any("mpt_kv report" in c for c in envs["ohabana"]["commands_post"])  # the matrix of both runs
+
+
+def test_the_conformance_suite_runs_once_per_env(envs):
+    """The tests' pytest collects tests/ only; the shipped suite is the conformance run's, strict about
+    known failures."""
+    for env in ("cpu", "ohabana"):
+        tests = [c for c in envs[env]["commands"] if c.startswith("pytest") and "-m sweep" not in c]
+        assert len(tests) == 1 and " tests " in f"{tests[0]} " and "mpt_kv/conformance" not in tests[0], tests
+        runs = [c for c in envs[env]["commands"] if "mpt_kv run" in c]
+        assert len(runs) == 1 and "--strict-known-failures" in runs[0], runs
