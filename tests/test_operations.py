@@ -264,6 +264,8 @@ def test_the_packaged_known_failures_name_the_operations_findings():
         ("optimum-habana", "ops-memory", "concat", None, before_1_20),      # MptForCausalLM._reorder_cache
         ("optimum-habana", "ops-memory", "static", None, before_1_20),
         ("transformers", "ops-memory", "concat", None, "<4.51,>=4.40"),     # the same, on transformers' side
+        ("transformers", "ops-static-storage", "static", None, "~=5.24.0"),  # StaticLayer reorders into new buffers
+        ("optimum-habana", "ops-static-storage", "static", None, "<=1.21.2,>=1.20.0"),  # no _reorder_cache
     ], ops
 
 
