@@ -67,7 +67,7 @@ def test_user_target_with_a_cache_bug_fails(pytester):
 
 
 # A --target that cannot be imported is a usage error before any test runs, not a skip: see
-# tests/test_gate.py::test_named_targets_that_cannot_load_stop_the_run (docs/gate.md).
+# tests/test_plugin_parametrize.py::test_named_targets_that_cannot_load_stop_the_run (docs/gate.md).
 
 
 WRONG_KEYWORD = """

@@ -10,8 +10,8 @@ row and is not drawn for transformers itself; family-P2 (static = concat) in the
 Which implementations run follows the run's targets, as for MPT (`mpt_kv.plugin.options`): the
 built-in transformers and optimum-habana, or with `--only-targets` only those named with
 `--target` (`--target optimum-habana --only-targets` runs the optimum-habana ports alone). An
-implementation whose package is not installed skips with that reason, unless the run names it
-(then an error); one that is installed but has no port of a family (TargetUnavailable) is
+implementation whose package is not installed gets no case, and the summary says why
+(`mpt_kv.plugin.parametrize.generated_targets`), unless the run names it (then an error); one that is installed but has no port of a family (TargetUnavailable) is
 unsupported with the reason; a feature it lacks is unsupported with its reason; anything else is
 an error. A failure upstream ships is data (`mpt_kv/families/known_failures.json`): where its
 `when` holds, the case is a strict xfail that only a PropertyFailure whose message its pattern
@@ -86,9 +86,9 @@ def pytest_generate_tests(metafunc):
     `target` alone (mpt_kv.plugin.parametrize.explicitly_parametrized)."""
     if metafunc.definition.name != "test_family":
         return
-    from mpt_kv.plugin.options import target_specs
+    from mpt_kv.plugin.parametrize import generated_targets
 
-    selected = [i for i in IMPLEMENTATIONS if i in target_specs(metafunc.config)]
+    selected = [i for i in IMPLEMENTATIONS if i in generated_targets(metafunc.config)]
     params = list(cases(selected))
     if not params:  # e.g. --only-targets with a user's target alone: one skip saying why (no property: no
         # case); a run of this module alone has no target, which the gate refuses (mpt_kv.plugin.gate.no_target)

@@ -160,6 +160,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     tw = terminalreporter
     report.summary(tw, config, outcomes.results, outcomes.extras)
+    parametrize.summary(tw, config, outcomes.results)
     gate.summary(tw, config)
     cards.summary(tw, config)
     known_failures.summary(tw, config)

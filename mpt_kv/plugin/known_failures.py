@@ -132,9 +132,12 @@ def unmatched(config) -> list:
 
 
 def elsewhere(config, entry) -> bool:
-    """The entry is about a built-in target that is not a target of this run. A target that is
-    neither built in nor run stays unmatched: it may be a typo of the project's own target."""
-    return entry.target in BUILTIN_PACKAGES and entry.target not in target_specs(config)
+    """The entry is about a built-in target that is not a target of this run, or whose package is
+    not installed here (no case of it is generated). A target that is neither built in nor run stays
+    unmatched: it may be a typo of the project's own target."""
+    from mpt_kv.plugin.parametrize import generated_targets
+
+    return entry.target in BUILTIN_PACKAGES and entry.target not in generated_targets(config)
 
 
 def strict_failure(config) -> bool:
