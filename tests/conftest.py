@@ -104,3 +104,43 @@ def wheel_venv(tmp_path_factory) -> WheelVenv:
     if failed.is_file():
         pytest.fail(f"building mpt-kv's wheel and its venv failed: {failed.read_text()}", pytrace=False)
     return WheelVenv(**{k: Path(v) for k, v in json.loads(built.read_text()).items()})
+
+
+# --- tests that need optimum-habana: deselected where it is not installed, in one line -------------------------------
+
+OPTIMUM_HABANA_TESTS = pytest.StashKey[int]()  # config -> how many tests marked optimum_habana were deselected
+
+
+def optimum_habana_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.habana") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked `optimum_habana` where optimum-habana is not installed is deselected, not skipped
+    one by one (the ohabana env runs it); the summary says how many, in one line."""
+    if optimum_habana_installed():
+        return
+    dropped = [item for item in items if item.get_closest_marker("optimum_habana")]
+    if dropped:
+        items[:] = [item for item in items if not item.get_closest_marker("optimum_habana")]
+        config.hook.pytest_deselected(items=dropped)
+    config.stash[OPTIMUM_HABANA_TESTS] = len(dropped)
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["optimum_habana_tests"] = len(dropped)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist: every worker collects every test; the controller takes their count."""
+    n = getattr(node, "workeroutput", {}).get("optimum_habana_tests")
+    if n is not None:
+        node.config.stash[OPTIMUM_HABANA_TESTS] = max(n, node.config.stash.get(OPTIMUM_HABANA_TESTS, 0))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = config.stash.get(OPTIMUM_HABANA_TESTS, 0)
+    if n and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"tests/: {n} tests need optimum-habana, which is not installed here: deselected "
+                                    "(tox -e ohabana runs them)")

@@ -124,7 +124,9 @@ def test_the_end_of_run_gate_counts_only_passed_device_cases(monkeypatch):
 
 
 def test_gate_under_xdist_decides_from_the_workers_reports(run):
-    result = run(EVERY_CASE_SKIPS, "-n", "2", "--require-device", "cpu")
+    # one case (cpu), so one worker: its reports are all the controller decides from; --device cpu: no
+    # accelerator to survey for cards (tests/test_plugin_cards.py does that)
+    result = run(EVERY_CASE_SKIPS, "-n", "1", "--require-device", "cpu", "--device", "cpu")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, output(result)
     assert "no cpu case passed" in output(result)
 

@@ -217,9 +217,10 @@ def test_breaks_the_report(check, target, device, dtype):
 
 @pytest.fixture
 def run(pytester, monkeypatch):
-    for var in ("CI", "MPT_KV_REQUIRE_DEVICE", "MPT_KV_HYPOTHESIS_PROFILE", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER"):
+    for var in ("CI", "MPT_KV_REQUIRE_DEVICE", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("MPT_KV_HYPOTHESIS_PROFILE", "ci")  # the runs are not about profiles
 
     def _run(source, *args, device=("--device", "cpu"), **env):
         for k, v in env.items():
