@@ -1,5 +1,18 @@
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -10,3 +23,124 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# --- mpt-kv as a user installs it: a wheel in a fresh virtual environment, built once per run -------------------------
+
+# what a subprocess of the end-to-end tests must not inherit from this run: its sys.path, its pytest
+# options, its xdist worker identity, mpt-kv's own variables
+NOT_INHERITED = ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID")
+
+
+def clean_env(**more: str) -> dict[str, str]:
+    """This process's environment without what would make a subprocess see this run (NOT_INHERITED,
+    MPT_KV_*, PYTEST_PLUGINS), plus `more`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in NOT_INHERITED and not k.startswith(("MPT_KV_", "PYTEST_PLUGINS"))}
+    return {**env, **more}
+
+
+@dataclass(frozen=True)
+class WheelVenv:
+    wheel: Path    # mpt_kv-<version>-py3-none-any.whl, built from a clean copy of this checkout
+    python: Path   # the venv's python: mpt-kv from the wheel, everything else from this environment
+    purelib: Path  # the venv's site-packages, where the wheel's mpt_kv is
+
+    @staticmethod
+    def env(**more: str) -> dict[str, str]:
+        """The environment to run the venv's python in (clean_env)."""
+        return clean_env(**more)
+
+
+def _sh(*cmd, **kw) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def _build_wheel_venv(root: Path) -> dict:
+    source = root / "mpt-kv"  # a clean copy: building in the checkout would leave build/ there
+    shutil.copytree(REPO / "mpt_kv", source / "mpt_kv", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    _sh(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", root / "wheels", source)
+    (wheel,) = (root / "wheels").glob("mpt_kv-*.whl")
+    # made without pip; it reuses this environment's packages (torch, pytest, hypothesis, transformers)
+    # through a .pth file after its own, so nothing is downloaded and torch is not reinstalled (as on a
+    # Gaudi image)
+    venv = root / "venv"
+    _sh(sys.executable, "-m", "venv", "--without-pip", venv)
+    python = venv / "bin" / "python"
+    _sh(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel)
+    purelib = Path(_sh(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+    (purelib / "reuse-parent-env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    where = _sh(python, "-c", "import mpt_kv.plugin as p; print(p.__file__)", cwd=root, env=clean_env()).stdout.strip()
+    if not where.startswith(str(purelib)):
+        raise RuntimeError(f"mpt_kv imports from {where}, not from the installed wheel in {purelib}")
+    return {"wheel": str(wheel), "python": str(python), "purelib": str(purelib)}
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory) -> WheelVenv:
+    """mpt-kv built as a wheel from a clean copy of this checkout and installed into a fresh virtual
+    environment, once per test run: under pytest-xdist the first worker that asks builds it in the
+    run's shared temporary folder under a file lock, the others wait and reuse it (a failed build is
+    reported to each, not retried). Read-only for the tests: copy the projects they run elsewhere."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one folder per run either way
+    root = shared / "mpt-kv-wheel-venv"
+    built, failed = root / "built.json", root / "failed.txt"
+    with FileLock(str(shared / "mpt-kv-wheel-venv.lock")):
+        if not built.is_file() and not failed.is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            try:
+                built.write_text(json.dumps(_build_wheel_venv(root)))
+            except Exception as e:
+                failed.write_text(f"{type(e).__name__}: {e}")
+    if failed.is_file():
+        pytest.fail(f"building mpt-kv's wheel and its venv failed: {failed.read_text()}", pytrace=False)
+    return WheelVenv(**{k: Path(v) for k, v in json.loads(built.read_text()).items()})
+
+
+# --- tests that need optimum-habana: deselected where it is not installed, in one line -------------------------------
+
+OPTIMUM_HABANA_TESTS = pytest.StashKey[int]()  # config -> how many tests marked optimum_habana were deselected
+
+
+def optimum_habana_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.habana") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked `optimum_habana` where optimum-habana is not installed is deselected, not skipped
+    one by one (the ohabana env runs it); the summary says how many, in one line."""
+    if optimum_habana_installed():
+        return
+    dropped = [item for item in items if item.get_closest_marker("optimum_habana")]
+    if dropped:
+        items[:] = [item for item in items if not item.get_closest_marker("optimum_habana")]
+        config.hook.pytest_deselected(items=dropped)
+    config.stash[OPTIMUM_HABANA_TESTS] = len(dropped)
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["optimum_habana_tests"] = len(dropped)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist: every worker collects every test; the controller takes their count."""
+    n = getattr(node, "workeroutput", {}).get("optimum_habana_tests")
+    if n is not None:
+        node.config.stash[OPTIMUM_HABANA_TESTS] = max(n, node.config.stash.get(OPTIMUM_HABANA_TESTS, 0))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = config.stash.get(OPTIMUM_HABANA_TESTS, 0)
+    if n and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"tests/: {n} tests need optimum-habana, which is not installed here: deselected "
+                                    "(tox -e ohabana runs them)")

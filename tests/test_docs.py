@@ -68,22 +68,28 @@ def test_every_relative_link_resolves_to_a_file_and_heading(path):
     assert not broken, f"{path.name}: " + "; ".join(broken)
 
 
-def gate_table_tests() -> list[tuple[str, str]]:
-    """(row number, test name) for every test the gate table of docs/gate.md names."""
+def gate_table_tests() -> list[tuple[str, str, str]]:
+    """(row number, test file, test name) for every test the gate table of docs/gate.md names: each
+    cell names its tests by file (`tests/test_x.py::test_y`), and `::test_z` continues the file
+    named before it in the cell."""
     out = []
     for line in (REPO / "docs" / "gate.md").read_text(encoding="utf-8").splitlines():
         row = re.match(r"\| (\d+) \|", line)
         if row:
-            proved_by = line.rstrip(" |").rsplit(" | ", 1)[-1]
-            out += [(row.group(1), name) for name in re.findall(r"`(?:[\w/.]*::)?(test_\w+)", proved_by)]
+            proved_by, path = line.rstrip(" |").rsplit(" | ", 1)[-1], None
+            for named, sep, name in re.findall(r"`(?:([\w/.]*)(::))?(test_\w+)", proved_by):
+                # `tests/x.py::t` names its file, `::t` continues the one before, a bare `t` names none
+                path = (named or path) if sep else None
+                out.append((row.group(1), path, name))
     return out
 
 
 def test_the_gate_table_names_only_tests_that_exist():
-    names = set()
+    defined = {}
     for path in (REPO / "tests").glob("test_*.py"):
-        names |= set(re.findall(r"^def (test_\w+)", path.read_text(encoding="utf-8"), flags=re.M))
+        for name in re.findall(r"^def (test_\w+)", path.read_text(encoding="utf-8"), flags=re.M):
+            defined.setdefault(name, set()).add(f"tests/{path.name}")
     rows = gate_table_tests()
-    assert len({r for r, _ in rows}) >= 30, "the gate table lost its rows"
-    missing = [f"row {r}: {name}" for r, name in rows if name not in names]
-    assert not missing, "the gate table names tests that do not exist: " + ", ".join(missing)
+    assert len({r for r, _, _ in rows}) >= 30, "the gate table lost its rows"
+    missing = [f"row {r}: {path or '(no file)'}::{name}" for r, path, name in rows if path not in defined.get(name, ())]
+    assert not missing, "the gate table names tests that do not exist where it says: " + ", ".join(missing)

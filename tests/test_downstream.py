@@ -2,21 +2,19 @@
 wheel, installed into a fresh virtual environment, the project run from a directory outside this
 repository with only documented API.
 
-The venv is made without pip and reuses this environment's packages (torch, pytest, hypothesis)
-through a .pth file, so nothing is downloaded and torch is not reinstalled (as on a Gaudi image).
-mpt-kv itself is the wheel's copy: the runs show the plugin and the checks executing from the
-venv's site-packages, never from this checkout.
+The wheel and the venv are built once per test run and shared (tests/conftest.py::wheel_venv): the
+venv is made without pip and reuses this environment's packages (torch, pytest, hypothesis) through
+a .pth file, so nothing is downloaded and torch is not reinstalled (as on a Gaudi image). mpt-kv
+itself is the wheel's copy: the runs show the plugin and the checks executing from the venv's
+site-packages, never from this checkout.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
-import site
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ EXAMPLE = REPO / "examples" / "downstream"
 TARGET = "tinympt.mpt_kv_target:build"
 
 pytestmark = [
-    pytest.mark.slow,  # a wheel build (~6 s) and three pytest runs of the example
+    pytest.mark.slow,  # the run's wheel build (~6 s, shared) and five pytest runs of the examples
     # tox runs the suite in two envs; the example uses neither transformers nor optimum-habana,
     # so the optimum-habana env would only repeat it
     pytest.mark.skipif(importlib.util.find_spec("optimum") is not None,
@@ -42,37 +40,21 @@ def workflow_wheel() -> str:
     return found[0]
 
 
-def sh(*cmd, **kw) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
-    assert done.returncode == 0, f"{' '.join(map(str, cmd))} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-    return done
-
-
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """(venv python, the example copied outside the repo, its environment)."""
+def installed(wheel_venv, tmp_path_factory):
+    """(venv python, the example copied outside the repo, its environment, the venv's site-packages).
+    The wheel and the venv are the run's one (tests/conftest.py::wheel_venv)."""
     root = tmp_path_factory.mktemp("downstream")
-    source = root / "mpt-kv"  # a clean copy: building in the checkout would leave build/ there
-    shutil.copytree(REPO / "mpt_kv", source / "mpt_kv", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
     project = shutil.copytree(EXAMPLE, root / "tinympt")
-    # as its Gaudi workflow does: the wheel built from mpt-kv, committed under ci/wheels/, installed
-    # by the path the workflow names (so a version bump that leaves the workflow behind fails here)
-    sh(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", project / "ci" / "wheels", source)
-    venv = root / "venv"
-    sh(sys.executable, "-m", "venv", "--without-pip", venv)
-    python = venv / "bin" / "python"
-    sh(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", project / workflow_wheel())
-    purelib = Path(sh(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
-    # this environment's packages after the venv's own: torch, pytest, hypothesis, transformers
-    (purelib / "reuse-parent-env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID")
-           and not k.startswith(("MPT_KV_", "PYTEST_PLUGINS"))}
-    where = sh(python, "-c", "import mpt_kv.plugin as p; print(p.__file__)", cwd=project, env=env).stdout.strip()
-    assert where.startswith(str(purelib)), f"mpt_kv imports from {where}, not from the installed wheel in {purelib}"
-    return python, project, env, purelib
+    # as its Gaudi workflow does: the wheel built from mpt-kv, committed under ci/wheels/, installed by
+    # the path the workflow names (so a version bump that leaves the workflow behind fails here)
+    (project / "ci" / "wheels").mkdir(parents=True, exist_ok=True)
+    shutil.copy(wheel_venv.wheel, project / "ci" / "wheels")
+    named = project / workflow_wheel()
+    assert named.is_file(), f"the workflow installs {workflow_wheel()}, but the wheel built is {wheel_venv.wheel.name}"
+    # the ci profile (derandomized, fewer examples): these runs are about the project, not the profiles
+    env = wheel_venv.env(MPT_KV_HYPOTHESIS_PROFILE="ci")
+    return wheel_venv.python, project, env, wheel_venv.purelib
 
 
 def pytest_in(installed, *args) -> subprocess.CompletedProcess:

@@ -24,8 +24,7 @@ from mpt_kv.families.base import Family, GaudiPort
 from mpt_kv.families.checks import BATCH, PAD, PROMPT, build, prompt
 
 HAVE_OH = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.habana") is not None
-NOT_INSTALLED = "optimum-habana is not installed (pip install --no-deps optimum-habana, or tox -e ohabana)"
-needs_oh = pytest.mark.skipif(not HAVE_OH, reason=NOT_INSTALLED)
+needs_oh = pytest.mark.optimum_habana  # deselected where it is not installed (tests/conftest.py)
 
 # the ports this file checks (fam-ports' families have their own tests), every variant
 PORTS = ("mpt", "gpt2", "gpt_neox", "bloom", "codegen", "persimmon", "phi", "stablelm")

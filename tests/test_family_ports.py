@@ -28,7 +28,7 @@ from mpt_kv.families.checks import BATCH, PROMPT, build, prompt
 
 HAVE_OH = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.habana") is not None
 NOT_INSTALLED = "optimum-habana is not installed (pip install --no-deps optimum-habana, or tox -e ohabana)"
-needs_oh = pytest.mark.skipif(not HAVE_OH, reason=NOT_INSTALLED)
+needs_oh = pytest.mark.optimum_habana  # deselected where it is not installed (tests/conftest.py)
 
 STEPS, EXTEND, MAX_LEN = 3, 3, 16
 KNOWN = Path(__file__).resolve().parent.parent / "mpt_kv" / "families" / "known_failures.json"

@@ -5,7 +5,6 @@ release trees here; the real releases run in the sweep (docs/releases.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import textwrap
 import types
 
@@ -123,7 +122,7 @@ def test_a_release_the_loader_cannot_build_is_an_error_naming_it(tmp_path, sourc
     assert message in str(e.value)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("optimum") is None, reason="optimum-habana is not installed (tox -e ohabana)")
+@pytest.mark.optimum_habana
 def test_the_installed_release_is_read_from_its_own_file():
     module = gaudi.load_gaudi_mpt_module()
     names = {p.name for p in gaudi.mpt_patches(module)}

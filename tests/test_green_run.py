@@ -36,6 +36,7 @@ def pytest_run(pytester, monkeypatch):
                 "PYTEST_XDIST_WORKER"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(pytester.path)]))
+    monkeypatch.setenv("MPT_KV_HYPOTHESIS_PROFILE", "ci")  # the runs are not about profiles
     pytester.makepyfile(uncached_only=UNCACHED_ONLY)
 
     def _run(*args, ini=""):

@@ -96,8 +96,7 @@ def test_the_standin_refuses_where_habana_frameworks_is_real(monkeypatch):
     assert sys.modules["habana_frameworks"] is real  # never removed: it is not the stand-in's
 
 
-@pytest.mark.skipif(not HAVE_OH, reason="optimum-habana is not installed (pip install --no-deps optimum-habana, "
-                                         "or tox -e ohabana)")
+@pytest.mark.optimum_habana
 def test_optimum_habanas_falcon_loads_under_the_standin_and_leaves_no_hpu():
     from mpt_kv.targets import gaudi
 

@@ -156,7 +156,7 @@ def pytest_run(tmp_path, *args, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
                            "mpt_kv.conformance", "-m", "cpu", "--dtype", "fp32", "--only-targets", *args],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**clean, "PYTHONPATH": str(ROOT), **env})
+                          env={**clean, "PYTHONPATH": str(ROOT), "MPT_KV_HYPOTHESIS_PROFILE": "ci", **env})
 
 
 def test_a_match_anything_entry_for_a_target_with_views_is_a_usage_error_not_a_green_run(tmp_path):

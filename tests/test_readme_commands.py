@@ -2,8 +2,9 @@
 by this test and run from a fresh folder outside the repository, as a user would run them.
 
 The folder holds the README's adapter as `mypkg/mpt_kv_target.py` (its python block, verbatim)
-and the small MPT port it imports (examples/downstream's `tinympt`). mpt-kv is the one
-installed in this environment. Each command must exit 0, or the code its comment documents
+and the small MPT port it imports (examples/downstream's `tinympt`). mpt-kv is installed as the
+README's "Into another project" says: its wheel, in a fresh virtual environment (the run's one,
+tests/conftest.py::wheel_venv, shared with tests/test_downstream.py). Each command must exit 0, or the code its comment documents
 ("exit 4"; the whole suite on the example's tinympt: exit 1, its known P3/concat and memory/concat
 failures and no other). The whole-suite command (its comment says "the whole suite") takes about 100 s on a
 2-core machine, so it runs only with MPT_KV_README_FULL=1; the first look and the Gaudi gate
@@ -17,7 +18,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -76,14 +76,6 @@ def project(tmp_path_factory) -> Path:
     return root
 
 
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID")
-           and not k.startswith(("MPT_KV_", "PYTEST_PLUGINS"))}
-    env["CI"] = "true"  # the small derandomized hypothesis profile, as in CI
-    return env
-
-
 @pytest.mark.slow  # subprocess pytest runs: about 25 s for the first look, 5 s for the gate
 @pytest.mark.parametrize("comment, command, code", [
     pytest.param(*c, id=c[1].split("--only-targets")[-1].strip() or c[1],
@@ -91,11 +83,12 @@ def clean_env() -> dict[str, str]:
                                            reason="the whole suite takes ~100 s: MPT_KV_README_FULL=1 runs it")]
                  if "the whole suite" in c[0] else [])
     for c in COMMANDS])
-def test_a_readme_command_runs_from_a_fresh_folder(project, comment, command, code):
+def test_a_readme_command_runs_from_a_fresh_folder(wheel_venv, project, comment, command, code):
     argv = shlex.split(command)
     assert argv[:3] == ["python", "-m", "pytest"], f"{command!r}: the README runs pytest as `python -m pytest`"
-    done = subprocess.run([sys.executable, *argv[1:], "-p", "no:cacheprovider"], cwd=project, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    # CI=true: the small derandomized hypothesis profile, as in CI
+    done = subprocess.run([str(wheel_venv.python), *argv[1:], "-p", "no:cacheprovider"], cwd=project,
+                          env=wheel_venv.env(CI="true"), capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == code, f"{command!r} ({comment}) exited {done.returncode}, not {code}:\n{out[-4000:]}"
     if "-m hpu" in command:

@@ -1,9 +1,16 @@
 """User targets: `--target package.module:factory` and `mpt_kv.parametrize_with_checks` in a
 project's own test file. The README's worked example runs; a user target with a cache bug
 fails; an adapter that raises is an "error" in the matrix, never a property failure; expected
-failures xfail only a PropertyFailure."""
+failures xfail only a PropertyFailure.
+
+The three user targets of the shipped properties (the worked example, one with a cache bug, one whose
+adapter raises) run in one pytest subprocess (`three_targets`), each test reading its own target's
+cases and matrix rows from it."""
 
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,19 +18,60 @@ import pytest
 pytest_plugins = ["pytester"]
 REPO = Path(__file__).resolve().parent.parent
 PROPERTIES = str(REPO / "mpt_kv" / "conformance" / "test_properties.py")
-
-
-def run(pytester, *args):
-    return pytester.runpytest_subprocess(PROPERTIES, f"--rootdir={REPO}", "-p", "no:cacheprovider",
-                                         "--device=cpu", "--dtype=fp32", "--only-targets", "-rs", *args)
-
-
-def test_worked_example_target_passes_the_properties(pytester):
+TINYMPT = str(REPO / "examples" / "downstream" / "src")
+# each target's cases: one -k per target, joined (a case id names its target)
+SELECT = {
     # the drawn P1 and P3 on the three paths ("P3", not "P3/", would match fp32 too)
-    result = run(pytester, "--target=examples.sdpa_mpt:build", "-k", "(P1/ or P3/) and not graphs and not max-seq "
-                 "and not long-gen and not head-dim and not bucket-128 and not batch-8 and not alibi-bias")
-    result.assert_outcomes(passed=6)
-    result.stdout.fnmatch_lines(["*examples.sdpa_mpt:build*cpu*float32*concat*passed*"])
+    "examples.sdpa_mpt:build": "(P1/ or P3/) and not graphs and not max-seq and not long-gen and not head-dim and "
+                               "not bucket-128 and not batch-8 and not alibi-bias",
+    # the drawn P1 on the static path only (not its edge cases, graphs or bucket)
+    "off_by_one:build": "P1/static and not bucket and not graphs and not max-seq and not long-gen and not head-dim",
+    "wrong_keyword:build": "P1/",
+}
+
+
+@pytest.fixture(scope="module")
+def three_targets(tmp_path_factory):
+    """(exit code, output) of one run of the shipped properties on the three user targets, --only-targets."""
+    where = tmp_path_factory.mktemp("user-targets")
+    (where / "off_by_one.py").write_text(OFF_BY_ONE)
+    (where / "wrong_keyword.py").write_text(WRONG_KEYWORD)
+    targets = [f"--target={t}" for t in SELECT]
+    k = " or ".join(f"({t.split(':')[0].split('.')[-1]} and ({expr}))" for t, expr in SELECT.items())
+    env = {k_: v for k_, v in os.environ.items() if k_ not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "CI")
+           and not k_.startswith("MPT_KV_")}
+    env.update(PYTHONPATH=os.pathsep.join([TINYMPT, str(where)]), MPT_KV_HYPOTHESIS_PROFILE="ci")
+    done = subprocess.run([sys.executable, "-m", "pytest", PROPERTIES, f"--rootdir={REPO}", "-p", "no:cacheprovider",
+                           "--device=cpu", "--dtype=fp32", "--only-targets", *targets, "-rA", "-k", k],
+                          cwd=where, env=env, capture_output=True, text=True, timeout=600)
+    return done.returncode, done.stdout + done.stderr
+
+
+def outcomes_of(out: str, target: str) -> dict[str, int]:
+    """{PASSED: n, FAILED: n, ...}: the short summary's lines (-rA) of `target`'s cases."""
+    counts: dict[str, int] = {}
+    for line in out.splitlines():
+        word = line.split(" ", 1)[0]
+        if word in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL") and f"-{target}-" in line:
+            counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def matrix(out: str) -> str:
+    return out.split("mpt-kv conformance")[1]
+
+
+def test_the_run_selected_each_targets_cases(three_targets):
+    code, out = three_targets
+    assert code == pytest.ExitCode.TESTS_FAILED, out  # the cache bug and the raising adapter fail it
+    for target in SELECT:
+        assert outcomes_of(out, target), f"no case of {target} ran:\n{out[-3000:]}"
+
+
+def test_worked_example_target_passes_the_properties(three_targets):
+    _, out = three_targets
+    assert outcomes_of(out, "examples.sdpa_mpt:build") == {"PASSED": 6}, out[-3000:]
+    assert re.search(r"^examples\.sdpa_mpt:build +cpu +float32 +concat .*passed", matrix(out), flags=re.M), out[-3000:]
 
 
 OFF_BY_ONE = """
@@ -55,19 +103,16 @@ def build(cfg, state_dict, device, dtype):
 """
 
 
-def test_user_target_with_a_cache_bug_fails(pytester):
-    pytester.makepyfile(off_by_one=OFF_BY_ONE)
-    # the drawn P1 on the static path only (not its edge cases, graphs or bucket)
-    result = run(pytester, "--target=off_by_one:build", "-k",
-                 "P1/static and not bucket and not graphs and not max-seq and not long-gen and not head-dim")
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
+def test_user_target_with_a_cache_bug_fails(three_targets):
+    _, out = three_targets
+    assert outcomes_of(out, "off_by_one:build").get("FAILED"), out[-3000:]
     # a wrong value (PropertyFailure) or, where its last write runs past the cache, the crash with a
     # note naming the property and the context: the first CI example generates one new token
-    result.stdout.fnmatch_lines(["*P1*target=off_by_one:build*"])
+    assert re.search(r"P1.*target=off_by_one:build", out), out[-3000:]
 
 
 # A --target that cannot be imported is a usage error before any test runs, not a skip: see
-# tests/test_gate.py::test_named_targets_that_cannot_load_stop_the_run (docs/gate.md).
+# tests/test_plugin_parametrize.py::test_named_targets_that_cannot_load_stop_the_run (docs/gate.md).
 
 
 WRONG_KEYWORD = """
@@ -104,18 +149,18 @@ def pytester(pytester, monkeypatch):
     return pytester
 
 
-def test_an_adapter_that_raises_is_an_error_in_the_matrix_never_a_property_failure(pytester):
-    pytester.makepyfile(wrong_keyword=WRONG_KEYWORD)
-    result = run(pytester, "--target=wrong_keyword:build", "-k", "P1/")
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*TypeError*unexpected keyword argument 'cache_idx'*"])
-    # columns P0 P1 P2 P3 memory static-shape; the bucket path: what the wrapper found, as the reason
-    result.stdout.re_match_lines([r"wrong_keyword:build +cpu +float32 +concat +- +error +- +- +- +- +-$",
-                                  r"wrong_keyword:build +cpu +float32 +static +- +error +- +- +- +- +-$",
-                                  r"wrong_keyword:build +cpu +float32 +static\+bucket4 +- +unsupported +- +- +- +- +-$"])
-    result.stdout.fnmatch_lines(["*wrong_keyword:build declares unsupported: bucket (TinyMptForCausalLM.forward has no "
-                                 "cache_idx parameter*"])
-    assert " failed " not in result.stdout.str().split("mpt-kv conformance")[1]
+def test_an_adapter_that_raises_is_an_error_in_the_matrix_never_a_property_failure(three_targets):
+    _, out = three_targets
+    assert re.search(r"TypeError.*unexpected keyword argument 'cache_idx'", out), out[-3000:]
+    # columns P0 P1 P2 P3 P4 memory static-shape; the bucket path: what the wrapper found, as the reason
+    rows = [line for line in matrix(out).splitlines() if line.startswith("wrong_keyword:build ")]
+    for row in (r"wrong_keyword:build +cpu +float32 +concat +- +error +- +- +- +- +-$",
+                r"wrong_keyword:build +cpu +float32 +static +- +error +- +- +- +- +-$",
+                r"wrong_keyword:build +cpu +float32 +static\+bucket4 +- +unsupported +- +- +- +- +-$"):
+        assert [r for r in rows if re.match(row, r)], (row, rows)
+    assert "wrong_keyword:build declares unsupported: bucket (TinyMptForCausalLM.forward has no cache_idx parameter" \
+        in out, out[-3000:]
+    assert not [r for r in rows if " failed" in r], rows  # an error, never a property failure
 
 
 OWN_TESTS = """

@@ -13,9 +13,9 @@ the plugin as for the MPT targets: a strict xfail of only the PropertyFailure it
 Which implementations run follows the run's targets, as for MPT (`mpt_kv.plugin.options`): the
 built-in transformers and optimum-habana, or with `--only-targets` only those named with `--target`
 (`--target optimum-habana --only-targets` runs the optimum-habana ports alone). An implementation
-whose package is not installed skips with that reason, unless the run names it (then an error); one
-that is installed but has no port of a family is unsupported with the reason; anything else is an
-error.
+whose package is not installed gets no case, and the summary says why
+(`mpt_kv.plugin.parametrize.generated_targets`), unless the run names it (then an error); one that
+is installed but has no port of a family is unsupported with the reason; anything else is an error.
 """
 
 import pytest
@@ -23,8 +23,8 @@ import torch
 
 from mpt_kv.checks.registry import CHECKS, applies
 from mpt_kv.families.implementations import IMPLEMENTATIONS, family_targets
-from mpt_kv.plugin.options import named_targets, target_specs
-from mpt_kv.plugin.parametrize import missing_package
+from mpt_kv.plugin.options import named_targets
+from mpt_kv.plugin.parametrize import generated_targets, missing_package
 
 
 def cases(implementations):
@@ -41,7 +41,7 @@ def pytest_generate_tests(metafunc):
     `target`, `device` and `dtype` alone (mpt_kv.plugin.parametrize.explicitly_parametrized)."""
     if metafunc.definition.name != "test_family":
         return
-    selected = [i for i in IMPLEMENTATIONS if i in target_specs(metafunc.config)]
+    selected = [i for i in IMPLEMENTATIONS if i in generated_targets(metafunc.config)]
     params = list(cases(selected))
     if not params:  # e.g. --only-targets with a user's target alone: one skip saying why (no property: no
         # case); a run of this module alone has no target, which the gate refuses (mpt_kv.plugin.gate.no_target)

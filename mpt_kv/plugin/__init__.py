@@ -172,6 +172,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     tw, run = terminalreporter, state.run_state(config)
     report.summary(tw, config, run.results, run.extras)
+    parametrize.summary(tw, config, run.results)
     gate.summary(tw, config)
     cards.summary(tw, config)
     known_failures.summary(tw, config)

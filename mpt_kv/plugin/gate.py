@@ -37,7 +37,7 @@ def compile_markexpr(expr: str):
     """`-m expr` compiled by pytest's own parser: a function `matches(matcher) -> bool`, where
     `matcher(name, **kwargs)` says whether a case has that marker; None if the expression does not
     parse (pytest reports that itself). The only use of pytest's private `_pytest.mark.expression`
-    (tests/test_gate.py runs it on the pytest version of every lock)."""
+    (tests/test_plugin_gate.py runs it on the pytest version of every lock)."""
     try:
         from _pytest.mark.expression import Expression
 

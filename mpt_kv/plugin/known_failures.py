@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mpt_kv.plugin.parametrize import generated_targets
 from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.options import (BUILTIN_PACKAGES, ENV_KNOWN_FAILURES, ini_relative, strict_known_failures,
                                    target_specs)
@@ -183,9 +184,10 @@ def unmatched(config) -> list:
 
 
 def elsewhere(config, entry) -> bool:
-    """The entry is about a built-in target that is not a target of this run. A target that is
-    neither built in nor run stays unmatched: it may be a typo of the project's own target."""
-    return entry.implementation in BUILTIN_PACKAGES and entry.implementation not in target_specs(config)
+    """The entry is about a built-in target (or implementation) that is not a target of this run, or
+    whose package is not installed here (no case of it is generated). A target that is neither built
+    in nor run stays unmatched: it may be a typo of the project's own target."""
+    return entry.implementation in BUILTIN_PACKAGES and entry.implementation not in generated_targets(config)
 
 
 def strict_failure(config) -> bool:

@@ -33,7 +33,8 @@ def add_options(parser) -> None:
     g = parser.getgroup("mpt-kv", "mpt-kv KV cache conformance")
     g.addoption("--device", action="append", choices=devices.KINDS, default=None,
                 help="run cases on this device kind only (repeatable); a kind named here is required: absent, "
-                     "the run is an error (default: every kind, absent ones skip)")
+                     "the run is an error (default: cpu and every kind available here; the others get no case, and the "
+                     "summary says why in one line)")
     g.addoption("--require-device", action="append", choices=devices.KINDS, default=[],
                 help=f"fail unless this device is present and at least one of its cases passed (repeatable; "
                      f"also ${ENV_REQUIRE}=hpu,cuda). -m and --device imply it for the kinds they select")

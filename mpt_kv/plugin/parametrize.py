@@ -1,12 +1,16 @@
 """The device, target and dtype parameters, and their fixtures.
 
-- Every case that takes `device` runs once per kind (cpu, cuda, hpu) and carries the marker of
-  that kind, so `pytest -m hpu` selects exactly the HPU cases; an absent kind skips, unless the
-  run requires it (gate.py) or the worker was given a card it cannot see (an error).
+- Every case that takes `device` runs once per kind and carries the marker of that kind, so
+  `pytest -m hpu` selects exactly the HPU cases. The kinds (`generated_kinds`): those --device
+  names; without it cpu, and each accelerator kind the run asks for (required, or selected by -m
+  even under --allow-missing-device), or the xdist worker was given a card of, or that -m can
+  select and is available here. A kind that can never run here is not generated at all, and the
+  terminal summary says so in one line (`summary`); a generated kind that is absent skips, unless
+  the run requires it (gate.py) or the worker was given a card it cannot see (an error).
 - `target` runs once per built-in target and per `--target package.module:factory`. Each spec is
   resolved once per process into a `mpt_kv.targets.ResolvedTarget`, which the fixture returns and
   the checks take. A target named explicitly that cannot be imported or built is an error; a
-  built-in one skips only where its package is not installed.
+  built-in one whose package is not installed is not generated (the summary line says so).
 - `dtype`: fp32 and bf16, or --dtype / ini mpt_kv_dtypes.
 A test's own parametrize of one of these names wins (`parametrize_with_checks([build])`).
 """
@@ -23,19 +27,80 @@ from mpt_kv.plugin.options import BUILTIN_PACKAGES, dtype_names, named_targets, 
 from mpt_kv.errors import TargetUnavailable
 
 
+_ABSENT_KINDS = pytest.StashKey[dict]()    # config -> {kind: why no case of it is generated}
+_ABSENT_TARGETS = pytest.StashKey[dict]()  # config -> {built-in target: why no case of it is generated}
+
+
 def generate(metafunc) -> None:
     config = metafunc.config
     explicit = explicitly_parametrized(metafunc)
     if "device" in metafunc.fixturenames and "device" not in explicit:
-        kinds = config.getoption("device") or list(devices.KINDS)
-        metafunc.parametrize("device", [pytest.param(k, marks=getattr(pytest.mark, k), id=k) for k in kinds],
-                             indirect=True)
+        metafunc.parametrize("device", [pytest.param(k, marks=getattr(pytest.mark, k), id=k)
+                                        for k in generated_kinds(config)], indirect=True)
     if "target" in metafunc.fixturenames and "target" not in explicit:
-        metafunc.parametrize("target", target_specs(config), indirect=True)
+        metafunc.parametrize("target", generated_targets(config), indirect=True)
     if "dtype" in metafunc.fixturenames and "dtype" not in explicit:
         from mpt_kv.model.config import DTYPES  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
         metafunc.parametrize("dtype", [pytest.param(DTYPES[n], id=n) for n in dtype_names(config)])
+
+
+def absent_kinds(config) -> dict[str, str]:
+    """{kind: why}: the device kinds no case is generated for in this run, decided once per process.
+    A kind is left out only when nothing asks for it: not named by --device, not required, not one a
+    -m expression cannot select without (those are generated: gate.py refuses or fails the run, or
+    under --allow-missing-device they skip), no card of it given to this xdist worker; and -m cannot
+    select it, or it is not available here (gate.kind_reason: under xdist the controller's survey,
+    the one that hands out the cards). A kind -m cannot select is never probed."""
+    if _ABSENT_KINDS not in config.stash:
+        from mpt_kv.plugin.gate import kind_reason, kinds_required_by_markexpr, kinds_selectable_by_markexpr
+
+        absent = {}
+        if not config.getoption("device"):
+            expr = config.getoption("markexpr", "") or ""
+            asked = {*run_state(config).required, *kinds_required_by_markexpr(expr), *devices.assigned_cards()}
+            selectable = kinds_selectable_by_markexpr(expr)
+            for kind in devices.KINDS:
+                if kind == "cpu" or kind in asked:
+                    continue
+                if kind not in selectable:
+                    absent[kind] = f"-m {expr!r} selects none of its cases"
+                elif (reason := kind_reason(config, kind)) is not None:
+                    absent[kind] = f"not available here: {reason}"
+        config.stash[_ABSENT_KINDS] = absent
+    return config.stash[_ABSENT_KINDS]
+
+
+def absent_targets(config) -> dict[str, str]:
+    """{spec: why}: the built-in targets no case is generated for, their package not installed here
+    (a target the run names is always generated: it fails where it cannot load, never skips)."""
+    if _ABSENT_TARGETS not in config.stash:
+        named = named_targets(config)
+        config.stash[_ABSENT_TARGETS] = {spec: why for spec in target_specs(config)
+                                         if spec not in named and (why := missing_package(spec))}
+    return config.stash[_ABSENT_TARGETS]
+
+
+def generated_kinds(config) -> list[str]:
+    """The device kinds a case taking `device` is generated for (module doc)."""
+    return config.getoption("device") or [k for k in devices.KINDS if k not in absent_kinds(config)]
+
+
+def generated_targets(config) -> list[str]:
+    """This run's targets (options.target_specs) less the built-in ones whose package is not installed here."""
+    return [spec for spec in target_specs(config) if spec not in absent_targets(config)]
+
+
+def summary(tw, config, results: list[dict]) -> None:
+    """One line: which device kinds (in a run with device cases) and which built-in targets (in a run
+    whose conformance cases include a built-in one) got no case here, and why."""
+    parts = []
+    if any(r.get("kinds") for r in results):
+        parts += [f"{kind} cases ({why})" for kind, why in absent_kinds(config).items()]
+    if any(r.get("target") in BUILTIN_PACKAGES for r in results):  # the run's own targets were generated
+        parts += [f"target {spec} ({why})" for spec, why in absent_targets(config).items()]
+    if parts:
+        tw.write_line(f"mpt-kv generated no {'; no '.join(parts)}")
 
 
 def explicitly_parametrized(metafunc) -> set[str]:

@@ -4,6 +4,7 @@ records each case's seconds in the JSON report and prints one table per run, the
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -24,11 +25,17 @@ def test_cost_lines_sum_cases_and_seconds_per_check_dearest_first():
 
 
 def test_a_run_records_each_cases_seconds_and_prints_the_cost(tmp_path):
+    """One drawn P0 case and one P1 case (cost_lines' sums are the test above's)."""
     report = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MPT_KV_", "PYTEST_")) and k != "CI"}
     run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "--target", "reference",
-                          "--only-targets", "-m", "cpu", "-k", "fp32 and P0 and not edge and not alibi", "-q",
-                          "-p", "no:cacheprovider", "--mpt-kv-report", str(report)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+                          "--only-targets", "-m", "cpu", "-k", "fp32 and (P0 or P1/static) and not P0/ and not P1/static/ "
+                          "and not bucket and not ops-", "-q", "-p", "no:cacheprovider", "--mpt-kv-report", str(report)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={**env, "MPT_KV_HYPOTHESIS_PROFILE": "ci"})
     assert "mpt-kv cost per check" in run.stdout, run.stdout[-3000:]
-    cases = [r for r in json.loads(report.read_text())["results"] if r.get("property") == "P0"]
-    assert cases and all(r["seconds"] > 0 for r in cases if r["outcome"] == "passed")
+    cases = json.loads(report.read_text())["results"]
+    assert [r["check"] for r in cases] == ["P0", "P1/static"], cases
+    assert all(r["outcome"] == "passed" and r["seconds"] > 0 for r in cases), cases
+    (table,) = [line.split() for line in run.stdout.splitlines() if line.startswith("all ")]
+    assert table[:2] == ["all", "2"], run.stdout[-3000:]

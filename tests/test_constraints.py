@@ -1,0 +1,83 @@
+"""The pinned environments (constraints/*.txt, constraints/diff.py, tox.ini; docs/gate.md rows 16, 21,
+23): every tox env installs from a committed lock, the locked versions are the ones the ceilings
+are keyed by, and the hpu lock never installs the Gaudi image's own packages."""
+
+from __future__ import annotations
+
+import pytest
+
+from plugin_testing import ROOT
+
+
+# --- 6. pinned environments ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def constraints_diff():
+    """constraints/diff.py, the lock tool (a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("constraints_diff", ROOT / "constraints" / "diff.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_locked_versions_are_the_ones_the_ceilings_are_keyed_by(constraints_diff):
+    from mpt_kv.checks import ceilings as C
+
+    keys = {k.split("|")[0] for k in C.load_baseline(C.baseline_path("cpu"), "cpu")}
+    minor = lambda v: ".".join(v.split(".")[:2])  # noqa: E731
+    cpu = constraints_diff.read_lock(ROOT / "constraints" / "cpu.txt")
+    oh = constraints_diff.read_lock(ROOT / "constraints" / "ohabana.txt")
+    assert f"transformers (transformers {minor(cpu['transformers'])})" in keys
+    assert f"transformers (transformers {minor(oh['transformers'])})" in keys
+    assert f"optimum-habana (optimum-habana {minor(oh['optimum-habana'])}, transformers {minor(oh['transformers'])})" \
+        in keys
+    assert cpu["torch"] == oh["torch"] == "2.13.0"
+
+
+def test_the_latest_env_pins_only_torch(constraints_diff):
+    assert constraints_diff.read_lock(ROOT / "constraints" / "latest.txt") == {"torch": "2.13.0"}
+
+
+def test_the_hpu_lock_never_installs_the_images_own_packages(constraints_diff):
+    hpu = constraints_diff.read_lock(ROOT / "constraints" / "hpu.txt")
+    assert not {"torch", "transformers", "habana-frameworks", "optimum-habana"} & set(hpu)
+    assert {"pytest", "hypothesis", "pytest-xdist"} <= set(hpu)
+
+
+def test_tox_envs_install_from_the_locks_and_latest_is_not_default():
+    import configparser
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    assert [e.strip() for e in tox["tox"]["env_list"].split(",")] == ["cpu", "ohabana"]
+    for env, name in (("testenv", "cpu"), ("testenv:ohabana", "ohabana"), ("testenv:hpu", "hpu")):
+        assert f"PIP_CONSTRAINT = {{tox_root}}{{/}}constraints{{/}}{name}.txt" in tox[env]["set_env"]
+    assert "--strict-known-failures" in tox["testenv"]["commands"]
+    assert "--target optimum-habana" in tox["testenv:ohabana"]["commands"]
+    assert "torch" not in tox["testenv:hpu"]["deps"]
+    assert "constraints{/}latest.txt" in tox["testenv:latest"]["set_env"]  # only torch: the rest at its newest
+    assert "diff.py" in tox["testenv:latest"]["commands_pre"]
+
+
+def test_lock_diff_lists_what_changed(tmp_path, constraints_diff, capsys):
+    path = tmp_path / "lock.txt"
+    path.write_text("# header\npytest==0.0.1\nno-such-package==1.0\n")
+    assert constraints_diff.main([str(path)]) == 0
+    assert constraints_diff.main([str(path), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert f"  pytest: 0.0.1 (locked) -> {constraints_diff.installed()['pytest']} (installed)" in out
+
+
+def test_every_file_the_ohabana_env_ignores_exists():
+    """tox.ini's [testenv:ohabana] --ignore list names the files that run in the cpu env only; pytest
+    ignores a path that does not exist without a word, so a renamed file would silently run twice."""
+    import configparser
+    import re
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    ignored = re.findall(r"--ignore=(\S+)", tox["testenv:ohabana"]["commands"])
+    assert len(ignored) >= 20, ignored
+    assert not [p for p in ignored if not (ROOT / p).is_file()], [p for p in ignored if not (ROOT / p).is_file()]
