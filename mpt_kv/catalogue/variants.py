@@ -580,6 +580,25 @@ paged_block_shared_between_rows = paged_variant(
     ["P1", "P2", "P3"], SharedBlockPagedMPT)
 
 
+from mpt_kv.catalogue.designs import CopyOnWritePagedMPT, CopyOnWritePagedSession  # noqa: E402
+
+
+class WriteIntoSharedBlockSession(CopyOnWritePagedSession):
+    copy_before_write = False  # the blocks a reorder shared are written in place
+
+
+paged_write_into_shared_block = runner_factory("paged_write_into_shared_block", CopyOnWritePagedMPT,
+                                               WriteIntoSharedBlockSession, capabilities=POOL, module=__name__)
+VARIANTS["paged_write_into_shared_block"] = Variant(
+    "paged_write_into_shared_block",
+    "the copy-on-write paged cache (paged_copy_on_write) shares blocks between beams after a reorder, but a decode "
+    "step writes into a shared block without copying it: the other beams that hold it see the new K/V at that "
+    "position",
+    "vLLM's block manager copies a shared block before a sequence appends to it (its reference count > 1); an "
+    "append that skips the count, or checks it after the write, corrupts every forked beam",
+    ("ops",), paged_write_into_shared_block)
+
+
 class ViewsFirstBlockCache(BlockGrowthConcatCache):
     def update(self, layer, k, v, token_idx=None, cache_idx=None):
         if self.kv[layer] is None:

@@ -335,11 +335,12 @@ class PagedCount:
 
 def paged_count(layout: PagedLayout, length: int, kept: dict) -> PagedCount:
     """Handed-out blocks per row, at most `length // block_size + 1` of them accepted (the last
-    block partly filled, or one empty block ahead: one block of slack per row)."""
+    block partly filled, or one empty block ahead: one block of slack per row). A block rows share
+    (`PagedLayout(copy_on_write=True)`) is counted once: its bytes exist once."""
     bs, per_block = layout.block_size, layout.block_bytes()
     allowed = length // bs + 1
     rows = [(b, len(blocks), allowed) for b, blocks in enumerate(layout.rows())]
-    handed = sum(n for _, n, _ in rows)
+    handed = len(layout.distinct_blocks())  # a block rows share (copy_on_write) is one block of memory
     pooled, new_pools = 0, []
     for layer, pair in enumerate(layout.pools):
         for name, pool in zip(("key", "value"), pair):
@@ -348,8 +349,8 @@ def paged_count(layout: PagedLayout, length: int, kept: dict) -> PagedCount:
                 pooled += handed * pool[0].numel() * pool.element_size()
             else:
                 new_pools.append((layer, name, pool))
-    return PagedCount(handed * per_block, sum(min(n, a) for _, n, a in rows) * per_block, pooled, rows, length,
-                      new_pools)
+    accepted = len(set().union(*(row[:allowed] for row in layout.rows())))  # each row's first blocks, once each
+    return PagedCount(handed * per_block, accepted * per_block, pooled, rows, length, new_pools)
 
 
 def explain_excess(acc: Accounting, excess: int, expected_kv: int, cfg: ModelConfig, batch: int,
@@ -405,7 +406,7 @@ def explain_paged(acc: Accounting, paged: PagedCount, parts: list[str]) -> int:
             parts.append(f"row {b} holds {n} blocks of block_size {bs} for {paged.length} positions: {n - allowed} "
                          f"beyond the one block of slack a row may have ({per_layer} in its key and value pools)")
             extra += (n - allowed) * layout.block_bytes()
-    handed = sum(n for _, n, _ in paged.rows)
+    handed = len(layout.distinct_blocks())
     for layer, name, pool in paged.new_pools:
         free, block = pool.shape[0] - handed, pool[0].numel() * pool.element_size()
         if free > 0:

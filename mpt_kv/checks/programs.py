@@ -16,7 +16,8 @@ ops-P2      static = concat after the same program: logits, and K/V at every wri
             (the slots past n must be masked again: the mask is the source of truth there);
 ops-P3      no cached K/V shares storage with mixed_qkv or pins a per-step temporary
             (properties.aliasing_problems), and a crop or reorder pins no bytes beyond the cache
-            that were not pinned before it (a crop by slicing keeps the cropped tail alive);
+            that were not pinned before it (a crop by slicing keeps the cropped tail alive); in a
+            paged cache declared copy-on-write, no operation writes into a block rows share;
 ops-memory  the transient of a reorder is at most one layer's K and V (a whole-cache copy is a
             finding, with its bytes at the seed's MPT-7B configs), and the transient of a
             k-token extend is bounded like a decode step's, with k queries.
@@ -55,7 +56,7 @@ from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, HPU_PROMPT_BUCKET, Hypoth
 from mpt_kv.memory import analytic
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import pad_right
-from mpt_kv.targets.layouts import BlockGrowth, layout_of
+from mpt_kv.targets.layouts import BlockGrowth, held_blocks, layout_of, shared_block_writes
 
 OPERATIONS = ("extend", "crop", "reorder")  # the Capabilities features; decode is always there
 EXTEND_KS = tuple(range(2, 9))
@@ -463,7 +464,8 @@ def declared_blocks(session):
 def check_program_aliasing(runner, c: Context, program: Program | None = None, fed: Fed | None = None) -> list[str]:
     """ops-P3: after every operation, `aliasing_problems`; after a crop or reorder, no storage of
     the cached K/V pins more bytes beyond the cache than it did before the operation (or than the
-    block of slack per tensor a BlockGrowth layout declares)."""
+    block of slack per tensor a BlockGrowth layout declares); a paged cache declared copy-on-write
+    (`PagedLayout(copy_on_write=True)`) wrote into no block two rows share (`shared_block_writes`)."""
     program, fed = program_of(c, program, fed)
     ids, mask = program.case.inputs(c.device)
     capture = WqkvCapture(runner.wqkv_modules())
@@ -479,11 +481,14 @@ def check_program_aliasing(runner, c: Context, program: Program | None = None, f
             for step, op in enumerate(program.ops):
                 tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
                 before = pinned_by_storage(session.kv())
+                shared_before = held_blocks(layout_of(session))  # a copy-on-write paged cache's blocks
                 run_op(session, op, tokens, step, "ops-P3", c, fed, held)
                 kv = session.kv()
-                blocks = declared_blocks(session)
+                layout = layout_of(session)
+                blocks = layout if isinstance(layout, BlockGrowth) else None
                 problems, storages = aliasing_problems(kv, capture.outputs, storages, f"{step} ({op.describe()})",
                                                        last=step == len(program.ops) - 1, layout=blocks)
+                problems += shared_block_writes(shared_before, layout, f"{step} ({op.describe()})")
                 if op.kind in ("crop", "reorder"):
                     for key, (pinned, names, nbytes) in pinned_by_storage(kv).items():
                         was = before.get(key, (0,))[0]
