@@ -774,6 +774,42 @@ static_reorder_reallocates = variant(
     "out-of-place index_select on a preallocated cache",
     ["ops"], static=ReallocatingReorderStatic)
 
+class UndoConcatCache(ConcatCache):
+    """Keeps the cache as it was before its last reorder or crop, to undo it."""
+
+    def crop(self, n):
+        self.undo = list(self.kv)
+        super().crop(n)
+
+    def reorder(self, index):
+        self.undo = list(self.kv)
+        super().reorder(index)
+
+
+old_cache_kept_for_undo = variant(
+    "old_cache_kept_for_undo",
+    "the concat cache keeps its layers as they were before the last reorder or crop (to undo it): after every beam "
+    "step or rejected draft the cache is held twice, though each operation's transient is one layer",
+    "a rollback kept for speculative decoding or beam backtracking; the caller's old past_key_values still "
+    "referenced after the reordered cache is built (model_kwargs['past_key_values'] = self._reorder_cache(...))",
+    ["ops"], concat=UndoConcatCache)
+
+class ContiguousCropConcat(ConcatCache):
+    def crop(self, n):
+        for layer, pair in enumerate(self.kv):
+            if pair is not None:  # meant as a copy; for one row and one head the slice already is contiguous
+                self.kv[layer] = (pair[0][:, :, :n].contiguous(), pair[1][:, :, :n].contiguous())
+
+
+crop_by_contiguous_slice = variant(
+    "crop_by_contiguous_slice",
+    "the concat cache crops by `.contiguous()` of the kept slice: a copy for every shape but batch 1 with one head, "
+    "where the (1, 1, n, hd) slice already is contiguous and stays a view of the uncropped storage (the cropped "
+    "tail kept)",
+    "the `.contiguous()`-as-copy idiom (contiguous_is_not_always_a_copy's, in a crop); greedy single-sequence "
+    "assisted decoding on a one-head (or per-head) cache is that shape",
+    ["ops"], concat=ContiguousCropConcat)
+
 # --- bugs past the drawn ranges: batch, layers, heads, prompt length, config fields, model state (issue 17) ---
 
 class RowZeroMaskForLargeBatch(Attention):

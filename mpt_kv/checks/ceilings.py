@@ -63,6 +63,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -465,43 +466,16 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         return written if path == "concat" else case.total_len
 
     def check_retained(session, phase: str, allocated: int) -> int:
-        L = expected_len(session.written)
-        acc = account(session, preexisting)
-        kv = expected_kv_bytes(acc.layout, cfg, B, L, s)
-        paged = paged_count(acc.layout, L, kept) if isinstance(acc.layout, PagedLayout) else None
-        if paged is not None:  # the cache is its handed-out blocks, at most one block of slack per row
-            cache, pooled = paged.accepted, paged.pooled
-        else:
-            cache, pooled = kv + block_slack(acc, qkv), pool_bytes(session, kept)  # pooled: allocated before
-        excess = allocated - (cache - pooled) - acc.bookkeeping_total
-        excess_at[phase] = excess
-        slack = slack_per_storage * (len(acc.kv_storages) + len(acc.bookkeeping) + 2)
+        r = retained(session, allocated, expected_len(session.written), cfg, B, s, preexisting, kept, qkv)
+        excess_at[phase] = r.excess
+        slack = slack_per_storage * (len(r.acc.kv_storages) + len(r.acc.bookkeeping) + 2)
         tolerance = "exact" if meter.exact else f"allowed {slack}: allocator rounding"
-        pool = f" - {pooled} bytes of it kept from an earlier generation (a cache pool)" if pooled else ""
-        if paged is not None:
-            expected = (f"the paged cache's handed-out blocks, {paged.handed} bytes, counted up to {paged.accepted} "
-                        f"({L} positions per row and at most one block of block_size {acc.layout.block_size} beyond "
-                        f"them; KV({L}) is {kv})")
-            pool = (f", less the {pooled} bytes of them in a pool kept from an earlier generation (a cache pool)"
-                    if pooled else "")
-        else:
-            expected = (f"the KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x L {L} x hd "
-                        f"{cfg.head_dim} x {s} bytes)")
-            if isinstance(acc.layout, BlockGrowth):
-                expected += f" + {cache - kv} bytes of declared block slack"
-            if isinstance(acc.layout, QuantizedKV):
-                expected = (f"the quantized KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x "
-                            f"L {L} x hd {cfg.head_dim} codes of {acc.layout.dtype.itemsize} byte and the "
-                            f"scales={acc.layout.scales} scales of {acc.layout.scale_dtype.itemsize}, as declared: "
-                            f"{acc.layout.describe()})")
-        if abs(excess) > slack and "retained" not in problems:
+        if abs(r.excess) > slack and "retained" not in problems:
             problems["retained"] = (
-                f"memory: after {phase}, {allocated} bytes allocated, {excess} bytes "
-                f"{'too many' if excess > 0 else 'too few'} ({tolerance}): expected {expected}{pool} + "
-                f"{acc.bookkeeping_total} bytes of bookkeeping (the session's mask and counters"
-                f"{', the block table' if paged is not None else ''}). "
-                f"{explain_excess(acc, excess, kv, cfg, B, qkv, paged)} [{describe(ctx)}]")
-        return paged.handed if paged is not None else acc.kv_total
+                f"memory: after {phase}, {allocated} bytes allocated, {r.excess} bytes "
+                f"{'too many' if r.excess > 0 else 'too few'} ({tolerance}): expected {r.expected}. "
+                f"{r.explain()} [{describe(ctx)}]")
+        return r.kv_bytes
 
     qkv = WeakQkvCapture(runner)  # names a retained storage that is a mixed_qkv, holding none
     gc.freeze()  # pre-existing objects out of the meter's gc.collect(): 400 ms -> microseconds
@@ -575,6 +549,55 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         decode_transient=transient, allocated=allocated, max_allocated=max_allocated, returned=returned,
         kv_bytes=kv_bytes, kv_analytic=analytic.kv_cache_bytes(shape_of(cfg), B, L, s),
         problems=list(problems.values()))
+
+
+@dataclass
+class Retained:
+    """What a session holds at one point against what it may hold (`retained`)."""
+
+    excess: int     # bytes allocated beyond the expected cache and bookkeeping (negative: too few)
+    expected: str   # the expected bytes, in words
+    kv_bytes: int   # the cache's storages (a paged cache: its handed-out blocks)
+    acc: Accounting
+    explain: Callable[[], str]  # where the excess is (per layer, per session attribute, or elsewhere)
+
+
+def retained(session, allocated: int, L: int, cfg: ModelConfig, B: int, s: int, preexisting: set[int], kept: dict,
+             qkv: WeakQkvCapture | None) -> Retained:
+    """`allocated` bytes (above the level before the session) against the analytic cache of L
+    positions as the session's layout stores it (a paged cache's handed-out blocks, a block-grown
+    one's declared slack, a quantized one's codes and scales; the storages in `kept`, allocated
+    before, are a pool counted as the cache) and the session's bookkeeping: the memory checks'
+    rule after prefill and every decode step, and ops-retained's after a reorder or a crop."""
+    acc = account(session, preexisting)
+    kv = expected_kv_bytes(acc.layout, cfg, B, L, s)
+    paged = paged_count(acc.layout, L, kept) if isinstance(acc.layout, PagedLayout) else None
+    if paged is not None:  # the cache is its handed-out blocks, at most one block of slack per row
+        cache, pooled = paged.accepted, paged.pooled
+    else:
+        cache, pooled = kv + block_slack(acc, qkv), pool_bytes(session, kept)  # pooled: allocated before
+    excess = allocated - (cache - pooled) - acc.bookkeeping_total
+    pool = f" - {pooled} bytes of it kept from an earlier generation (a cache pool)" if pooled else ""
+    if paged is not None:
+        expected = (f"the paged cache's handed-out blocks, {paged.handed} bytes, counted up to {paged.accepted} "
+                    f"({L} positions per row and at most one block of block_size {acc.layout.block_size} beyond "
+                    f"them; KV({L}) is {kv})")
+        pool = (f", less the {pooled} bytes of them in a pool kept from an earlier generation (a cache pool)"
+                if pooled else "")
+    else:
+        expected = (f"the KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x L {L} x hd "
+                    f"{cfg.head_dim} x {s} bytes)")
+        if isinstance(acc.layout, BlockGrowth):
+            expected += f" + {cache - kv} bytes of declared block slack"
+        if isinstance(acc.layout, QuantizedKV):
+            expected = (f"the quantized KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x "
+                        f"L {L} x hd {cfg.head_dim} codes of {acc.layout.dtype.itemsize} byte and the "
+                        f"scales={acc.layout.scales} scales of {acc.layout.scale_dtype.itemsize}, as declared: "
+                        f"{acc.layout.describe()})")
+    expected += (f"{pool} + {acc.bookkeeping_total} bytes of bookkeeping (the session's mask and counters"
+                 f"{', the block table' if paged is not None else ''})")
+    return Retained(excess, expected, paged.handed if paged is not None else acc.kv_total, acc,
+                    lambda: explain_excess(acc, excess, kv, cfg, B, qkv, paged))
 
 
 def model_state_tensors(runner, preexisting: set[int]) -> list[tuple[str, torch.Tensor]]:
