@@ -105,7 +105,8 @@ def inputs(prop: index.Property, mc: MatrixCase, bucket: int | None) -> list[dic
     if prop.runs == "program":
         fixed = [programs.Program(dataclasses.replace(f.case, cfg=mc.case.cfg), f.ops, f.style)
                  for f in programs.FIXED.values()]
-        return [{"case": p.case, "program": p} for p in [*fixed, programs.corner_program(set(programs.OPERATIONS))]]
+        corner = programs.corner_program(set(programs.OPERATIONS))
+        return [{"case": p.case, "program": p} for p in [*fixed, corner] if p is not None]
     if prop.runs == "operation":
         ops = ("reorder",) if prop.name == "ops-memory" else prop.operations  # ops-memory: the reorder transient
         cases = (dataclasses.replace(programs.MEMORY_CASE, cfg=mc.case.cfg), programs.MEMORY_CORNER)
