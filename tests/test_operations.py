@@ -264,6 +264,10 @@ def test_the_packaged_known_failures_name_the_operations_findings():
         ("optimum-habana", "ops-memory", "concat", None, before_1_20),      # MptForCausalLM._reorder_cache
         ("optimum-habana", "ops-memory", "static", None, before_1_20),
         ("transformers", "ops-memory", "concat", None, "<4.51,>=4.40"),     # the same, on transformers' side
+        ("transformers", "ops-static-storage", "static", None, "~=5.24.0"),  # StaticLayer reorders into new buffers
+        ("optimum-habana", "ops-static-storage", "static", None, "<=1.21.2,>=1.20.0"),
+        ("transformers", "ops-retained", "concat", None, ">=4.55"),          # DynamicLayer.crop keeps the tail
+        ("optimum-habana", "ops-retained", None, None, "<=1.21.2,>=1.20.0"),  # no reorder, no crop
     ], ops
 
 
