@@ -264,8 +264,16 @@ def test_the_packaged_known_failures_name_the_operations_findings():
         ("optimum-habana", "ops-memory", "concat", None, before_1_20),      # MptForCausalLM._reorder_cache
         ("optimum-habana", "ops-memory", "static", None, before_1_20),
         ("transformers", "ops-memory", "concat", None, "<4.51,>=4.40"),     # the same, on transformers' side
-        ("transformers", "ops-static-storage", "static", None, "~=5.24.0"),  # StaticLayer reorders into new buffers
-        ("optimum-habana", "ops-static-storage", "static", None, "<=1.21.2,>=1.20.0"),  # no _reorder_cache
+        ("transformers", "ops-static-storage", "static", None, "<=5.24.0,>=5.12.1"),  # StaticLayer reorders anew
+        ("optimum-habana", "ops-static-storage", "static", None, "<=1.21.2,>=1.20.0"),
+        ("transformers", "ops-retained", "concat", None, ">=4.40"),          # the crop slices: the tail kept
+        ("optimum-habana", "ops-retained", None, None, "<=1.21.2,>=1.20.0"),  # no reorder, no crop
+        ("optimum-habana", "ops-retained", "concat", None, before_1_20),     # _crop_past_key_values slices
+        ("transformers", "ops-P1", "static", None, "==5.12.1"),              # StaticLayer has no crop
+        ("transformers", "ops-P2", "static", None, "==5.12.1"),
+        ("transformers", "ops-P3", "static", None, "==5.12.1"),
+        ("transformers", "ops-retained", "static", None, "==5.12.1"),
+        ("optimum-habana", "ops-static-storage", "static", None, "<1.20,>=1.18.1"),  # _reorder_cache: new buffers
     ], ops
 
 

@@ -480,6 +480,88 @@ paged_cache = layout_design(
     PagedMPT, PagedSession, POOL)
 
 
+class CopyOnWritePagedCache(PagedCache):
+    """vLLM's fork of a sequence for beam search: a reorder points each row's block table at its
+    source row's blocks (shared, counted by the table entries that hold them), no K/V moved; before
+    a call writes positions into a block another row also holds, the writing row gets a fresh copy
+    of it (copy-on-write, one block of every layer) and writes there; the last row holding a block
+    writes in place. A block goes back to the pool when no row holds it. The table is kept on the
+    host too (`host`, as vLLM's block manager keeps it): a decode step decides on it without a host
+    sync, and writes the device table."""
+
+    def __init__(self, pool, n_layers, batch, max_len, static, device):
+        super().__init__(pool, n_layers, batch, max_len, static, device)
+        self.host = [[-1] * self.table.shape[1] for _ in range(batch)]
+
+    def hand_out(self, row, j, block) -> int:
+        self.host[row][j] = block
+        return block
+
+    def held(self) -> set[int]:
+        return {b for row in self.host for b in row if b >= 0}
+
+    def reorder(self, index: torch.Tensor) -> None:
+        held = self.held()
+        self.host = [list(self.host[r]) for r in index.tolist()]
+        self.table.copy_(torch.tensor(self.host, dtype=self.table.dtype))  # in place: the table keeps its address
+        self.release(sorted(held - self.held()))
+
+    def crop(self, n: int) -> None:
+        keep = min(-(-n // self.block_size) + self.lookahead, self.table.shape[1])
+        held = self.held()
+        for row in self.host:
+            row[keep:] = [-1] * (len(row) - keep)
+        self.table[:, keep:] = -1
+        self.release(sorted(held - self.held()))  # a block rows shared goes back once
+        self.n_blocks, self.filled = min(self.n_blocks, keep), n
+        self.lengths.fill_(n)
+
+    def unshare(self, start: int, end: int) -> None:
+        """Before a call writes positions [start, end): each row's table entry they fall in that
+        another row also holds becomes a fresh copy of its block."""
+        bs = self.block_size
+        for j in range(start // bs, min(-(-end // bs), self.table.shape[1])):
+            for b, row in enumerate(self.host):
+                block = row[j]
+                if block >= 0 and sum(r[j] == block for r in self.host) > 1:
+                    fresh = self.pool.take()
+                    self.blocks.append(fresh)
+                    for kp, vp in self.pool.kv:  # one block of one layer at a time
+                        kp[fresh].copy_(kp[block])
+                        vp[fresh].copy_(vp[block])
+                    row[j] = fresh
+                    self.table[b, j] = fresh
+
+
+class CopyOnWritePagedMPT(PagedMPT):
+    cache_class = CopyOnWritePagedCache
+
+
+class CopyOnWritePagedSession(PagedSession):
+    copy_before_write = True
+
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        if self.cache is not None and self.copy_before_write:  # a cached call writes [written, written + T)
+            self.cache.unshare(self.written, self.written + input_ids.shape[1])
+        return super()._forward(input_ids, mask, token_idx, cache_idx)
+
+    def cache_layout(self):
+        import dataclasses
+
+        layout = super().cache_layout()
+        return None if layout is None else dataclasses.replace(layout, copy_on_write=True)
+
+
+paged_copy_on_write = layout_design(
+    "paged_copy_on_write",
+    "the paged cache's beam reorder shares blocks instead of copying them: rows forked from one row point at its "
+    "blocks until one of them writes, and a write into a block another row holds first copies it for the writer; "
+    "declared by cache_layout() as PagedLayout(copy_on_write=True)",
+    "vLLM's fork of a sequence for beam search and parallel sampling (a block's reference count, copy-on-write "
+    "before an append into a shared block); the prompt's blocks stay shared for the whole generation",
+    CopyOnWritePagedMPT, CopyOnWritePagedSession, POOL)
+
+
 class BlockGrowthConcatCache(ConcatCache):
     """Concat path: K and V of each layer in (B, H, capacity, hd) buffers that grow by `block_size`
     positions (one allocation per block, the old buffer copied then freed); kv() holds views."""

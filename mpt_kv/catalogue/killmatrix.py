@@ -98,15 +98,20 @@ def paths(prop: index.Property, bucket: int) -> list[tuple[str | None, int | Non
 
 def inputs(prop: index.Property, mc: MatrixCase, bucket: int | None) -> list[dict]:
     """What one property runs on one matrix case, as Context fields: the case itself; for the program
-    checks the fixed beam and speculative programs (programs.FIXED) on the case's model; for
-    ops-memory one reorder on a filled cache of the case's model (`programs.MEMORY_CASE`), on the
-    unbucketed paths (a bucket changes only the slack, not a whole-cache copy)."""
+    checks the fixed beam and speculative programs (programs.FIXED) on the case's model, then the
+    corner program on its own (batch 1, one head, one layer, a prompt of 1: `programs.corner_program`);
+    for ops-memory one reorder, for ops-retained one reorder and one crop, on a filled cache of the
+    case's model (`programs.MEMORY_CASE`) and then on the corner (`programs.MEMORY_CORNER`), on the
+    unbucketed paths (a bucket changes only the slack, not what an operation copies or keeps)."""
     if prop.runs == "program":
-        return [{"case": p.case, "program": p} for p in (
-            programs.Program(dataclasses.replace(f.case, cfg=mc.case.cfg), f.ops, f.style) for f in programs.FIXED.values())]
+        fixed = [programs.Program(dataclasses.replace(f.case, cfg=mc.case.cfg), f.ops, f.style)
+                 for f in programs.FIXED.values()]
+        corner = programs.corner_program(set(programs.OPERATIONS))
+        return [{"case": p.case, "program": p} for p in [*fixed, corner] if p is not None]
     if prop.runs == "operation":
-        return [] if bucket is not None else [
-            {"case": dataclasses.replace(programs.MEMORY_CASE, cfg=mc.case.cfg), "operation": "reorder"}]
+        ops = ("reorder",) if prop.name == "ops-memory" else prop.operations  # ops-memory: the reorder transient
+        cases = (dataclasses.replace(programs.MEMORY_CASE, cfg=mc.case.cfg), programs.MEMORY_CORNER)
+        return [] if bucket is not None else [{"case": case, "operation": op} for case in cases for op in ops]
     return [{"case": mc.case}]
 
 
@@ -158,7 +163,9 @@ def run_column(column: str, build, name: str, device, dtype, runners: dict) -> C
                 for fields in inputs(prop, mc, bucket):
                     case = fields.pop("case")
                     try:
-                        runner = runners_for(target, mc.case, device, dtype, runners)
+                        # the corner cases have their own model; every other input runs on the matrix case's
+                        runner = runners_for(target, mc.case if case.cfg == mc.case.cfg else case, device, dtype,
+                                             runners)
                         runner.require(path, "bucket" if bucket else None, dtype_feature(dtype), device.type)
                         run = running.Run(check, target, device, dtype)
                         run.check_case(runner, run.context(case, **fields))

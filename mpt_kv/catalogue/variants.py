@@ -580,6 +580,25 @@ paged_block_shared_between_rows = paged_variant(
     ["P1", "P2", "P3"], SharedBlockPagedMPT)
 
 
+from mpt_kv.catalogue.designs import CopyOnWritePagedMPT, CopyOnWritePagedSession  # noqa: E402
+
+
+class WriteIntoSharedBlockSession(CopyOnWritePagedSession):
+    copy_before_write = False  # the blocks a reorder shared are written in place
+
+
+paged_write_into_shared_block = runner_factory("paged_write_into_shared_block", CopyOnWritePagedMPT,
+                                               WriteIntoSharedBlockSession, capabilities=POOL, module=__name__)
+VARIANTS["paged_write_into_shared_block"] = Variant(
+    "paged_write_into_shared_block",
+    "the copy-on-write paged cache (paged_copy_on_write) shares blocks between beams after a reorder, but a decode "
+    "step writes into a shared block without copying it: the other beams that hold it see the new K/V at that "
+    "position",
+    "vLLM's block manager copies a shared block before a sequence appends to it (its reference count > 1); an "
+    "append that skips the count, or checks it after the write, corrupts every forked beam",
+    ("ops",), paged_write_into_shared_block)
+
+
 class ViewsFirstBlockCache(BlockGrowthConcatCache):
     def update(self, layer, k, v, token_idx=None, cache_idx=None):
         if self.kv[layer] is None:
@@ -754,6 +773,42 @@ static_reorder_reallocates = variant(
     "transformers 5.24's StaticLayer.reorder_cache (self.keys = self.keys.index_select(0, beam_idx)); any "
     "out-of-place index_select on a preallocated cache",
     ["ops"], static=ReallocatingReorderStatic)
+
+class UndoConcatCache(ConcatCache):
+    """Keeps the cache as it was before its last reorder or crop, to undo it."""
+
+    def crop(self, n):
+        self.undo = list(self.kv)
+        super().crop(n)
+
+    def reorder(self, index):
+        self.undo = list(self.kv)
+        super().reorder(index)
+
+
+old_cache_kept_for_undo = variant(
+    "old_cache_kept_for_undo",
+    "the concat cache keeps its layers as they were before the last reorder or crop (to undo it): after every beam "
+    "step or rejected draft the cache is held twice, though each operation's transient is one layer",
+    "a rollback kept for speculative decoding or beam backtracking; the caller's old past_key_values still "
+    "referenced after the reordered cache is built (model_kwargs['past_key_values'] = self._reorder_cache(...))",
+    ["ops"], concat=UndoConcatCache)
+
+class ContiguousCropConcat(ConcatCache):
+    def crop(self, n):
+        for layer, pair in enumerate(self.kv):
+            if pair is not None:  # meant as a copy; for one row and one head the slice already is contiguous
+                self.kv[layer] = (pair[0][:, :, :n].contiguous(), pair[1][:, :, :n].contiguous())
+
+
+crop_by_contiguous_slice = variant(
+    "crop_by_contiguous_slice",
+    "the concat cache crops by `.contiguous()` of the kept slice: a copy for every shape but batch 1 with one head, "
+    "where the (1, 1, n, hd) slice already is contiguous and stays a view of the uncropped storage (the cropped "
+    "tail kept)",
+    "the `.contiguous()`-as-copy idiom (contiguous_is_not_always_a_copy's, in a crop); greedy single-sequence "
+    "assisted decoding on a one-head (or per-head) cache is that shape",
+    ["ops"], concat=ContiguousCropConcat)
 
 # --- bugs past the drawn ranges: batch, layers, heads, prompt length, config fields, model state (issue 17) ---
 

@@ -63,6 +63,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -336,11 +337,12 @@ class PagedCount:
 
 def paged_count(layout: PagedLayout, length: int, kept: dict) -> PagedCount:
     """Handed-out blocks per row, at most `length // block_size + 1` of them accepted (the last
-    block partly filled, or one empty block ahead: one block of slack per row)."""
+    block partly filled, or one empty block ahead: one block of slack per row). A block rows share
+    (`PagedLayout(copy_on_write=True)`) is counted once: its bytes exist once."""
     bs, per_block = layout.block_size, layout.block_bytes()
     allowed = length // bs + 1
     rows = [(b, len(blocks), allowed) for b, blocks in enumerate(layout.rows())]
-    handed = sum(n for _, n, _ in rows)
+    handed = len(layout.distinct_blocks())  # a block rows share (copy_on_write) is one block of memory
     pooled, new_pools = 0, []
     for layer, pair in enumerate(layout.pools):
         for name, pool in zip(("key", "value"), pair):
@@ -349,8 +351,8 @@ def paged_count(layout: PagedLayout, length: int, kept: dict) -> PagedCount:
                 pooled += handed * pool[0].numel() * pool.element_size()
             else:
                 new_pools.append((layer, name, pool))
-    return PagedCount(handed * per_block, sum(min(n, a) for _, n, a in rows) * per_block, pooled, rows, length,
-                      new_pools)
+    accepted = len(set().union(*(row[:allowed] for row in layout.rows())))  # each row's first blocks, once each
+    return PagedCount(handed * per_block, accepted * per_block, pooled, rows, length, new_pools)
 
 
 def explain_excess(acc: Accounting, excess: int, expected_kv: int, cfg: ModelConfig, batch: int,
@@ -406,7 +408,7 @@ def explain_paged(acc: Accounting, paged: PagedCount, parts: list[str]) -> int:
             parts.append(f"row {b} holds {n} blocks of block_size {bs} for {paged.length} positions: {n - allowed} "
                          f"beyond the one block of slack a row may have ({per_layer} in its key and value pools)")
             extra += (n - allowed) * layout.block_bytes()
-    handed = sum(n for _, n, _ in paged.rows)
+    handed = len(layout.distinct_blocks())
     for layer, name, pool in paged.new_pools:
         free, block = pool.shape[0] - handed, pool[0].numel() * pool.element_size()
         if free > 0:
@@ -465,43 +467,16 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         return written if path == "concat" else case.total_len
 
     def check_retained(session, phase: str, allocated: int) -> int:
-        L = expected_len(session.written)
-        acc = account(session, preexisting)
-        kv = expected_kv_bytes(acc.layout, cfg, B, L, s)
-        paged = paged_count(acc.layout, L, kept) if isinstance(acc.layout, PagedLayout) else None
-        if paged is not None:  # the cache is its handed-out blocks, at most one block of slack per row
-            cache, pooled = paged.accepted, paged.pooled
-        else:
-            cache, pooled = kv + block_slack(acc, qkv), pool_bytes(session, kept)  # pooled: allocated before
-        excess = allocated - (cache - pooled) - acc.bookkeeping_total
-        excess_at[phase] = excess
-        slack = slack_per_storage * (len(acc.kv_storages) + len(acc.bookkeeping) + 2)
+        r = retained(session, allocated, expected_len(session.written), cfg, B, s, preexisting, kept, qkv)
+        excess_at[phase] = r.excess
+        slack = slack_per_storage * (len(r.acc.kv_storages) + len(r.acc.bookkeeping) + 2)
         tolerance = "exact" if meter.exact else f"allowed {slack}: allocator rounding"
-        pool = f" - {pooled} bytes of it kept from an earlier generation (a cache pool)" if pooled else ""
-        if paged is not None:
-            expected = (f"the paged cache's handed-out blocks, {paged.handed} bytes, counted up to {paged.accepted} "
-                        f"({L} positions per row and at most one block of block_size {acc.layout.block_size} beyond "
-                        f"them; KV({L}) is {kv})")
-            pool = (f", less the {pooled} bytes of them in a pool kept from an earlier generation (a cache pool)"
-                    if pooled else "")
-        else:
-            expected = (f"the KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x L {L} x hd "
-                        f"{cfg.head_dim} x {s} bytes)")
-            if isinstance(acc.layout, BlockGrowth):
-                expected += f" + {cache - kv} bytes of declared block slack"
-            if isinstance(acc.layout, QuantizedKV):
-                expected = (f"the quantized KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x "
-                            f"L {L} x hd {cfg.head_dim} codes of {acc.layout.dtype.itemsize} byte and the "
-                            f"scales={acc.layout.scales} scales of {acc.layout.scale_dtype.itemsize}, as declared: "
-                            f"{acc.layout.describe()})")
-        if abs(excess) > slack and "retained" not in problems:
+        if abs(r.excess) > slack and "retained" not in problems:
             problems["retained"] = (
-                f"memory: after {phase}, {allocated} bytes allocated, {excess} bytes "
-                f"{'too many' if excess > 0 else 'too few'} ({tolerance}): expected {expected}{pool} + "
-                f"{acc.bookkeeping_total} bytes of bookkeeping (the session's mask and counters"
-                f"{', the block table' if paged is not None else ''}). "
-                f"{explain_excess(acc, excess, kv, cfg, B, qkv, paged)} [{describe(ctx)}]")
-        return paged.handed if paged is not None else acc.kv_total
+                f"memory: after {phase}, {allocated} bytes allocated, {r.excess} bytes "
+                f"{'too many' if r.excess > 0 else 'too few'} ({tolerance}): expected {r.expected}. "
+                f"{r.explain()} [{describe(ctx)}]")
+        return r.kv_bytes
 
     qkv = WeakQkvCapture(runner)  # names a retained storage that is a mixed_qkv, holding none
     gc.freeze()  # pre-existing objects out of the meter's gc.collect(): 400 ms -> microseconds
@@ -575,6 +550,55 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
         decode_transient=transient, allocated=allocated, max_allocated=max_allocated, returned=returned,
         kv_bytes=kv_bytes, kv_analytic=analytic.kv_cache_bytes(shape_of(cfg), B, L, s),
         problems=list(problems.values()))
+
+
+@dataclass
+class Retained:
+    """What a session holds at one point against what it may hold (`retained`)."""
+
+    excess: int     # bytes allocated beyond the expected cache and bookkeeping (negative: too few)
+    expected: str   # the expected bytes, in words
+    kv_bytes: int   # the cache's storages (a paged cache: its handed-out blocks)
+    acc: Accounting
+    explain: Callable[[], str]  # where the excess is (per layer, per session attribute, or elsewhere)
+
+
+def retained(session, allocated: int, L: int, cfg: ModelConfig, B: int, s: int, preexisting: set[int], kept: dict,
+             qkv: WeakQkvCapture | None) -> Retained:
+    """`allocated` bytes (above the level before the session) against the analytic cache of L
+    positions as the session's layout stores it (a paged cache's handed-out blocks, a block-grown
+    one's declared slack, a quantized one's codes and scales; the storages in `kept`, allocated
+    before, are a pool counted as the cache) and the session's bookkeeping: the memory checks'
+    rule after prefill and every decode step, and ops-retained's after a reorder or a crop."""
+    acc = account(session, preexisting)
+    kv = expected_kv_bytes(acc.layout, cfg, B, L, s)
+    paged = paged_count(acc.layout, L, kept) if isinstance(acc.layout, PagedLayout) else None
+    if paged is not None:  # the cache is its handed-out blocks, at most one block of slack per row
+        cache, pooled = paged.accepted, paged.pooled
+    else:
+        cache, pooled = kv + block_slack(acc, qkv), pool_bytes(session, kept)  # pooled: allocated before
+    excess = allocated - (cache - pooled) - acc.bookkeeping_total
+    pool = f" - {pooled} bytes of it kept from an earlier generation (a cache pool)" if pooled else ""
+    if paged is not None:
+        expected = (f"the paged cache's handed-out blocks, {paged.handed} bytes, counted up to {paged.accepted} "
+                    f"({L} positions per row and at most one block of block_size {acc.layout.block_size} beyond "
+                    f"them; KV({L}) is {kv})")
+        pool = (f", less the {pooled} bytes of them in a pool kept from an earlier generation (a cache pool)"
+                if pooled else "")
+    else:
+        expected = (f"the KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x L {L} x hd "
+                    f"{cfg.head_dim} x {s} bytes)")
+        if isinstance(acc.layout, BlockGrowth):
+            expected += f" + {cache - kv} bytes of declared block slack"
+        if isinstance(acc.layout, QuantizedKV):
+            expected = (f"the quantized KV cache {kv} bytes (2 x {cfg.n_layers} layers x B {B} x H {cfg.n_heads} x "
+                        f"L {L} x hd {cfg.head_dim} codes of {acc.layout.dtype.itemsize} byte and the "
+                        f"scales={acc.layout.scales} scales of {acc.layout.scale_dtype.itemsize}, as declared: "
+                        f"{acc.layout.describe()})")
+    expected += (f"{pool} + {acc.bookkeeping_total} bytes of bookkeeping (the session's mask and counters"
+                 f"{', the block table' if paged is not None else ''})")
+    return Retained(excess, expected, paged.handed if paged is not None else acc.kv_total, acc,
+                    lambda: explain_excess(acc, excess, kv, cfg, B, qkv, paged))
 
 
 def model_state_tensors(runner, preexisting: set[int]) -> list[tuple[str, torch.Tensor]]:

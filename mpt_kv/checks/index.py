@@ -50,6 +50,8 @@ class Property:
               a green run must have one per target (`mpt_kv.plugin.gate`); P0 and P4 check the uncached
               forward and the returned outputs
     column    its kill-matrix and catalogue column (None: not in the kill matrix)
+    operations  the operations of a check whose cases come one operation at a time ("operation"): a
+              check id each (ops-memory/concat/reorder, ...)
     """
 
     name: str
@@ -65,6 +67,7 @@ class Property:
     oracle: str | None = None
     cache: bool = True
     column: str | None = None
+    operations: tuple[str, ...] = ()
 
     @property
     def family(self) -> bool:
@@ -114,7 +117,11 @@ PROPERTIES: tuple[Property, ...] = (
              "mpt_kv.checks.programs:check_program_static_storage", "program", STATIC_PATHS, column="ops"),
     Property("ops-memory", "reorder and extend transients", "a reorder or an extend's transient is a whole-cache "
              "copy, not bounded per layer", "docs/operations.md", "mpt_kv.checks.programs:check_operation_memory",
-             "operation", column="ops"),
+             "operation", column="ops", operations=("reorder", "extend")),
+    Property("ops-retained", "what a reorder and a crop retain", "after a reorder or a crop, bytes still allocated "
+             "beyond the analytic cache of the surviving positions (an old cache kept referenced, a cropped tail "
+             "kept)", "docs/operations.md", "mpt_kv.checks.programs:check_operation_retained", "operation",
+             column="ops", operations=("reorder", "crop")),
     _family("family-P0", "a family's uncached logits = transformers'", "another family's uncached logits differ from "
             "transformers' model of the same weights", "check_uncached", paths=("concat",), cache=False),
     _family("family-P1", "P1 on another decoder family (decode and extend)", "another family's cached prefill, decode "

@@ -16,7 +16,8 @@ ops-P2      static = concat after the same program: logits, and K/V at every wri
             (the slots past n must be masked again: the mask is the source of truth there);
 ops-P3      no cached K/V shares storage with mixed_qkv or pins a per-step temporary
             (properties.aliasing_problems), and a crop or reorder pins no bytes beyond the cache
-            that were not pinned before it (a crop by slicing keeps the cropped tail alive);
+            that were not pinned before it (a crop by slicing keeps the cropped tail alive); in a
+            paged cache declared copy-on-write, no operation writes into a block rows share;
 ops-memory  the transient of a reorder is at most one layer's K and V (a whole-cache copy is a
             finding, with its bytes at the seed's MPT-7B configs), and the transient of a
             k-token extend is bounded like a decode step's, with k queries.
@@ -51,18 +52,19 @@ from mpt_kv.checks.quantized import widened  # a declared quantized cache's boun
 from mpt_kv.checks.results import copied, snapshot
 from mpt_kv.checks.static_shape import cache_tensors
 from mpt_kv.checks.storages import covered_bytes, storage_key
-from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, HPU_PROMPT_BUCKET, HypothesisPicks, case_from
+from mpt_kv.checks.strategies import (BF16_MIN_D_MODEL, HPU_PROMPT_BUCKET, VOCAB_SIZES, HypothesisPicks, case_from,
+                                     config_fields)
 from mpt_kv.memory import analytic
 from mpt_kv.model.config import ModelConfig
 from mpt_kv.model.session import pad_right
-from mpt_kv.targets.layouts import BlockGrowth, layout_of
+from mpt_kv.targets.layouts import BlockGrowth, held_blocks, layout_of, shared_block_writes
 
 OPERATIONS = ("extend", "crop", "reorder")  # the Capabilities features; decode is always there
 EXTEND_KS = tuple(range(2, 9))
 HPU_EXTEND_KS = (4, 8)       # bucketed: every k is a graph compile on HPU
 HPU_OPS_NEW_TOKENS = 16      # cache length on HPU: the 128-token prompt + 16
 HPU_SHAPE_BUDGET = 12        # distinct input shapes one ops check may feed a target on HPU (tests/test_operations.py)
-STYLES = ("beam", "speculative", "mixed")
+STYLES = ("beam", "speculative", "mixed")  # drawn; the fixed corner program's style is "corner"
 
 
 @dataclass(frozen=True)
@@ -178,12 +180,14 @@ def ops_from(pick, case: Case, style: str, allowed: set[str], ks: tuple[int, ...
 def small_case_from(pick, min_d_model: int = 1) -> Case:
     """The CPU space of the programs: the operations, not the model, are what is drawn wide, so the
     model is small (d_model <= 64, 1-2 layers; the properties' own cases cover the wide ones):
-    head counts that are and are not powers of two, 1-3 rows of 1-10 prompt tokens, left-padded."""
+    head counts that are and are not powers of two, 1-3 rows of 1-10 prompt tokens, left-padded;
+    the config fields the value checks draw (`strategies.config_fields`: clip_qkv, alibi_bias_max,
+    layer_norm_epsilon) and their vocabulary sizes (`strategies.VOCAB_SIZES`)."""
     n_heads, head_dim = pick.choice([(h, d) for h in (1, 2, 3, 4) for d in (4, 8, 16) if h * d >= min_d_model])
     batch = pick.integer(1, 3)
     lens = tuple(pick.integer(1, 10) for _ in range(batch))
-    cfg = ModelConfig(d_model=n_heads * head_dim, n_heads=n_heads, n_layers=pick.integer(1, 2), vocab_size=64,
-                      max_seq_len=pick.choice([32, 64]), clip_qkv=pick.choice([None, None, 4.0]))
+    cfg = ModelConfig(d_model=n_heads * head_dim, n_heads=n_heads, n_layers=pick.integer(1, 2),
+                      vocab_size=pick.choice(VOCAB_SIZES), max_seq_len=pick.choice([32, 64]), **config_fields(pick))
     return Case(cfg, lens, 12, seed=pick.integer(0, 2**16), mask_dtype=pick.choice(MASK_DTYPES))
 
 
@@ -245,9 +249,32 @@ HPU_FIXED = {
 }
 
 
+# The corner: batch 1, one head, one layer, a prompt of 1, where a slice of the cache is contiguous
+# and `.contiguous()` of it is no copy (size-1 dimensions make every (1, 1, n, hd) slice so); the
+# drawn programs rarely get there. Its groups of operations, each kept where the target implements
+# all of it: an assisted decoding's extend and crop, a beam step's reorder (batch 1: the identity),
+# a chunk, and a crop back to the prompt.
+CORNER_CASE = Case(_cfg(1, 8, 1, 16), (1,), 9, seed=23)
+CORNER_GROUPS = (
+    (Op("extend", 3), Op("crop", 2), Op("decode")),
+    (Op("reorder", index=(0,)), Op("decode")),
+    (Op("extend", 4), Op("crop", 6), Op("decode")),  # back past the chunk, into the first group's tokens
+)
+
+
+def corner_program(allowed: set[str]) -> Program | None:
+    """The corner program of the operations in `allowed` (None where it would have none)."""
+    ops = tuple(op for group in CORNER_GROUPS if {op.kind for op in group} - {"decode"} <= allowed for op in group)
+    return Program(CORNER_CASE, ops, "corner") if ops else None
+
+
 def fixed_programs(device: str, allowed: set[str]) -> list[Program]:
+    """The fixed programs the target can run: a beam search and an assisted decoding (`FIXED`), and
+    on CPU and CUDA the corner (`corner_program`; on HPU each shape is a graph compile: not there)."""
     chosen = HPU_FIXED if device == "hpu" else FIXED
-    return [p for p in chosen.values() if p.kinds() - {"decode"} <= allowed]
+    out = [p for p in chosen.values() if p.kinds() - {"decode"} <= allowed]
+    corner = corner_program(allowed) if device != "hpu" else None
+    return out + ([corner] if corner is not None else [])
 
 
 # --- running a program --------------------------------------------------------------------------------------
@@ -463,7 +490,8 @@ def declared_blocks(session):
 def check_program_aliasing(runner, c: Context, program: Program | None = None, fed: Fed | None = None) -> list[str]:
     """ops-P3: after every operation, `aliasing_problems`; after a crop or reorder, no storage of
     the cached K/V pins more bytes beyond the cache than it did before the operation (or than the
-    block of slack per tensor a BlockGrowth layout declares)."""
+    block of slack per tensor a BlockGrowth layout declares); a paged cache declared copy-on-write
+    (`PagedLayout(copy_on_write=True)`) wrote into no block two rows share (`shared_block_writes`)."""
     program, fed = program_of(c, program, fed)
     ids, mask = program.case.inputs(c.device)
     capture = WqkvCapture(runner.wqkv_modules())
@@ -479,11 +507,14 @@ def check_program_aliasing(runner, c: Context, program: Program | None = None, f
             for step, op in enumerate(program.ops):
                 tokens = program.tokens(step, op.k, c.device) if op.kind in ("decode", "extend") else None
                 before = pinned_by_storage(session.kv())
+                shared_before = held_blocks(layout_of(session))  # a copy-on-write paged cache's blocks
                 run_op(session, op, tokens, step, "ops-P3", c, fed, held)
                 kv = session.kv()
-                blocks = declared_blocks(session)
+                layout = layout_of(session)
+                blocks = layout if isinstance(layout, BlockGrowth) else None
                 problems, storages = aliasing_problems(kv, capture.outputs, storages, f"{step} ({op.describe()})",
                                                        last=step == len(program.ops) - 1, layout=blocks)
+                problems += shared_block_writes(shared_before, layout, f"{step} ({op.describe()})")
                 if op.kind in ("crop", "reorder"):
                     for key, (pinned, names, nbytes) in pinned_by_storage(kv).items():
                         was = before.get(key, (0,))[0]
@@ -549,10 +580,21 @@ def check_program_static_storage(runner, c: Context, program: Program | None = N
 # --- ops-memory ----------------------------------------------------------------------------------------------
 
 # one fixed case per path: 3 layers (a whole-cache copy is 3 x the per-layer bound), 3 rows; a prompt
-# of 16 then the operation: a reorder with repeats, or an extend of 8 to the cache length 24
+# of 16 then the operation: a reorder with repeats, or an extend of 8 to the cache length 24, or
+# (ops-retained) 8 decode steps to it and a crop of 5; then the same on the corner: batch 1, one
+# head, one layer, a prompt of 1 (where `.contiguous()` of a slice is no copy)
 MEMORY_CASE = Case(_cfg(4, 8, 3, 64), (16, 12, 14), 8, seed=31)
+MEMORY_CORNER = Case(_cfg(1, 8, 1, 16), (1,), 8, seed=32)
+MEMORY_CASES = (MEMORY_CASE, MEMORY_CORNER)
 MEMORY_BEAM_INDEX = (2, 2, 0)
 MEMORY_EXTEND = 8
+MEMORY_CROP = 5
+
+
+def memory_beam_index(batch: int) -> tuple[int, ...]:
+    """The measured reorder: `MEMORY_BEAM_INDEX` for 3 rows (two beams from the last row, the first
+    row moved); for other batches the last row twice and row 0 last (batch 1: the identity)."""
+    return MEMORY_BEAM_INDEX if batch == 3 else tuple([batch - 1] * (batch - 1) + [0])
 
 
 def whole_cache_finding(extra: int, layer_bytes: int) -> str:
@@ -598,7 +640,7 @@ def check_operation_memory(runner, c: Context, operation: str | None = None) -> 
         level, peak_of, reset = quick_readings(meter)
         reset()
         before = level()
-        op = Op("reorder", index=MEMORY_BEAM_INDEX) if operation == "reorder" else Op("extend", MEMORY_EXTEND)
+        op = Op("reorder", index=memory_beam_index(B)) if operation == "reorder" else Op("extend", MEMORY_EXTEND)
         out = run_op(session, op, tokens, "measured", "ops-memory", c, Fed())
         if operation == "reorder":
             bound = layer_kv + masks
@@ -610,10 +652,79 @@ def check_operation_memory(runner, c: Context, operation: str | None = None) -> 
         del out
         peak, after = peak_of(), level()
     transient = peak - max(before, after)
-    what = f"{operation}" + (f" of {MEMORY_EXTEND} tokens" if operation == "extend" else f" by {list(MEMORY_BEAM_INDEX)}")
+    what = f"{operation}" + (f" of {MEMORY_EXTEND} tokens" if operation == "extend" else f" by {list(op.index)}")
     ctx = describe(c.ctx(operation=operation, before=before, peak=peak, after=after))
     if transient > bound:
         finding = whole_cache_finding(transient - bound, layer_kv) if operation == "reorder" else (
             f"{transient - bound} bytes above the bound of a cached call with {MEMORY_EXTEND} queries")
         raise PropertyFailure(f"ops-memory {what}: transient {transient} bytes > bound {bound} bytes: {finding} [{ctx}]")
     return [f"ops-memory {what}: transient {transient} bytes, bound {bound} ({transient / bound:.2f} of it) [{ctx}]"]
+
+
+# --- ops-retained --------------------------------------------------------------------------------------------
+
+def check_operation_retained(runner, c: Context, operation: str | None = None) -> list[str]:
+    """ops-retained: what one reorder (`memory_beam_index`) or one crop (`MEMORY_CROP` positions,
+    after `MEMORY_EXTEND` decode steps; `c.operation`) leaves allocated, measured exactly on CPU.
+    Before and after it, the bytes allocated above the level before the session are compared with
+    the analytic cache of the positions the session holds, as the memory checks count a cache
+    (`ceilings.retained`: the layout's own storage, a pool kept from a warm-up generation as the
+    cache, the session's mask and counters as bookkeeping): what the operation adds beyond it
+    fails. ops-memory bounds the transient, the peak above max(before, after); an operation that
+    keeps the old cache referenced (for an undo, a rollback) raises "after" too, so its transient
+    reads small while the cache is held twice, and a crop that keeps a view of the old storage
+    holds the cropped tail: both show here, with the bytes and where they are."""
+    import gc
+
+    from mpt_kv.checks.ceilings import (ROUNDING, WeakQkvCapture, decode_tokens, retained, warm_up)
+
+    operation = operation or c.operation
+    case, device = c.case, torch.device(c.device)
+    cfg, B, L, s = case.cfg, case.batch, case.total_len, itemsize(c.dtype)
+    ids, mask = case.inputs(device)
+    tokens = decode_tokens(case, device)
+    model = getattr(runner, "model", None)
+    weights = [*model.parameters(), *model.buffers()] if model is not None else []
+    preexisting = {storage_key(t) for t in [ids, mask, tokens, *weights]}
+    meter = checked_meter(device)
+    qkv = WeakQkvCapture(runner)
+    gc.freeze()  # pre-existing objects out of the meter's gc.collect()
+    try:
+        with torch.inference_mode(), meter:
+            warm = warm_up(runner, c.path, case, c.bucket, ids, mask, tokens)  # a pool, lazily built state
+            base = meter.allocated()
+            kept = {key: ref for key, ref in warm.items() if ref() is not None}
+            session = runner.session(c.path, L, c.bucket)
+            session.prefill(ids, mask)
+            if operation == "crop":
+                for step in range(case.new_tokens):
+                    session.decode(tokens[step])
+                op = Op("crop", MEMORY_CROP)
+            else:
+                op = Op("reorder", index=memory_beam_index(B))
+
+            def held():
+                n = session.written if c.path == "concat" else L  # the positions the path keeps
+                return retained(session, meter.allocated() - base, n, cfg, B, s, preexisting, kept, qkv)
+
+            excess_before, written = held().excess, session.written  # (its accounting holds the old tensors: gone)
+            run_op(session, op, None, "measured", "ops-retained", c, Fed())
+            after, now = held(), session.written
+            slack = ROUNDING.get(device.type, 4096) * (len(after.acc.kv_storages) + len(after.acc.bookkeeping) + 2)
+            growth, excess_after = after.excess - excess_before, after.excess
+            message = None
+            if growth > slack:
+                tolerance = "exact" if meter.exact else f"allowed {slack}: allocator rounding"
+                message = (f"ops-retained {op.describe()} ({written} -> {now} positions): {growth} bytes more retained "
+                           f"beyond the analytic cache of the surviving positions after it than before it "
+                           f"({excess_before} before, {excess_after} after; {tolerance}): expected {after.expected}. "
+                           f"{after.explain()}")
+            del session, after
+    finally:
+        gc.unfreeze()
+        qkv.close()
+    ctx = describe(c.ctx(operation=operation, positions=f"{written} -> {now}"))
+    if message:
+        raise PropertyFailure(f"{message} [{ctx}]")
+    return [f"ops-retained {op.describe()}: {excess_before} bytes beyond the analytic cache before it, {excess_after} "
+            f"after it [{ctx}]"]

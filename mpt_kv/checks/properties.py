@@ -37,7 +37,8 @@ from mpt_kv.checks.results import copied, snapshot
 from mpt_kv.model.session import Session
 from mpt_kv.checks.storages import covered_bytes, storage_key  # P3
 from mpt_kv.checks.quantized import widened  # a declared quantized cache's bound (QuantizedKV)
-from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, QuantizedKV, layout_of, poison_paged, poison_quantized
+from mpt_kv.targets.layouts import (BlockGrowth, PagedLayout, QuantizedKV, held_blocks, layout_of, poison_paged,
+                                    poison_quantized, shared_block_writes)
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (measured: 1e30 does not)
 
@@ -388,7 +389,8 @@ def aliasing_problems(kv, captured, previous: dict[int, CacheStorage] | None = N
 def check_no_aliasing(runner, c: Context) -> None:
     """P3: after the prefill and every decode step, the cached K/V keep nothing alive besides the
     cache (`aliasing_problems`): no view of mixed_qkv, no view of a per-step temporary. A paged
-    cache is judged by its pools (`Session.cache_layout()`), a block-grown one with its slack."""
+    cache is judged by its pools (`Session.cache_layout()`), a block-grown one with its slack; in
+    one declared copy-on-write no decode step writes into a block rows share."""
     ids, mask = c.case.inputs(c.device)
     capture = WqkvCapture(runner.wqkv_modules())
     try:
@@ -396,6 +398,7 @@ def check_no_aliasing(runner, c: Context) -> None:
             session = runner.session(c.path, c.case.total_len, c.bucket)
             logits = session.prefill(ids, mask)[:, -1]
             steps, storages = ["prefill", *range(c.case.new_tokens)], {}
+            shared_before = None
             for step in steps:
                 if step != "prefill":
                     logits = session.decode(greedy(logits))
@@ -403,6 +406,8 @@ def check_no_aliasing(runner, c: Context) -> None:
                 kv = layout.storage_tensors() if isinstance(layout, (PagedLayout, QuantizedKV)) else session.kv()
                 problems, storages = aliasing_problems(kv, capture.outputs, storages, step,
                                                        last=step == steps[-1], layout=layout)
+                problems += shared_block_writes(shared_before, layout, step)  # copy-on-write: shared blocks unwritten
+                shared_before = held_blocks(layout)
                 if problems:
                     raise PropertyFailure(f"P3 cache aliasing after step {step}: " + "; ".join(problems)
                                           + f" [{describe(c.ctx(step=step))}]")

@@ -73,7 +73,7 @@ class Check:
     config: C.MemoryConfig | None = None  # memory checks: the (batch, max input, max new) row
     edge: str | None = None               # a fixed case of strategies.EDGE_CASES instead of drawn ones
     graphs: bool = False                  # the target runs under graphs (graphs.graphed)
-    operation: str | None = None          # ops-memory: "reorder" or "extend"
+    operation: str | None = None          # ops-memory, ops-retained: the operation (index.Property.operations)
     doc: str = ""
 
     def __str__(self) -> str:
@@ -118,8 +118,8 @@ def checks_of(prop: index.Property) -> list[Check]:
         if prop.runs == "memory":
             out += [Check(f"{here}/{config.id}", prop.name, path, b, config, doc=prop.line) for config in C.CONFIGS]
         elif prop.runs == "operation":
-            out += [Check(f"{here}/{op}", prop.name, path, b, operation=op, doc=f"the transient of a {op}: {prop.line}")
-                    for op in ("reorder", "extend")]
+            out += [Check(f"{here}/{op}", prop.name, path, b, operation=op, doc=f"{op}: {prop.line}")
+                    for op in prop.operations]
         else:
             out.append(Check(here, prop.name, path, b, doc=prop.line))
     for edge in getattr(strategies, prop.edge_set) if prop.edges else ():

@@ -16,7 +16,8 @@ each (`DRIVERS`):
     fixed      one fixed case (static-shape)
     memory     one memory config (`mpt_kv.checks.ceilings.CONFIGS`), its stored ceilings compared
     program    the fixed beam and speculative programs, then hypothesis's drawn ones (ops-P1/P2/P3)
-    operation  one reorder or extend on a filled cache, measured exactly (ops-memory, cpu)
+    operation  one reorder, extend or crop on a filled cache, measured exactly (ops-memory,
+               ops-retained, cpu), on the fixed case and the corner (`programs.MEMORY_CASES`)
     family     one family target (`mpt_kv.targets.FamilyTarget`: an implementation of a variant of
                another decoder family) on one path, cpu (family-P0 ... family-memory)
 
@@ -364,9 +365,13 @@ def by_operation(r: Run) -> list[str]:
     if r.device.type != "cpu":
         raise Unsupported(f"{r.check.id}: the exact transient of one operation is measured on cpu (CpuTracker); "
                           f"{r.device.type}'s allocator rounds per block")
-    case = programs.MEMORY_CASE
-    runner = r.runner(case, [operation])
-    return r.check_case(runner, r.context(case, operation=operation))
+    notes = []
+    for case in programs.MEMORY_CASES:  # the fixed case, then the corner (batch 1, one head, one layer, prompt 1)
+        runner = r.runner(case, [operation])
+        record("mpt_kv_reach", {"check": r.check.id,
+                                "knobs": reach.knobs(case, r.check.path, r.check.bucket, r.device, r.dtype)})
+        notes += r.check_case(runner, r.context(case, operation=operation))
+    return notes
 
 
 def by_family(r: Run) -> list[str]:
@@ -416,7 +421,7 @@ def drawn_records(checks, profile: str = "ci", device: str = "cpu", dtypes=(torc
             elif runs == "fixed":
                 found = [STATIC_SHAPE_CASE]
             elif runs == "operation":
-                found = [programs.MEMORY_CASE]
+                found = list(programs.MEMORY_CASES)
             elif runs != "case":  # the family checks' fixed cases are not MPT cases (docs/families.md)
                 continue
             elif check.edge:

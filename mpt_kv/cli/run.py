@@ -21,6 +21,7 @@ from mpt_kv.outputs import file_problem
 
 # the conformance suite shipped in the package: properties, memory ceilings, static shapes
 CONFORMANCE = "mpt_kv.conformance"
+BEAM_REORDER = "beam search reorders with"  # the machine description's words, which the sweep reads
 
 
 def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
@@ -44,7 +45,12 @@ def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
         try:
             runner = build(spec, cfg, random_state_dict(cfg), devices.torch_device(kind), torch.float32)
             version = getattr(runner, "version", "")
-            lines.append(f"target {spec:<15} ok {version}".rstrip())
+            line = f"target {spec:<15} ok {version}".rstrip()
+            try:  # a transformers-style runner follows its release's beam-search reorder: which one
+                reorder = getattr(runner, "beam_reorder", None)
+            except Exception as e:  # noqa: BLE001  an unknown release's route: its ops cases say so
+                reorder = f"unknown ({type(e).__name__}: {e})"
+            lines.append(line + (f"; {BEAM_REORDER} {reorder}" if reorder else ""))
         except Exception as e:  # a user's factory can raise anything: report it, do not crash here
             e = factory_error(e)  # the factory's own error (sweep parses this line)
             lines.append(f"target {spec:<15} does not build on {kind}: {type(e).__name__}: {e}")

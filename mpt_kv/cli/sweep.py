@@ -16,7 +16,9 @@ For each release:
          its lock.json (python, the requested pins, the base) matches, else rebuilt.
   run    `python -m mpt_kv run --target optimum-habana|transformers --only-targets` in that env,
          CI=true, with --dtype and -k as given, under the per-release time limit (--timeout:
-         install and run together).
+         install and run together). The transformers target reorders a beam cache as that
+         release's own beam search does (`mpt_kv.targets.hf_generation`); the table lists the route
+         each release took, from its run's description of the target.
 
 Stored ceilings: they are keyed by target version, so another release has no entry. The runs
 start in the release's env folder, where no ini file names `mpt_kv_require_ceilings` and no
@@ -359,6 +361,18 @@ def target_build_problem(log_text: str, target: str) -> str | None:
     return f"the target does not build: {built.group(1)[:300]}" if built else None
 
 
+def reorder_route_of(row: Row) -> str | None:
+    """How the release's beam search reorders the cache, as its run described its target (the
+    transformers target follows its release's own route: `mpt_kv.targets.hf_generation`)."""
+    from mpt_kv.cli.run import BEAM_REORDER
+
+    if row.log is None or not row.log.is_file():
+        return None
+    target = PACKAGES[row.release.package]
+    found = re.search(rf"^target {re.escape(target)}\s+ok [^\n]*?; {BEAM_REORDER} (.*)$", row.log.read_text(), re.M)
+    return found.group(1).strip() if found else None
+
+
 # --- the table --------------------------------------------------------------------------------------
 
 def column_of(result: dict) -> str:
@@ -478,6 +492,13 @@ def table_lines(rows: list[Row]) -> list[str]:
                 out.append(word)
             lines.append(f"| {row.release.version} | {row.pins} | " + " | ".join(out) + " |")
         lines.append("")
+        routes = [(row.release.version, reorder_route_of(row)) for row in rows if row.release.package == package]
+        if any(route for _, route in routes):
+            lines += [f"Beam search's cache reorder in each {package} release (read from the release's own "
+                      "generation code; its ops checks reorder that way):", "", "| release | reorders with |",
+                      "|---|---|"]
+            lines += [f"| {version} | {route or '-'} |" for version, route in routes]
+            lines.append("")
     if findings:
         lines += ["### Findings", "", "| id | check | outcome | first | last | releases | summary (first release) |",
                   "|---|---|---|---|---|---|---|"]

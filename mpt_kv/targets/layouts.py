@@ -59,12 +59,19 @@ class PagedLayout:
     [j * block_size, (j + 1) * block_size), -1 where the row has no block; `lengths` (B,), the
     positions each row holds (mpt-kv's rows are left-padded: every row's is `Session.written`).
     A row's handed-out blocks are its table entries >= 0; a pool block in no row's table is not
-    handed out. One block table serves every layer (vLLM's)."""
+    handed out. One block table serves every layer (vLLM's).
+
+    `copy_on_write`: rows may share pool blocks, as vLLM forks a sequence for beam search: after
+    a reorder with repeats the beams point at the same blocks until one of them writes. A shared
+    block sits at the same table index in every row that holds it (it holds the same positions
+    of each), and the cache copies it before a row writes into it (the last row that holds it
+    may write in place). Without the declaration a block in two table entries is a failure."""
 
     pools: Sequence[tuple[torch.Tensor, torch.Tensor]]
     block_table: torch.Tensor
     block_size: int
     lengths: torch.Tensor | Sequence[int]
+    copy_on_write: bool = False
 
     def lengths_list(self) -> list[int]:
         """Each row's length, an int >= 0: int() of 2.5 would be 2, a wrong length read as a right one."""
@@ -78,6 +85,19 @@ class PagedLayout:
     def rows(self) -> list[list[int]]:
         """Each row's handed-out pool blocks, in table order."""
         return [[int(b) for b in row if b >= 0] for row in self.block_table.tolist()]
+
+    def distinct_blocks(self) -> set[int]:
+        """The pool blocks handed out to any row (a block rows share, once)."""
+        return {b for row in self.rows() for b in row}
+
+    def shared(self) -> dict[int, list[tuple[int, int]]]:
+        """Pool block -> the (row, table index) entries holding it, for blocks in two or more entries."""
+        entries: dict[int, list[tuple[int, int]]] = {}
+        for b, row in enumerate(self.block_table.tolist()):
+            for j, block in enumerate(row):
+                if block >= 0:
+                    entries.setdefault(int(block), []).append((b, j))
+        return {block: e for block, e in entries.items() if len(e) > 1}
 
     def block_bytes(self) -> int:
         """Bytes one block takes in all layers' key and value pools together."""
@@ -209,6 +229,8 @@ def check_paged(layout: PagedLayout, session) -> None:
     if table.numel() and (int(table.min()) < -1 or int(table.max()) >= num_blocks):
         raise ValueError(f"PagedLayout.block_table holds ids outside -1..{num_blocks - 1} "
                          f"(min {int(table.min())}, max {int(table.max())}; the pool has {num_blocks} blocks)")
+    if not isinstance(layout.copy_on_write, bool):
+        raise ValueError(f"PagedLayout.copy_on_write={layout.copy_on_write!r}: expected True or False")
     owner: dict[int, tuple[int, int]] = {}
     for b, row in enumerate(table.tolist()):
         for j, block in enumerate(row):
@@ -216,9 +238,14 @@ def check_paged(layout: PagedLayout, session) -> None:
                 continue
             if block in owner:
                 ob, oj = owner[block]
+                if layout.copy_on_write and oj == j and ob != b:
+                    continue  # rows sharing a block of the same positions: legitimate while nobody writes it
+                hint = ("" if layout.copy_on_write or oj != j else
+                        "; rows forked from one sequence may share blocks that nobody writes: declare "
+                        "PagedLayout(copy_on_write=True)")
                 raise PropertyFailure(f"paged cache: pool block {block} is row {ob}'s block {oj} and row {b}'s block "
                                       f"{j}: one block holds positions of two places [block table "
-                                      f"{tuple(table.shape)}, block_size {bs}]")
+                                      f"{tuple(table.shape)}, block_size {bs}{hint}]")
             owner[block] = (b, j)
     written = getattr(session, "written", None)
     for b, n in enumerate(lengths):
@@ -230,6 +257,58 @@ def check_paged(layout: PagedLayout, session) -> None:
         if missing:
             raise PropertyFailure(f"paged cache: row {b} holds {n} positions but has no block for table entries "
                                   f"{missing} (block_size {bs}): its positions are nowhere in the pool")
+
+
+def held_blocks(layout) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """A copy-on-write paged cache's handed-out blocks as they are now (per block, every layer's key
+    and value slice, copied), to compare after the next operation (`shared_block_writes`); None for
+    any other layout."""
+    if not isinstance(layout, PagedLayout) or not layout.copy_on_write:
+        return None
+    return {block: [(k[block].clone(), v[block].clone()) for k, v in layout.pools] for block in layout.distinct_blocks()}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)  # bytes: NaN == NaN, -0.0 != 0.0
+
+
+def first_change(layout: PagedLayout, block: int, was) -> tuple[int, str, list[int]] | None:
+    """(layer, "key"/"value", the block's slots that changed) of the first pool whose `block` differs
+    from `was` (`held_blocks`' copy of it), or None."""
+    for layer, ((k, v), (k0, v0)) in enumerate(zip(layout.pools, was)):
+        for name, now, old in (("key", k[block], k0), ("value", v[block], v0)):
+            slots = (_bytes(now) != _bytes(old)).reshape(now.shape[0], now.shape[1], -1).any(-1).any(0)
+            if slots.any():
+                return layer, name, slots.nonzero().flatten().tolist()
+    return None
+
+
+def shared_block_writes(before: dict | None, layout, step) -> list[str]:
+    """What `step` wrote into blocks rows share, in a cache declared `PagedLayout(copy_on_write=True)`:
+    every block two or more rows hold after it must hold the bytes it held before it (a write into
+    a shared block reaches every row that holds it: copy-on-write copies the block first), and no
+    block rows share may be one that no row held before (a fresh block handed to two rows at once,
+    both writing into it). `before`: `held_blocks` before the step (None: nothing to compare)."""
+    if before is None or not isinstance(layout, PagedLayout) or not layout.copy_on_write:
+        return []
+    problems = []
+    for block, entries in sorted(layout.shared().items()):
+        rows = " and ".join(f"row {b}" for b, _ in entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4
+                                                                   else "")
+        if block not in before:
+            problems.append(f"pool block {block} (table index {entries[0][1]}) was handed to {rows} at once by step "
+                            f"{step}: no row held it before, and a block rows share is never written")
+            continue
+        changed = first_change(layout, block, before[block])
+        if changed:
+            layer, name, slots = changed
+            j = entries[0][1]
+            positions = ", ".join(str(j * layout.block_size + s) for s in slots[:4])
+            problems.append(f"step {step} wrote into pool block {block}, which {rows} share (table index {j}): layer "
+                            f"{layer} {name} position{'s' if len(slots) > 1 else ''} {positions} changed in every row "
+                            f"that holds it. A block rows share is read-only: copy-on-write copies it into a fresh "
+                            f"block for the row that writes")
+    return problems
 
 
 def storage_tensors(session) -> list[tuple[torch.Tensor, torch.Tensor]]:

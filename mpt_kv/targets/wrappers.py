@@ -245,16 +245,17 @@ class TransformersSession(Session):
         self.runner.sync()
 
     def _reorder(self, index):
-        """As the installed transformers' beam search reorders (`_beam_search`, generation/utils.py:
-        4.55.4 line 4190, 5.24 line 3842): the model's own `_reorder_cache(past, beam_idx)` when it
-        defines one (legacy tuples, or a model that overrides it), else `Cache.reorder_cache(beam_idx)`
-        (`index_select` per layer). A model whose own `_reorder_cache` is wrong is then seen."""
+        """As the installed transformers' beam search reorders, read from its own `_beam_search`
+        (`mpt_kv.targets.hf_generation`): 4.54 to 5.24 the model's own `_reorder_cache(past,
+        beam_idx)` when it defines one, else `Cache.reorder_cache(beam_idx)` (`index_select` per
+        layer; 4.55.4 generation/utils.py:4190, 5.24 :3842); 4.36 to 4.53 the GenerationMixin's
+        `_temporary_reorder_cache` (a tuple cache: the model's `_reorder_cache`; a Cache: its own
+        `reorder_cache`, whatever the model defines); before, the model's `_reorder_cache`. A model
+        whose own `_reorder_cache` is wrong is then seen where that release would call it."""
+        from mpt_kv.targets.hf_generation import reorder_as_beam_search
+
         self.mask = self.mask.index_select(0, index)
-        model = self.runner.model
-        if hasattr(model, "_reorder_cache") or isinstance(self.cache, (tuple, list)):
-            self.cache = model._reorder_cache(self.cache, index)
-        else:
-            self.cache.reorder_cache(index)
+        self.cache = reorder_as_beam_search(self.runner.model, self.cache, index)
         self.runner.sync()
 
     def kv(self):
@@ -287,6 +288,15 @@ class TransformersRunner(ModelRunner):
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pass_cache_position = "cache_position" in params
         self.pad_static_mask = pad_static_mask
+
+    @property
+    def beam_reorder(self) -> str:
+        """How the installed release's beam search reorders the cache, which this runner follows
+        (`mpt_kv.targets.hf_generation.reorder_route`): printed per target by `python -m mpt_kv
+        run`, per release by the sweep."""
+        from mpt_kv.targets.hf_generation import reorder_route
+
+        return reorder_route().describe()
 
     def session(self, path, max_len, bucket=None):
         self.require(path, "bucket" if bucket else None)
