@@ -76,7 +76,7 @@ def test_profile_selection(monkeypatch, request, env, profile):
         assert settings.default.derandomize == (profile == "ci")
         assert settings.default.print_blob
     finally:
-        settings.load_profile(run_state(request.config).profile)  # this run's own profile back
+        strategies.use_profile(run_state(request.config).profile)  # this run's own profile back, and its draws
 
 
 # every new shape compiles a graph on HPU: few shapes, the prompt padded to its bucket

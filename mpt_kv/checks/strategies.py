@@ -75,11 +75,17 @@ _profile = "dev"
 
 def load_profile() -> str:
     """MPT_KV_HYPOTHESIS_PROFILE wins; CI=true (or 1, yes) selects `ci`; else `dev`."""
-    global _profile
     in_ci = os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
-    _profile = os.environ.get("MPT_KV_HYPOTHESIS_PROFILE") or ("ci" if in_ci else "dev")
-    settings.load_profile(_profile)
-    return _profile
+    return use_profile(os.environ.get("MPT_KV_HYPOTHESIS_PROFILE") or ("ci" if in_ci else "dev"))
+
+
+def use_profile(name: str) -> str:
+    """Load hypothesis profile `name` and draw as it says (`cases` reads `thorough` from it): the one
+    place both are set, so a test that loads another profile restores both."""
+    global _profile
+    _profile = name
+    settings.load_profile(name)
+    return name
 
 
 class HypothesisPicks:
