@@ -93,7 +93,8 @@ def rows() -> list[list[str]]:
     """One row per finding (`grouped`), in the file's order of first appearance."""
     import torch
 
-    from mpt_kv.families.costs import finding_cost, known_entries  # lazy: torch and the models only where this command needs them
+    from mpt_kv.families import user_path  # lazy: torch and the models only where this command needs them
+    from mpt_kv.families.costs import finding_cost, known_entries  # (the same)
 
     out = []
     for entries in grouped(known_entries()):
@@ -114,13 +115,15 @@ def rows() -> list[list[str]]:
                     pinned.append(human(n))
             kv = human(cost.kv[POINTS[0]])
         out.append([f"{entry['family']}/{entry['variant']}", entry.get("implementation", "transformers"),
-                    versions(entry), checks_seen(entries), what(entry), config, *pinned, kv, entry["upstream"]])
+                    versions(entry), checks_seen(entries), user_path.cell(entries), what(entry), config, *pinned, kv,
+                    entry["upstream"]])
     return out
 
 
 def header() -> list[str]:
     (b0, t0), (b1, _) = POINTS
-    return ["finding", "implementation", "versions", "checks that see it", "what pins / the error", "real config",
+    return ["finding", "implementation", "versions", "checks that see it", "how a user reaches it",
+            "what pins / the error", "real config",
             f"pinned, batch {b0} x {t0}", f"pinned, batch {b1} x its context", f"K/V cache, batch {b0} x {t0}",
             "upstream"]
 

@@ -672,7 +672,11 @@ def check_memory(implementation, family, variant: str, path: str = "concat", dty
 
 def measured_memory(c: Case, modules) -> list[str]:
     warm_up(c)
-    before = {storage_key(t) for _, t in model_state_tensors(c.runner, set())}
+    # held to the end: a storage's key is its StorageImpl's address, which a freed one hands on (a
+    # model that keeps its last cache frees the warm-up's when the measured generation replaces it, and
+    # the new cache's storage could take its address and pass as pre-existing)
+    held_before = [t for _, t in model_state_tensors(c.runner, set())]
+    before = {storage_key(t) for t in held_before}
     capture = FusedCapture(modules)
     storages: dict[int, tuple[weakref.ref, str]] = {}
 
