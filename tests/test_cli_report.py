@@ -122,3 +122,26 @@ def test_reach_is_concatenated_across_reports(two_envs, tmp_path):
     assert report.main([str(cpu), str(oh), "--json", str(merged)]) == 0
     assert json.loads(merged.read_text())["reach"] == [{"check": "P1/static", "knobs": {"n_layers": 2}},
                                                        {"check": "P2/static", "knobs": {"n_layers": 1}}]
+
+
+def test_a_target_run_in_both_envs_is_a_row_per_version_and_each_known_failure_a_line(tmp_path, capsys):
+    """transformers' families run in the default env (5.24) and under optimum-habana's transformers
+    (4.55): a row each, and every xfail cell's finding named once under the matrix."""
+    view = ("known upstream failure, entry 0 (transformers/mpt/alibi family-P3): transformers <4.56 caches the "
+            "prefill's K/V as the model hands them")
+    cpu = write(tmp_path, "cpu.json", [result("transformers/mpt/alibi", "family-P3", "passed",
+                                              version="transformers 5.24")])
+    oh = write(tmp_path, "oh.json", [
+        result("transformers/mpt/alibi", "family-P3", "xfail", version="transformers 4.55", message=view,
+               upstream="transformers 4.55.4 cache_utils.py:99-100"),
+        result("transformers/mpt/alibi", "family-memory", "xfail", version="transformers 4.55",
+               message=view.replace("family-P3", "family-memory").replace("entry 0", "entry 1"),
+               upstream="transformers 4.55.4 cache_utils.py:99-100")])
+    assert report.main([str(cpu), str(oh)]) == 0
+    out = capsys.readouterr().out
+    labels = [line.split(" cpu ")[0] for line in out.splitlines() if line.startswith("transformers/mpt/alibi")]
+    assert labels == ["transformers/mpt/alibi (transformers 4.55)", "transformers/mpt/alibi (transformers 5.24)"], out
+    found = [line for line in out.splitlines() if line.startswith("  xfail ")]
+    assert found == ["  xfail transformers/mpt/alibi (transformers 4.55) family-P3/concat, family-memory/concat "
+                     "(2 cases): transformers <4.56 caches the prefill's K/V as the model hands them "
+                     "[transformers 4.55.4 cache_utils.py:99-100]"], out

@@ -155,7 +155,8 @@ def apply(item, report, call) -> None:
     elif report.failed and excinfo is not None and entry.explains(excinfo.value):
         report.outcome = "skipped"
         report.wasxfail = f"{kind}, {entry.name}: {entry.reason}"
-        report.user_properties = [*report.user_properties, ("mpt_kv_known_xfail", entry.key)]
+        report.user_properties = [*report.user_properties, ("mpt_kv_known_xfail", entry.key),
+                                  *([("mpt_kv_upstream", entry.upstream)] if entry.upstream else [])]
     elif report.failed:
         report.sections.append(("mpt-kv known failure", (
             f"{entry.name} in {entry.file} expects a PropertyFailure whose message matches "

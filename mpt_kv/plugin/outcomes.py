@@ -188,6 +188,8 @@ def collect(state, report) -> None:
         record = {**props["mpt_kv"], "outcome": _word(report), "nodeid": report.nodeid, "notes": notes,
                   "kinds": kinds, "seconds": round(report.duration, 3)}
         message = message_of(report)
+        if "mpt_kv_upstream" in props:  # a known failure's upstream file and line, for the lines under the matrix
+            record["upstream"] = props["mpt_kv_upstream"]
         results.append({**record, "message": message} if message else record)
     else:  # any other case: its call, or its setup where that failed (a placeholder says it has no target)
         results.append({"outcome": report.outcome, "nodeid": report.nodeid, "kinds": kinds,

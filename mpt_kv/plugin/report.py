@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections import defaultdict
 
@@ -106,9 +107,34 @@ def matrix_lines(results: list[dict], absent: dict[str, str], profile: str | Non
              if p in cells[key] and len({r["outcome"] for r in cells[key][p]}) > 1]
     lines += mixed[:MAX_LINES] + ([f"  ... and {len(mixed) - MAX_LINES} more cells whose checks disagree"]
                                   if len(mixed) > MAX_LINES else [])
+    lines += known_failure_lines(results, absent)
     for n in list(dict.fromkeys(notes))[:MAX_LINES]:
         lines.append(f"  note: {n}")
     return lines
+
+
+# "known upstream failure, entry 22 (transformers/falcon/new-arch-gqa family-memory): <its reason>"
+# (mpt_kv/plugin/known_failures.py apply): the reason is what a line under the matrix shows
+KNOWN_ENTRY = re.compile(r"^known (?:upstream failure|failure of this project \([^)]*\)), (entry \d+) \(([^)]*)\): ")
+REASON_CHARS = 160
+
+
+def known_failure_lines(results: list[dict], absent: dict[str, str]) -> list[str]:
+    """One line per finding the run's xfail cells met, under the matrix: the target with its version,
+    the checks and paths that saw it, how many cases, the reason's start and the upstream line (entries
+    of several checks with the same reason are one finding)."""
+    found: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        if r.get("outcome") == "xfail" and r.get("device") not in absent:
+            reason = KNOWN_ENTRY.sub("", r.get("message") or "?")
+            found[(target_label(r), reason, r.get("upstream", ""))].append(r)
+    lines = []
+    for (label, reason, upstream), cases in found.items():
+        reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
+        checks = ", ".join(dict.fromkeys(r["property"] + (f"/{path_cell(r)}" if r.get("path") else "") for r in cases))
+        lines.append(f"  xfail {label} {checks} ({len(cases)} case{'s' if len(cases) > 1 else ''}): {reason}"
+                     + (f" [{upstream}]" if upstream else ""))
+    return ["  known failures, by what the xfail cells found:", *lines] if lines else []
 
 
 def project_lines(extras: dict, config=None) -> list[str]:
