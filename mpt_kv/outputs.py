@@ -94,3 +94,11 @@ def dir_problem(path: str | os.PathLike) -> str | None:
     finally:
         _remove(created)
     return None
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write an output file, creating its folders as pytest's --junitxml does (`file_problem` checked,
+    before any work, that they can be made); an OSError is the caller's to word."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")

@@ -181,7 +181,10 @@ def test_own_signature_recipe_passes_through_callable_runner(installed):
     assert "CallableRunner has no cache_idx buckets" in out, out
     done = own_run(installed, own)
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
-    assert (installed[1].parent / "ownmpt" / "reports" / "conformance-cpu.xml").is_file()
+    reports = installed[1].parent / "ownmpt" / "reports"
+    assert (reports / "conformance-cpu.xml").is_file()
+    # what the workflow appends to its job summary: the verdict first
+    assert (reports / "mpt-kv-summary.md").read_text().startswith("## mpt-kv: passed"), out
 
 
 def test_own_signature_recipe_fails_with_kv_views_of_wqkv(installed):
@@ -196,3 +199,6 @@ def test_own_signature_recipe_fails_with_kv_views_of_wqkv(installed):
     assert "are views of layer 0's mixed_qkv" in out and "it is that layer's Wqkv output, views of it" in out, out
     static = own_row(out, "float32", "static")
     assert all(static[p] == "passed" for p in ("P1", "P2", "P3", "memory", "static-shape")), out
+    summary = (installed[1].parent / "ownmpt" / "reports" / "mpt-kv-summary.md").read_text()
+    assert summary.startswith("## mpt-kv: FAILED") and "### What broke" in summary, summary
+    assert "| ownmpt.mpt_kv_target:build | P3/concat" in summary, summary

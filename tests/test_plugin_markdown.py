@@ -67,17 +67,17 @@ def test_the_plugin_and_report_write_the_summary_with_every_failure(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "--target", target,
                           "--only-targets", "-m", "cpu", "--dtype", "fp32", "-k", "(P3/concat or P1/concat) and not "
                           "P3/concat/ and not P1/concat/ and not ops-", "-q",
-                          "-p", "no:cacheprovider", "--mpt-kv-report", "r.json", "--mpt-kv-markdown", "summary.md"],
+                          "-p", "no:cacheprovider", "--mpt-kv-report", "r.json", "--mpt-kv-markdown", "reports/summary.md"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert run.returncode == 1, run.stdout[-2000:]
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert sorted(r["check"] for r in results) == ["P1/concat", "P3/concat"], results  # the drawn cases alone
     failed = [r for r in results if r["outcome"] == "failed"]
     assert failed
-    merged = subprocess.run([sys.executable, "-m", "mpt_kv", "report", "r.json", "--markdown", "merged.md"],
+    merged = subprocess.run([sys.executable, "-m", "mpt_kv", "report", "r.json", "--markdown", "merged/merged.md"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert merged.returncode == 1, merged.stderr
-    for name in ("summary.md", "merged.md"):
+    for name in ("reports/summary.md", "merged/merged.md"):  # their folders made, as --junitxml makes its own
         md = (tmp_path / name).read_text()
         assert md.startswith("## mpt-kv: FAILED"), md[:200]
         for r in failed:

@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from mpt_kv.outputs import file_problem
+from mpt_kv.outputs import file_problem, write_text
 from mpt_kv.plugin.gate import run_problems
 from mpt_kv.plugin.report import matrix_lines, project_lines
 from mpt_kv.checks import reach
@@ -138,20 +138,16 @@ def main(argv: list[str]) -> int:
         print("=" * 34 + " mpt-kv memory " + "=" * 33)
         print("\n".join(table(merged["memory"])))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-
-        out.write_text(json.dumps({**merged, "unrecorded": list(merged["unrecorded"].values()),
-                                   "reach_summary": reach_summary(merged["reach"])}, indent=1,
-                                  default=str))
+        write_text(args.json, json.dumps({**merged, "unrecorded": list(merged["unrecorded"].values()),
+                                          "reach_summary": reach_summary(merged["reach"])}, indent=1, default=str))
     bad = [r for r in merged["results"] if r.get("outcome") in BAD]
     problems = run_problems(merged["results"], merged["allow_missing_device"], merged["allow_no_cache_check"])
     if args.markdown:
 
         verdict = (["no results in the reports: nothing ran, which is not a pass"] if not merged["results"]
                    else problems)
-        Path(args.markdown).write_text(render(merged["results"], verdict, merged["absent_devices"],
-                                              merged["hypothesis_profile"], previous), encoding="utf-8")
+        write_text(args.markdown, render(merged["results"], verdict, merged["absent_devices"],
+                                         merged["hypothesis_profile"], previous))
     if not merged["results"]:
         print("no results in the reports: nothing ran, which is not a pass", file=sys.stderr)
         return 1

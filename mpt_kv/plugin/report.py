@@ -14,6 +14,7 @@ import re
 import time
 from collections import defaultdict
 
+from mpt_kv.outputs import write_text
 from mpt_kv import devices, versions
 from mpt_kv.checks import index
 from mpt_kv.plugin.state import run_state
@@ -199,9 +200,7 @@ def write_report(config, path, results: list[dict], memory: list[dict], extras: 
             "capabilities": extras["capabilities"], "unrecorded": list(extras["unrecorded"].values()),
             "reach": extras["reach"], "reach_summary": reach_summary(extras["reach"])}
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(data, f, indent=1, default=str)
+        write_text(path, json.dumps(data, indent=1, default=str))
     except OSError as e:
         return f"--mpt-kv-report {path}: the report could not be written: {e}"
     return None
