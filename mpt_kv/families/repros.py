@@ -168,3 +168,36 @@ def describe(entries: list[dict]) -> str:
     entry = entries[0]
     return (f"{implementation(entry)} {entry['family']}/{entry['variant']} ({versions(entry)}): "
             f"{what(entry)} [{entry['upstream']}]")
+
+
+def index_text(repros: list[Repro], missing: list[list[dict]]) -> str:
+    """DIR/README.md: every repro folder, and every finding without a repro (the gap, visible)."""
+    from mpt_kv.cli.findings import versions
+
+    lines = ["# Standalone reproductions of mpt-kv's family findings", "",
+             "Each folder's `repro.py` needs only torch and transformers (and, for an optimum-habana finding, "
+             "optimum-habana installed): `python repro.py` exits 1 where the bug is there, 0 where it is not, "
+             "2 where it could not run its experiment. Its README.md says what reaches it, where upstream, what "
+             "it costs and a suggested fix.", "",
+             "| folder | finding | holds in |", "|---|---|---|"]
+    lines += [f"| [{r.slug}]({r.slug}/README.md) | {r.title} | {versions(r.entries[0])} |" for r in repros]
+    lines += ["", f"## Findings without a standalone repro ({len(missing)})", ""]
+    lines += [f"- no standalone repro yet: {describe(entries)}".replace("|", "\\|") for entries in missing]
+    return "\n".join(lines) + "\n"
+
+
+def write(directory, groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
+    """Write one folder per covered finding under `directory` (repro.py, README.md) and the index
+    directory/README.md; (the repros, the findings without one)."""
+    from pathlib import Path
+
+    repros, missing = plan(groups)
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    for r in repros:
+        folder = root / r.slug
+        folder.mkdir(exist_ok=True)
+        (folder / "repro.py").write_text(r.script, encoding="utf-8")
+        (folder / "README.md").write_text(r.readme, encoding="utf-8")
+    (root / "README.md").write_text(index_text(repros, missing), encoding="utf-8")
+    return repros, missing
