@@ -106,7 +106,7 @@ def view_repro(entries: list[dict]) -> Repro:
     call = ("model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=N) - any generate with "
             "use_cache=True (the default) and the default DynamicCache")
     readme = readme_text(entries, title, call, VIEW_FIX)
-    return Repro(slug(entry, "kv-views"), title, script, readme, tuple(entries))
+    return Repro(slug_of(entries), title, script, readme, tuple(entries))
 
 
 def readme_text(entries: list[dict], title: str, call: str, fix: str) -> str:
@@ -149,15 +149,22 @@ def cost_text(entry: dict) -> str:
             + f" (the K/V cache itself at batch {POINTS[0][0]} x {POINTS[0][1]}: {human(cost.kv[POINTS[0]])})")
 
 
+def slug_of(entries: list[dict]) -> str | None:
+    """The folder name of the finding's repro; None where no template covers it."""
+    entry = entries[0]
+    if is_transformers_view(entry):
+        return slug(entry, "kv-views")
+    return None
+
+
 def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
     """(the repros, the findings without one), in the file's order."""
     repros, missing = [], []
     for entries in groups:
-        entry = entries[0]
-        if is_transformers_view(entry):
-            repros.append(view_repro(entries))
-        else:
+        if slug_of(entries) is None:
             missing.append(entries)
+        elif is_transformers_view(entries[0]):
+            repros.append(view_repro(entries))
     return repros, missing
 
 
