@@ -31,6 +31,15 @@ WITH_REPROS = {
     "transformers-gpt-bigcode-mha-kv-views", "transformers-bloom-alibi-kv-views", "transformers-gpt2-mha-kv-views",
     "transformers-gpt-neox-mha-kv-views", "transformers-codegen-mha-kv-views", "transformers-persimmon-mha-kv-views",
     "transformers-phi3-gqa-kv-views", "transformers-dbrx-gqa-kv-views",
+    "optimum-habana-codegen-mha-forward-typeerror", "optimum-habana-phi-gqa-forward-size-mismatch",
+    "optimum-habana-llama-fused-qkv-forward-nonetype-weight", "optimum-habana-mistral-gqa-forward-rope-size-mismatch",
+    "optimum-habana-starcoder2-gqa-forward-keyerror-input-shape",
+    "optimum-habana-mpt-alibi-beam-reorder-no-reorder-cache", "optimum-habana-bloom-alibi-beam-reorder-no-reorder-cache",
+    "optimum-habana-gpt2-mha-beam-reorder-no-reorder-cache", "optimum-habana-phi-mha-beam-reorder-no-reorder-cache",
+    "optimum-habana-falcon-rotary-mqa-beam-reorder-no-reorder-cache",
+    "optimum-habana-gpt-bigcode-mqa-beam-reorder-no-reorder-cache",
+    "optimum-habana-gpt-bigcode-mha-beam-reorder-no-reorder-cache",
+    "optimum-habana-gptj-mha-beam-reorder-no-reorder-cache",
 }
 
 # Runs each script as `python repro.py` would (run_name "__main__"), its output captured, and
@@ -100,6 +109,19 @@ def test_a_repro_exits_1_where_its_finding_holds_else_0(driven, slug, entries):
 
 def test_the_findings_with_a_repro_are_these():
     assert {slug for slug, _ in PLANNED} == WITH_REPROS
+
+
+@pytest.mark.optimum_habana
+@pytest.mark.parametrize("family", sorted(repros.PORT_PATCHES))
+def test_the_replayed_patches_are_the_installed_releases_lines(family):
+    """The scripts replay adapt_transformers_to_gaudi's lines for the family, kept as data: they
+    must be the installed release's own (read by mpt-kv's loader)."""
+    from mpt_kv.families import FAMILIES
+    from mpt_kv.families.gaudi import load_port_module, port_patches
+
+    port = FAMILIES[family]
+    lines = [(p.name, p.attribute, p.value) for p in port_patches(port, load_port_module(port))]
+    assert lines == repros.PORT_PATCHES[family]
 
 
 def test_no_repro_imports_mpt_kv(written, driven):
