@@ -7,9 +7,16 @@ as one table, with what each costs at a real config of its family (mpt_kv.famili
                                              <!-- findings:end --> in docs/findings.md (or --doc PATH)
   python -m mpt_kv findings --check          exit 1 if that block is not what --markdown prints
   python -m mpt_kv findings --configs        every real config: its K/V and fused output bytes per token
+  python -m mpt_kv findings --repro DIR      one folder per finding under DIR: a standalone repro.py
+                                             (torch and transformers only, no mpt-kv; exit 1 where the
+                                             bug is there, 0 where not, 2 where it could not run) and a
+                                             README.md (what reaches it, upstream line, cost, fix);
+                                             DIR/README.md indexes them and lists the findings
+                                             without a repro (mpt_kv/families/repros.py)
 
 Exit status 0; 1 for a stale block (--check) or a finding whose real config does not fit it; 2 for
-bad arguments or a doc that is missing, unwritable or has no block (checked before any work).
+bad arguments or a doc that is missing, unwritable or has no block, or a --repro DIR that is a
+file or cannot be written (checked before any work).
 (--update-readme and --readme are the old names of --update-docs and --doc: the table moved out
 of the README into docs/findings.md.)
 """
@@ -22,7 +29,7 @@ import sys
 from pathlib import Path
 
 from mpt_kv.cli import docblocks
-from mpt_kv.outputs import file_problem
+from mpt_kv.outputs import dir_problem, file_problem
 
 BEGIN, END = docblocks.markers("findings")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "findings.md"
@@ -174,6 +181,20 @@ def readme_block(readme: str) -> tuple[int, int]:
     return docblocks.span(readme, "findings")
 
 
+def write_repros(directory: Path) -> int:
+    """--repro DIR: the repro folders and their index; one line per folder and per finding without one."""
+    from mpt_kv.families import repros
+    from mpt_kv.families.costs import known_entries  # lazy: torch and the models only where this command needs them
+
+    written, missing = repros.write(directory, grouped(known_entries()))
+    for r in written:
+        print(f"{directory / r.slug}/repro.py")
+    for entries in missing:
+        print(f"no standalone repro yet: {repros.describe(entries)}")
+    print(f"{directory / 'README.md'}: {len(written)} repros, {len(missing)} findings without one")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = Parser(prog="python -m mpt_kv findings", description=__doc__,
@@ -184,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                       help=f"rewrite the {BEGIN} block of docs/findings.md (or --doc)")
     mode.add_argument("--check", action="store_true", help="exit 1 if that block is stale")
     mode.add_argument("--configs", action="store_true", help="every real config's K/V and fused bytes per token")
+    mode.add_argument("--repro", type=Path, metavar="DIR", default=None,
+                      help="write a standalone reproduction script per finding under DIR")
     p.add_argument("--doc", "--readme", dest="doc", type=Path, default=None, help=f"the doc (default {DOC})")
     args = p.parse_args(argv)
     readme_path = args.doc or DOC
@@ -201,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             problem = file_problem(readme_path)
             if problem:
                 usage_error(f"{readme_path}: {problem}")
+    if args.repro is not None:
+        problem = dir_problem(args.repro)
+        if problem:
+            usage_error(f"--repro: {problem}")
+        return write_repros(args.repro)
     if args.configs:
         sys.stdout.write(configs_text())
         return 0

@@ -1,0 +1,383 @@
+"""Standalone reproductions of the family findings (`python -m mpt_kv findings --repro DIR`).
+
+A finding (a group of known failures, `mpt_kv.cli.findings.grouped`) is a regex and a file:line
+here; a maintainer upstream needs a script that shows it with no mpt-kv installed. Each covered
+finding becomes a folder `<implementation>-<family>-<variant>-<short what>` with
+
+    repro.py    imports only torch, transformers (and optimum-habana's own files): it prints what
+                it shows and exits 1 where the bug is there, 0 where it is not, 2 where it could
+                not run its experiment (a module missing, another error): never 0 then;
+    README.md   the user-level call that reaches it, the upstream line, its cost at a real config,
+                the versions it holds in, a suggested fix.
+
+The scripts are filled in from templates kept in the package (`repro_templates/*.py.tmpl`,
+`string.Template`), with the finding's data: the family's tiny config with the variant's
+overrides, as a literal. A finding no template covers is listed as "no standalone repro yet".
+"""
+
+from __future__ import annotations
+
+import pprint
+import re
+import textwrap
+from dataclasses import dataclass
+from importlib import resources
+from string import Template
+
+from mpt_kv.families import FAMILIES
+
+TEMPLATES = "repro_templates"
+
+# Why a view finding costs memory, and how transformers 4.56 stopped it (DynamicLayer.update's
+# first store goes through lazy_initialization + torch.cat, which copies)
+VIEW_FIX = ("copy the first K/V into the cache in DynamicLayer.update's first store (`.contiguous()`/`.clone()` "
+            "of the chunks, or allocate and `copy_`), as transformers 4.56 does (lazy_initialization, then "
+            "torch.cat)")
+
+
+# What optimum-habana 1.21.2's adapt_transformers_to_gaudi (transformers/modeling_utils.py) writes
+# into each family's transformers module, (name, attribute or None for the class itself, the
+# port's name), in file order: the repro scripts replay these lines. tests/test_repros.py checks
+# them against the installed release's own lines (mpt_kv.targets.gaudi.model_patches).
+PORT_PATCHES = {
+    "mpt": [("MptForCausalLM", None, "GaudiMptForCausalLM"), ("MptModel", None, "GaudiMptModel"),
+            ("MptAttention", None, "GaudiMptAttention"), ("MptBlock", None, "GaudiMptBlock")],
+    "bloom": [("BloomAttention", "forward", "gaudi_bloom_attention_forward"),
+              ("BloomBlock", "forward", "gaudi_bloom_block_forward"),
+              ("BloomModel", "forward", "gaudi_bloom_model_forward"), ("BloomMLP", None, "GaudiBloomMLP"),
+              ("BloomForCausalLM", None, "GaudiBloomForCausalLM"),
+              ("BloomPreTrainedModel", "_convert_to_standard_cache", "gaudi_bloom_convert_to_standard_cache"),
+              ("BloomPreTrainedModel", "_convert_to_bloom_cache", "gaudi_bloom_convert_to_bloom_cache")],
+    "gpt2": [("GPT2Attention", None, "GaudiGPT2Attention"), ("GPT2Model", "forward", "gaudi_gpt2_forward"),
+             ("GPT2LMHeadModel", None, "GaudiGPT2LMHeadModel"),
+             ("GPT2DoubleHeadsModel", None, "GaudiGPT2DoubleHeadsModel"), ("GPT2Block", None, "GaudiGPT2Block")],
+    "phi": [("PhiForCausalLM", None, "GaudiPhiForCausalLM"), ("PhiAttention", None, "GaudiPhiAttention"),
+            ("PhiDecoderLayer", None, "GaudiPhiDecoderLayer"), ("PhiModel", None, "GaudiPhiModel")],
+    "falcon": [("FalconAttention", None, "GaudiFalconAttention"), ("FalconForCausalLM", None, "GaudiFalconForCausalLM"),
+               ("FalconMLP", None, "GaudiFalconMLP"), ("FalconModel", None, "GaudiFalconModel"),
+               ("FalconDecoderLayer", None, "GaudiFalconDecoderLayer"),
+               ("FalconLinear", "forward", "gaudi_falcon_linear_forward")],
+    "gpt_bigcode": [("GPTBigCodeAttention", None, "GaudiGPTBigCodeAttention"),
+                    ("GPTBigCodeForCausalLM", None, "GaudiGPTBigCodeForCausalLM"),
+                    ("GPTBigCodeBlock", "forward", "gaudi_gpt_bigcode_block_forward"),
+                    ("GPTBigCodeModel", "forward", "gaudi_gpt_bigcode_model_forward")],
+    "gptj": [("GPTJAttention", None, "GaudiGPTJAttention"), ("GPTJForCausalLM", None, "GaudiGPTJForCausalLM"),
+             ("GPTJBlock", None, "GaudiGPTJBlock"), ("GPTJModel", None, "GaudiGPTJModel")],
+    "starcoder2": [("Starcoder2ForCausalLM", None, "GaudiStarcoder2ForCausalLM"),
+                   ("Starcoder2Model", None, "GaudiStarcoder2Model"),
+                   ("Starcoder2Attention", None, "GaudiStarcoder2Attention"),
+                   ("Starcoder2DecoderLayer", None, "GaudiStarcoder2DecoderLayer")],
+    "llama": [("LlamaForCausalLM", None, "GaudiLlamaForCausalLM"), ("LlamaModel", None, "GaudiLlamaModel"),
+              ("LlamaAttention", None, "GaudiLlamaAttention"), ("LlamaMLP", None, "GaudiLlamaMLP"),
+              ("LlamaDecoderLayer", None, "GaudiLlamaDecoderLayer"),
+              ("LlamaRotaryEmbedding", None, "GaudiLlamaRotaryEmbedding"),
+              ("LlamaRMSNorm", "forward", "gaudi_llama_rmsnorm_forward")],
+    "codegen": [("CodeGenAttention", None, "GaudiCodeGenAttention"), ("CodeGenForCausalLM", None, "GaudiCodeGenForCausalLM"),
+                ("CodeGenModel", "forward", "gaudi_codegen_model_forward"),
+                ("CodeGenBlock", "forward", "gaudi_codegen_block_forward")],
+    "mistral": [("MistralForCausalLM", None, "GaudiMistralForCausalLM"), ("MistralAttention", None, "GaudiMistralAttention"),
+                ("MistralDecoderLayer", None, "GaudiMistralDecoderLayer"), ("MistralModel", None, "GaudiMistralModel"),
+                ("MistralRMSNorm", "forward", "gaudi_mistral_rmsnorm_forward")],
+}
+
+# optimum-habana findings whose error the port's prefill forward raises: (family, variant, a text of
+# the pattern) -> the folder's short name. Any forward of generate reaches them.
+FORWARD_CRASHES = {
+    ("codegen", "mha", "can only concatenate tuple"): "forward-typeerror",
+    ("phi", "gqa", "The size of tensor a"): "forward-size-mismatch",
+    ("llama", "fused-qkv", "'NoneType' object has no attribute 'weight'"): "forward-nonetype-weight",
+    ("mistral", "gqa", "The size of tensor a"): "forward-rope-size-mismatch",
+    ("starcoder2", "gqa", "KeyError: 'input_shape'"): "forward-keyerror-input-shape",
+}
+# The beam-search reorder of a legacy tuple cache calls the model's `_reorder_cache`
+# (generation/utils.py `_temporary_reorder_cache`), which these ports do not define; reached on the
+# default path (no static shapes): the findings whose checks see it there
+REORDER_CRASH = "no attribute '_reorder_cache'"
+
+PORT_OPERATIONS = {
+    "forward": """\
+        # the prefill forward of model.generate(..., use_cache=True)
+        with torch.no_grad():
+            model(input_ids, attention_mask=attention_mask, use_cache=True, **forward_kwargs(model, input_ids))""",
+    "reorder": """\
+        with torch.no_grad():
+            out = model(input_ids, attention_mask=attention_mask, use_cache=True, **forward_kwargs(model, input_ids))
+        # beam search reorders the cache after every step (generation/utils.py _beam_search,
+        # reuse_cache off): optimum-habana's own _temporary_reorder_cache
+        temporary_reorder_cache = generation_function(root, "_temporary_reorder_cache")
+        temporary_reorder_cache(model, out.past_key_values, torch.tensor([1, 0]))""",
+}
+GENERATION_FUNCTION = '''\
+def generation_function(root: Path, name: str):
+    """A function of optimum-habana's generation/utils.py, compiled from its own source: that module
+    does not import without an HPU stack, but the function itself is plain torch and transformers."""
+    import ast
+
+    path = root / "transformers" / "generation" / "utils.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace = {"torch": torch, "DynamicCache": DynamicCache, "EncoderDecoderCache": EncoderDecoderCache}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+'''
+LOAD_PLAIN = "    return importlib.import_module(PORT_MODULE)"
+LOAD_WITH_STANDIN = """\
+    if importlib.util.find_spec("habana_frameworks") is not None:  # a real HPU stack: the normal import
+        return importlib.import_module(PORT_MODULE)
+    # The module imports habana_frameworks.torch.core at module level, for mark_step() only: a no-op
+    # stand-in for this one import (hpu.is_available() is False and its fused kernels still fail to
+    # import, so the module takes its own CPU fallbacks)
+    names = ("habana_frameworks", "habana_frameworks.torch", "habana_frameworks.torch.core",
+             "habana_frameworks.torch.hpu")
+    standin = {}
+    for name in names:
+        standin[name] = types.ModuleType(name)
+        standin[name].__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name.count(".") < 2)
+        if name.count(".") < 2:
+            standin[name].__path__ = []
+    standin["habana_frameworks"].torch = standin["habana_frameworks.torch"]
+    standin["habana_frameworks.torch"].core = standin["habana_frameworks.torch.core"]
+    standin["habana_frameworks.torch"].hpu = standin["habana_frameworks.torch.hpu"]
+    standin["habana_frameworks.torch.core"].mark_step = lambda *args, **kwargs: None
+    standin["habana_frameworks.torch.hpu"].is_available = lambda: False
+    sys.modules.update(standin)
+    try:
+        return importlib.import_module(PORT_MODULE)
+    finally:
+        for name in names:  # nothing after this import sees a Gaudi stack
+            sys.modules.pop(name, None)"""
+
+
+@dataclass(frozen=True)
+class Repro:
+    """One finding's standalone reproduction: its folder name, script and README."""
+
+    slug: str
+    title: str
+    script: str
+    readme: str
+    entries: tuple  # the finding's known-failure entries (one per check that sees it)
+
+
+def implementation(entry: dict) -> str:
+    return entry.get("implementation", "transformers")
+
+
+def is_transformers_view(entry: dict) -> bool:
+    """A transformers finding whose cached K/V view a larger buffer (a "views" entry)."""
+    return bool(entry.get("views")) and implementation(entry) == "transformers"
+
+
+def slugify(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def slug(entry: dict, short: str) -> str:
+    return slugify(f"{implementation(entry)}-{entry['family']}-{entry['variant']}-{short}")
+
+
+def tiny_config(family_name: str, variant: str) -> dict:
+    """The tiny config's keyword arguments, as `Family.config` builds it: TINY-style settings with
+    the variant's overrides (a shallow merge)."""
+    family = FAMILIES[family_name]
+    return {**family.tiny, **family.variants[variant]}
+
+
+def config_literal(config: dict) -> str:
+    """`config` as a Python dict literal, one key a line."""
+    text = pprint.pformat(config, indent=4, width=100, sort_dicts=False)
+    return "{\n    " + text[1:-1].strip() + ",\n}" if len(config) > 1 else text
+
+
+def class_names(family_name: str) -> tuple[str, str]:
+    """(config class, causal LM class) transformers names for the family's model_type."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = FAMILIES[family_name].model_type
+    return CONFIG_MAPPING_NAMES[model_type], MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
+def template(name: str) -> Template:
+    return Template(resources.files(__package__).joinpath(TEMPLATES, name).read_text(encoding="utf-8"))
+
+
+def view_repro(entries: list[dict]) -> Repro:
+    """A transformers view finding: the prefill's cached K/V view the fused projection's output."""
+    from mpt_kv.cli.findings import versions, what
+
+    entry = entries[0]
+    family, variant = entry["family"], entry["variant"]
+    config_class, _ = class_names(family)
+    pins = what(entry)
+    title = f"transformers {family}/{variant}: after the prefill, {pins.replace('`', '')}"
+    summary = textwrap.fill(entry["reason"], 96)
+    script = template("view.py.tmpl").substitute(
+        title=title, summary=summary, upstream=entry["upstream"], when=versions(entry), config_class=config_class,
+        family=family, variant=variant, config=config_literal(tiny_config(family, variant)),
+        pins=pins.replace("`", ""))
+    call = ("model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=N) - any generate with "
+            "use_cache=True (the default) and the default DynamicCache")
+    readme = readme_text(entries, title, call, VIEW_FIX)
+    return Repro(slug_of(entries), title, script, readme, tuple(entries))
+
+
+def expected_error(entry: dict) -> str:
+    """The finding's pattern from the exception's type on: the last line of the error."""
+    return re.sub(r"^.*?raised ", "", entry["pattern"])
+
+
+def port_repro(entries: list[dict]) -> Repro:
+    """An optimum-habana finding its port's prefill forward or beam-search reorder raises."""
+    from mpt_kv.cli.findings import versions
+
+    entry = entries[0]
+    family, variant = entry["family"], entry["variant"]
+    operation, _ = port_operation(entries)
+    port = FAMILIES[family].gaudi
+    config_class, _ = class_names(family)
+    expected = expected_error(entry)
+    what_fails = {"forward": "the prefill forward",
+                  "reorder": "the beam-search cache reorder after the prefill"}[operation]
+    title = f"optimum-habana {family}/{variant}: {what_fails} raises {expected.replace(chr(92), '')}"
+    patches = "\n".join(f"    hf.{name}{'.' + attribute if attribute else ''} = port.{value}"
+                        for name, attribute, value in PORT_PATCHES[family])
+    script = template("port.py.tmpl").substitute(
+        title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
+        family=family, variant=variant, config_class=config_class, hf_module=port.hf_module,
+        port_module=port.module, causal_lm=port.causal_lm, expected=repr(expected),
+        config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
+        generation_config=repr(dict(port.generation)), patches=patches,
+        load_module=LOAD_WITH_STANDIN if port.standin else LOAD_PLAIN,
+        operation=PORT_OPERATIONS[operation], what_fails=what_fails,
+        generation_function=GENERATION_FUNCTION if operation == "reorder" else "")
+    calls = {"forward": "model.generate(input_ids, attention_mask=attention_mask) - any generate of the port, "
+                        "on an HPU or on CPU; here its first forward",
+             "reorder": "model.generate(input_ids, attention_mask=attention_mask, num_beams=2) - beam search "
+                        "with reuse_cache off (the default), on the default (not static-shape) path"}
+    fixes = {"forward": f"see the upstream line: the port's forward must run the tiny {family} ({variant}) "
+                        "config that transformers' own model runs",
+             "reorder": f"define `_reorder_cache` on {port.causal_lm} (index_select of every layer's K and V "
+                        "along the batch, as transformers' legacy models did), or have "
+                        "_temporary_reorder_cache reorder a legacy tuple cache itself"}
+    readme = readme_text(entries, title, calls[operation], fixes[operation])
+    return Repro(slug_of(entries), title, script, readme, tuple(entries))
+
+
+def readme_text(entries: list[dict], title: str, call: str, fix: str) -> str:
+    """A repro folder's README: how to run it, what reaches it, where upstream, what it costs."""
+    from mpt_kv.cli.findings import checks_seen, versions
+
+    entry = entries[0]
+    lines = [f"# {title}", "", "```", "python repro.py", "```", "",
+             "Exit status 1: the bug is there; 0: it is not; 2: the experiment could not run (a module missing, "
+             "another error).", "",
+             f"- **Reached by**: `{call.split(' - ')[0]}`" + (f" ({call.split(' - ', 1)[1]})" if " - " in call else ""),
+             f"- **Upstream**: {entry['upstream']}",
+             f"- **Holds in**: {versions(entry)}",
+             f"- **Cost**: {cost_text(entry)}",
+             f"- **Why**: {entry['reason']}",
+             f"- **Suggested fix**: {fix}.",
+             f"- **Seen by mpt-kv's checks**: {checks_seen(entries)} ({implementation(entry)}/{entry['family']}/"
+             f"{entry['variant']})"]
+    return "\n".join(lines) + "\n"
+
+
+def cost_text(entry: dict) -> str:
+    """What the finding pins at a real config, as the findings table computes it."""
+    import torch
+
+    from mpt_kv.cli.findings import DTYPE_NAME, POINTS, human
+    from mpt_kv.families.costs import finding_cost
+
+    cost = finding_cost(entry, POINTS, getattr(torch, DTYPE_NAME))
+    if cost.pinned is None:
+        return cost.why_none
+    parts = []
+    for batch, tokens in POINTS:
+        n = cost.pinned[(batch, tokens)]
+        if n is None:
+            continue
+        length = tokens if tokens is not None else cost.config.context()
+        parts.append(f"{human(n)} pinned after a prefill of batch {batch} x {length} tokens")
+    return (f"at {cost.config.checkpoint} ({DTYPE_NAME}): " + "; ".join(parts)
+            + f" (the K/V cache itself at batch {POINTS[0][0]} x {POINTS[0][1]}: {human(cost.kv[POINTS[0]])})")
+
+
+def port_operation(entries: list[dict]) -> tuple[str, str] | None:
+    """(operation, short name) of an optimum-habana finding a port template covers, else None."""
+    entry = entries[0]
+    if implementation(entry) != "optimum-habana" or entry["family"] not in PORT_PATCHES:
+        return None
+    for (family, variant, text), short in FORWARD_CRASHES.items():
+        if (entry["family"], entry["variant"]) == (family, variant) and text in entry["pattern"]:
+            return "forward", short
+    if REORDER_CRASH in entry["pattern"].replace("\\", "") and any(e.get("path") in (None, "concat") for e in entries):
+        return "reorder", "beam-reorder-no-reorder-cache"
+    return None
+
+
+def slug_of(entries: list[dict]) -> str | None:
+    """The folder name of the finding's repro; None where no template covers it."""
+    entry = entries[0]
+    if is_transformers_view(entry):
+        return slug(entry, "kv-views")
+    covered = port_operation(entries)
+    return slug(entry, covered[1]) if covered else None
+
+
+def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
+    """(the repros, the findings without one), in the file's order."""
+    repros, missing = [], []
+    for entries in groups:
+        if slug_of(entries) is None:
+            missing.append(entries)
+        elif is_transformers_view(entries[0]):
+            repros.append(view_repro(entries))
+        else:
+            repros.append(port_repro(entries))
+    return repros, missing
+
+
+def describe(entries: list[dict]) -> str:
+    """One line naming a finding, for the list of findings without a repro."""
+    from mpt_kv.cli.findings import versions, what
+
+    entry = entries[0]
+    return (f"{implementation(entry)} {entry['family']}/{entry['variant']} ({versions(entry)}): "
+            f"{what(entry)} [{entry['upstream']}]")
+
+
+def index_text(repros: list[Repro], missing: list[list[dict]]) -> str:
+    """DIR/README.md: every repro folder, and every finding without a repro (the gap, visible)."""
+    from mpt_kv.cli.findings import versions
+
+    lines = ["# Standalone reproductions of mpt-kv's family findings", "",
+             "Each folder's `repro.py` needs only torch and transformers (and, for an optimum-habana finding, "
+             "optimum-habana installed): `python repro.py` exits 1 where the bug is there, 0 where it is not, "
+             "2 where it could not run its experiment. Its README.md says what reaches it, where upstream, what "
+             "it costs and a suggested fix.", "",
+             "| folder | finding | holds in |", "|---|---|---|"]
+    lines += [f"| [{r.slug}]({r.slug}/README.md) | {r.title} | {versions(r.entries[0])} |" for r in repros]
+    lines += ["", f"## Findings without a standalone repro ({len(missing)})", ""]
+    lines += [f"- no standalone repro yet: {describe(entries)}".replace("|", "\\|") for entries in missing]
+    return "\n".join(lines) + "\n"
+
+
+def write(directory, groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
+    """Write one folder per covered finding under `directory` (repro.py, README.md) and the index
+    directory/README.md; (the repros, the findings without one)."""
+    from pathlib import Path
+
+    repros, missing = plan(groups)
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    for r in repros:
+        folder = root / r.slug
+        folder.mkdir(exist_ok=True)
+        (folder / "repro.py").write_text(r.script, encoding="utf-8")
+        (folder / "README.md").write_text(r.readme, encoding="utf-8")
+    (root / "README.md").write_text(index_text(repros, missing), encoding="utf-8")
+    return repros, missing

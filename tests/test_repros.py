@@ -1,0 +1,153 @@
+"""`python -m mpt_kv findings --repro DIR` (mpt_kv/families/repros.py): every generated standalone
+script, run in this environment, exits 1 where its finding's `when` holds for the installed
+versions and 0 where it does not; any other status fails with the script's output.
+
+All scripts of a run share ONE Python process (a driver that `runpy`s each one and catches its
+SystemExit): a Python start and `import torch` per script would cost seconds each on a 2-core CI.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpt_kv.checks.known_failures import parse_when
+from mpt_kv.cli import findings
+from mpt_kv.families import repros
+from mpt_kv.families.costs import known_entries
+from mpt_kv.versions import installed, versions_match
+
+GROUPS = findings.grouped(known_entries())
+PLANNED = [(repros.slug_of(entries), entries) for entries in GROUPS if repros.slug_of(entries)]
+
+# The findings that have a standalone repro: this set may grow, never silently shrink.
+WITH_REPROS = {
+    "transformers-mpt-alibi-kv-views", "transformers-falcon-alibi-kv-views", "transformers-gpt-bigcode-mqa-kv-views",
+    "transformers-gpt-bigcode-mha-kv-views", "transformers-bloom-alibi-kv-views", "transformers-gpt2-mha-kv-views",
+    "transformers-gpt-neox-mha-kv-views", "transformers-codegen-mha-kv-views", "transformers-persimmon-mha-kv-views",
+    "transformers-phi3-gqa-kv-views", "transformers-dbrx-gqa-kv-views",
+    "optimum-habana-codegen-mha-forward-typeerror", "optimum-habana-phi-gqa-forward-size-mismatch",
+    "optimum-habana-llama-fused-qkv-forward-nonetype-weight", "optimum-habana-mistral-gqa-forward-rope-size-mismatch",
+    "optimum-habana-starcoder2-gqa-forward-keyerror-input-shape",
+    "optimum-habana-mpt-alibi-beam-reorder-no-reorder-cache", "optimum-habana-bloom-alibi-beam-reorder-no-reorder-cache",
+    "optimum-habana-gpt2-mha-beam-reorder-no-reorder-cache", "optimum-habana-phi-mha-beam-reorder-no-reorder-cache",
+    "optimum-habana-falcon-rotary-mqa-beam-reorder-no-reorder-cache",
+    "optimum-habana-gpt-bigcode-mqa-beam-reorder-no-reorder-cache",
+    "optimum-habana-gpt-bigcode-mha-beam-reorder-no-reorder-cache",
+    "optimum-habana-gptj-mha-beam-reorder-no-reorder-cache",
+}
+
+# Runs each script as `python repro.py` would (run_name "__main__"), its output captured, and
+# prints {path: {"code": exit status, "output": text}} and whether any script imported mpt_kv.
+DRIVER = """
+import contextlib, io, json, runpy, sys
+results = {}
+for path in sys.argv[1:]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:  # a script must exit, never raise: the test reports it
+            code = f"raised {e!r}"
+    results[path] = {"code": code, "output": out.getvalue()}
+imported = sorted(m for m in sys.modules if m == "mpt_kv" or m.startswith("mpt_kv."))
+print(json.dumps({"results": results, "mpt_kv_modules": imported}))
+"""
+
+
+def is_optimum_habana(entries) -> bool:
+    return repros.implementation(entries[0]) == "optimum-habana"
+
+
+def expected_status(entries) -> int:
+    """1 where the finding's `when` holds for the installed versions, else 0."""
+    return 1 if versions_match(parse_when(entries[0]["when"], ValueError)) else 0
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("repros")
+    made, missing = repros.write(directory, GROUPS)
+    return directory, made, missing
+
+
+@pytest.fixture(scope="module")
+def driven(written):
+    """Every runnable script of this environment, in one subprocess. transformers' scripts run
+    first: optimum-habana's ones patch transformers' classes in place, as its
+    adapt_transformers_to_gaudi does."""
+    directory, made, _ = written
+    runnable = [r for r in made if not is_optimum_habana(r.entries) or installed("optimum-habana")]
+    runnable.sort(key=lambda r: is_optimum_habana(r.entries))
+    paths = [str(directory / r.slug / "repro.py") for r in runnable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-I", "-c", DRIVER, *paths], capture_output=True, text=True,
+                         cwd=directory, env=env, timeout=600)
+    assert run.returncode == 0, f"the driver failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    report = json.loads(run.stdout.splitlines()[-1])
+    return {path.split(os.sep)[-2]: result for path, result in report["results"].items()}, report["mpt_kv_modules"]
+
+
+@pytest.mark.parametrize("slug, entries", [
+    pytest.param(s, e, id=s, marks=[pytest.mark.optimum_habana] if is_optimum_habana(e) else [])
+    for s, e in PLANNED])
+def test_a_repro_exits_1_where_its_finding_holds_else_0(driven, slug, entries):
+    results, _ = driven
+    code, output = results[slug]["code"], results[slug]["output"]
+    expected = expected_status(entries)
+    assert code == expected, (f"{slug}: exit status {code}, expected {expected} (when {entries[0]['when']}); "
+                              f"its output:\n{output}")
+
+
+def test_the_findings_with_a_repro_are_these():
+    assert {slug for slug, _ in PLANNED} == WITH_REPROS
+
+
+@pytest.mark.optimum_habana
+@pytest.mark.parametrize("family", sorted(repros.PORT_PATCHES))
+def test_the_replayed_patches_are_the_installed_releases_lines(family):
+    """The scripts replay adapt_transformers_to_gaudi's lines for the family, kept as data: they
+    must be the installed release's own (read by mpt-kv's loader)."""
+    from mpt_kv.families import FAMILIES
+    from mpt_kv.families.gaudi import load_port_module, port_patches
+
+    port = FAMILIES[family]
+    lines = [(p.name, p.attribute, p.value) for p in port_patches(port, load_port_module(port))]
+    assert lines == repros.PORT_PATCHES[family]
+
+
+def test_no_repro_imports_mpt_kv(written, driven):
+    directory, made, _ = written
+    for r in made:
+        tree = ast.parse((directory / r.slug / "repro.py").read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [n for n in names if n.split(".")[0] == "mpt_kv"], f"{r.slug} imports {names}"
+    _, imported = driven
+    assert imported == [], f"running the repros imported {imported}"
+
+
+def test_the_index_lists_every_finding_without_a_repro(written):
+    directory, made, missing = written
+    assert len(made) + len(missing) == len(GROUPS)
+    index = (directory / "README.md").read_text()
+    assert index.count("no standalone repro yet: ") == len(missing)
+    for r in made:
+        assert f"({r.slug}/README.md)" in index and (directory / r.slug / "README.md").is_file()
+
+
+def test_repro_on_a_file_exits_2_before_any_work(tmp_path, capsys):
+    path = tmp_path / "a-file"
+    path.write_text("")
+    with pytest.raises(SystemExit) as info:
+        findings.main(["--repro", str(path)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"mpt-kv findings: --repro: {path} exists and is not a folder"
