@@ -57,3 +57,11 @@ def test_a_finding_takes_its_most_reachable_route():
     extend = entry("optimum-habana", "mpt", "alibi", "the implementation's extend", "concat")
     assert user_path.most_reachable([extend, reorder])[0] == "option"
     assert user_path.cell([extend]).startswith("non-standard: ")
+
+
+def test_of_equal_kinds_the_default_path_wins():
+    """mpt's beam reorder crashes on both paths of optimum-habana: static shapes are its default, so the
+    finding is reached by num_beams alone, not num_beams and static_shapes=False."""
+    concat = entry("optimum-habana", "mpt", "alibi", "the implementation's reorder", "concat")
+    static = dict(concat, path="static")
+    assert user_path.most_reachable([concat, static]) == ("option", "`generate(..., num_beams=2)` (static shapes, its default)")

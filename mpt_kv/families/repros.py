@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from importlib import resources
 from string import Template
 
-from mpt_kv.families import FAMILIES
+from mpt_kv.families import FAMILIES, user_path
 
 TEMPLATES = "repro_templates"
 
@@ -256,7 +256,7 @@ def port_repro(entries: list[dict]) -> Repro:
     calls = {"forward": "model.generate(input_ids, attention_mask=attention_mask) - any generate of the port, "
                         "on an HPU or on CPU; here its first forward",
              "reorder": "model.generate(input_ids, attention_mask=attention_mask, num_beams=2) - beam search "
-                        "with reuse_cache off (the default), on the default (not static-shape) path"}
+                        "with reuse_cache off (the default); here its first reorder"}
     fixes = {"forward": f"see the upstream line: the port's forward must run the tiny {family} ({variant}) "
                         "config that transformers' own model runs",
              "reorder": f"define `_reorder_cache` on {port.causal_lm} (index_select of every layer's K and V "
@@ -274,7 +274,9 @@ def readme_text(entries: list[dict], title: str, call: str, fix: str) -> str:
     lines = [f"# {title}", "", "```", "python repro.py", "```", "",
              "Exit status 1: the bug is there; 0: it is not; 2: the experiment could not run (a module missing, "
              "another error).", "",
-             f"- **Reached by**: `{call.split(' - ')[0]}`" + (f" ({call.split(' - ', 1)[1]})" if " - " in call else ""),
+             f"- **Reached by**: {user_path.cell(entries)}",
+             f"- **What the script runs**: `{call.split(' - ')[0]}`" + (f" ({call.split(' - ', 1)[1]})" if " - " in call
+                                                                       else ""),
              f"- **Upstream**: {entry['upstream']}",
              f"- **Holds in**: {versions(entry)}",
              f"- **Cost**: {cost_text(entry)}",

@@ -94,8 +94,10 @@ def operation_route(entry: dict, implementation: str) -> tuple[str, str]:
 
 
 def most_reachable(entries: list[dict]) -> tuple[str, str]:
-    """A finding seen by several checks: the route of its most reachable entry."""
-    return min((user_path(e) for e in entries), key=lambda kind_call: KINDS.index(kind_call[0]))
+    """A finding seen by several checks: the route of its most reachable entry (of equal kinds, the one
+    on the implementation's default path: one option fewer)."""
+    return min((user_path(e) for e in entries),
+               key=lambda kind_call: (KINDS.index(kind_call[0]), "its default)" not in kind_call[1]))
 
 
 def cell(entries: list[dict]) -> str:
