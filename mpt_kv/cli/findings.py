@@ -24,23 +24,20 @@ of the README into docs/findings.md.)
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
+import torch
+
 from mpt_kv.cli import docblocks
+from mpt_kv.families import repros, user_path
+from mpt_kv.families.costs import finding_cost, known_entries, real_configs, sizes_per_token
+from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, grouped, human, versions, what
 from mpt_kv.outputs import dir_problem, file_problem
 
 BEGIN, END = docblocks.markers("findings")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "findings.md"
 COMMAND = "python -m mpt_kv findings --update-docs"
-DTYPE_NAME = "bfloat16"  # 2 bytes per element: the dtype these checkpoints are served in on Gaudi
-# (batch, tokens); tokens None: the checkpoint's own context length, from its config.json
-POINTS = [(16, 1024), (1, None)]
-VIEW_NAMES = {("key", "value"): "K and V view", ("value",): "V views", ("key",): "K views",
-              ("key_value",): "the fused K/V views"}
-
-
 def usage_error(message: str):
     """Exit 2, as the help says, with one line naming what is wrong."""
     print(f"mpt-kv findings: {message}", file=sys.stderr)
@@ -52,57 +49,8 @@ class Parser(argparse.ArgumentParser):
         usage_error(f"{message} (see python -m mpt_kv findings --help)")
 
 
-def human(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def what(entry: dict) -> str:
-    """What pins (the views) or the error the finding's pattern names."""
-    from mpt_kv.families import FAMILIES  # lazy: torch and the models only where this command needs them
-
-    views = entry.get("views")
-    if views:
-        fused = FAMILIES[entry["family"]].fused
-        verb = VIEW_NAMES.get(tuple(views), " and ".join(views) + " view")
-        if "no fused projection's output" in entry["pattern"]:  # e.g. DBRX: a clamp of the output, same size
-            return f"{verb} a new buffer of `{fused}`'s output size"
-        return f"{verb} `{fused}`'s output"
-    return "`" + re.sub(r"\\(\W)", r"\1", entry["pattern"]) + "`"  # the pattern, unescaped
-
-
-def versions(entry: dict) -> str:
-    return ", ".join(f"{package} {spec}" for package, spec in entry.get("when", {}).items()) or "all"
-
-
-def checks_seen(entries: list[dict]) -> str:
-    """The checks (with the path where an entry names one) that see one finding."""
-    return ", ".join(e["property"] + (f" ({e['path']})" if e.get("path") else "") for e in entries)
-
-
-def grouped(entries: list[dict]) -> list[list[dict]]:
-    """The file's entries grouped by finding: the same family variant, implementation, versions,
-    what pins or fails, and upstream line make one finding, seen by several checks. A finding
-    is a row (the file keeps an entry per check: each xfails its own cases)."""
-    groups: dict[tuple, list[dict]] = {}
-    for entry in entries:
-        key = (entry["family"], entry["variant"], entry.get("implementation", "transformers"), versions(entry),
-               what(entry), entry["upstream"])
-        groups.setdefault(key, []).append(entry)
-    return list(groups.values())
-
-
 def rows() -> list[list[str]]:
     """One row per finding (`grouped`), in the file's order of first appearance."""
-    import torch
-
-    from mpt_kv.families import user_path  # lazy: torch and the models only where this command needs them
-    from mpt_kv.families.costs import finding_cost, known_entries  # (the same)
-
     out = []
     for entries in grouped(known_entries()):
         entry = entries[0]
@@ -163,10 +111,6 @@ def text() -> str:
 def configs_text() -> str:
     """Every real config with its analytic K/V bytes per token and its fused projection's output
     bytes per token and layer."""
-    import torch
-
-    from mpt_kv.families.costs import real_configs, sizes_per_token  # lazy: torch and the models only where this command needs them
-
     table = [["config", "checkpoint", "family", f"K/V bytes per token ({DTYPE_NAME})",
               "fused output bytes per token and layer", "source"]]
     for name, real in sorted(real_configs().items()):
@@ -183,9 +127,6 @@ def readme_block(readme: str) -> tuple[int, int]:
 
 def write_repros(directory: Path) -> int:
     """--repro DIR: the repro folders and their index; one line per folder and per finding without one."""
-    from mpt_kv.families import repros
-    from mpt_kv.families.costs import known_entries  # lazy: torch and the models only where this command needs them
-
     written, missing = repros.write(directory, grouped(known_entries()))
     for r in written:
         print(f"{directory / r.slug}/repro.py")

@@ -1,6 +1,6 @@
 """Standalone reproductions of the family findings (`python -m mpt_kv findings --repro DIR`).
 
-A finding (a group of known failures, `mpt_kv.cli.findings.grouped`) is a regex and a file:line
+A finding (a group of known failures, `mpt_kv.families.findings.grouped`) is a regex and a file:line
 here; a maintainer upstream needs a script that shows it with no mpt-kv installed. Each covered
 finding becomes a folder `<implementation>-<family>-<variant>-<short what>` with
 
@@ -25,6 +25,7 @@ from importlib import resources
 from string import Template
 
 from mpt_kv.families import FAMILIES, user_path
+from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, human, versions, what
 
 TEMPLATES = "repro_templates"
 
@@ -206,7 +207,6 @@ def template(name: str) -> Template:
 
 def view_repro(entries: list[dict]) -> Repro:
     """A transformers view finding: the prefill's cached K/V view the fused projection's output."""
-    from mpt_kv.cli.findings import versions, what
 
     entry = entries[0]
     family, variant = entry["family"], entry["variant"]
@@ -231,7 +231,6 @@ def expected_error(entry: dict) -> str:
 
 def port_repro(entries: list[dict]) -> Repro:
     """An optimum-habana finding its port's prefill forward or beam-search reorder raises."""
-    from mpt_kv.cli.findings import versions
 
     entry = entries[0]
     family, variant = entry["family"], entry["variant"]
@@ -268,7 +267,6 @@ def port_repro(entries: list[dict]) -> Repro:
 
 def readme_text(entries: list[dict], title: str, call: str, fix: str) -> str:
     """A repro folder's README: how to run it, what reaches it, where upstream, what it costs."""
-    from mpt_kv.cli.findings import checks_seen, versions
 
     entry = entries[0]
     lines = [f"# {title}", "", "```", "python repro.py", "```", "",
@@ -291,7 +289,6 @@ def cost_text(entry: dict) -> str:
     """What the finding pins at a real config, as the findings table computes it."""
     import torch
 
-    from mpt_kv.cli.findings import DTYPE_NAME, POINTS, human
     from mpt_kv.families.costs import finding_cost
 
     cost = finding_cost(entry, POINTS, getattr(torch, DTYPE_NAME))
@@ -345,7 +342,6 @@ def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
 
 def describe(entries: list[dict]) -> str:
     """One line naming a finding, for the list of findings without a repro."""
-    from mpt_kv.cli.findings import versions, what
 
     entry = entries[0]
     return (f"{implementation(entry)} {entry['family']}/{entry['variant']} ({versions(entry)}): "
@@ -354,7 +350,6 @@ def describe(entries: list[dict]) -> str:
 
 def index_text(repros: list[Repro], missing: list[list[dict]]) -> str:
     """DIR/README.md: every repro folder, and every finding without a repro (the gap, visible)."""
-    from mpt_kv.cli.findings import versions
 
     lines = ["# Standalone reproductions of mpt-kv's family findings", "",
              "Each folder's `repro.py` needs only torch and transformers (and, for an optimum-habana finding, "
