@@ -45,6 +45,7 @@ def test_bench_memory_estimate_counts_every_loaded_target_and_the_concat_copy():
     ("bench", ["--out", "{file}/sub"], "--out {file}/sub: {file}/sub cannot be created: {file} is not a folder"),
     ("killmatrix", ["--markdown", "{file}/x.md"], "--markdown {file}/x.md: {file} exists and is not a folder"),
     ("killmatrix", ["--json", "{dir}"], "--json {dir}: {dir} is a folder, expected a file name"),
+    ("killmatrix", ["--jobs", "0"], "--jobs 0: give 1 or more processes"),
     ("run", ["--report", "{file}/r.json"], "--report {file}/r.json: {file} exists and is not a folder"),
 ])
 def test_every_output_path_is_checked_before_the_work_starts(tmp_path, capsys, monkeypatch, cli, args, message):
@@ -73,7 +74,7 @@ def test_the_plugin_checks_its_report_path_before_collecting(tmp_path):
 def test_killmatrix_on_a_device_that_is_absent_is_a_usage_error(capsys, monkeypatch):
     from mpt_kv.cli import killmatrix
 
-    monkeypatch.setattr(killmatrix, "run_matrix", lambda *a: pytest.fail("the work started"))
+    monkeypatch.setattr(killmatrix, "run_matrix_in", lambda *a: pytest.fail("the work started"))
     with pytest.raises(SystemExit) as e:
         killmatrix.main(["--device", "cuda"])
     assert e.value.code == 2

@@ -183,3 +183,15 @@ def test_a_declared_capability_gap_is_unsupported_not_a_pass(monkeypatch):
     build = runner_factory("no_static", capabilities=Capabilities(unsupported={"static": "no static path here"}))
     cell = KM.run_column("static-shape", build, "no_static", CPU, torch.float32, {})
     assert (cell.result, cell.detail) == ("unsupported", "no_static: no static path here")
+
+
+def test_the_matrix_in_two_processes_is_the_matrix_in_one():
+    """--jobs: the rows dealt to forked processes give the same cells, in the same row order."""
+    designs = [KM.must_pass()["stacked_kv"]]
+    variants = [VARIANTS["kv_views_of_mixed_qkv"], VARIANTS["only_v_cloned"], VARIANTS["static_cache_not_written"]]
+    checks = ["P1", "P2", "P3"]
+    one = KM.run_matrix(designs, variants, checks)
+    two = KM.run_matrix_in(2, designs, variants, checks)
+    assert two == one
+    assert list(two["must_pass"]) == ["reference", "stacked_kv"]
+    assert list(two["must_kill"]) == [v.name for v in variants]

@@ -29,6 +29,7 @@ Exit status:
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 from dataclasses import dataclass
 
 import torch
@@ -220,6 +221,37 @@ def run_matrix(designs: list[Design], variants: list[Variant], checks: list[str]
     killing = {v.name: {c: run_column(c, v.build, v.name, device, dtype, runners) for c in checks}
                for v in variants}
     return {"must_pass": passing, "must_kill": killing}
+
+
+_SHARES: list = []  # each forked process's rows (set before the fork: the rows' builds are closures, not picklable)
+
+
+def _run_share(i: int) -> dict:
+    return run_matrix(*_SHARES[i])
+
+
+def run_matrix_in(jobs: int, designs: list[Design], variants: list[Variant], checks: list[str], device="cpu",
+                  dtype=torch.float32) -> dict:
+    """`run_matrix` over `jobs` forked processes: the rows dealt round robin, the same matrix in the same
+    row order. Each process builds the reference again (the oracle its rows are compared with). CPU
+    only (a forked process cannot use a CUDA or HPU context made before the fork)."""
+    if jobs <= 1 or torch.device(device).type != "cpu":
+        return run_matrix(designs, variants, checks, device, dtype)
+    rows = [d for d in designs if d.name != "reference"] + list(variants)
+    kinds = {id(r): ("must_kill" if any(r is v for v in variants) else "must_pass") for r in rows}
+    _SHARES[:] = [([r for r in rows[i::jobs] if kinds[id(r)] == "must_pass"],
+                   [r for r in rows[i::jobs] if kinds[id(r)] == "must_kill"], checks, device, dtype)
+                  for i in range(jobs)]
+    try:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            parts = pool.map(_run_share, range(jobs))
+    finally:
+        _SHARES.clear()
+    merged = {kind: {name: cells for part in parts for name, cells in part[kind].items()}
+              for kind in ("must_pass", "must_kill")}
+    return {"must_pass": {REFERENCE.name: parts[0]["must_pass"][REFERENCE.name],
+                          **{d.name: merged["must_pass"][d.name] for d in designs if d.name != REFERENCE.name}},
+            "must_kill": {v.name: merged["must_kill"][v.name] for v in variants}}
 
 
 def waiting(v: Variant, cells: dict[str, Cell]) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from mpt_kv import devices
-from mpt_kv.catalogue.killmatrix import CASES, Cell, must_pass, problems, run_matrix, waiting
+from mpt_kv.catalogue.killmatrix import CASES, Cell, must_pass, problems, run_matrix_in, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 from mpt_kv.cli import docblocks
@@ -116,24 +116,26 @@ def with_progress(rows: list, variants: list[Variant], start: float) -> tuple[li
     """The same rows, each of whose factory prints one line to stderr the first time it is built
     (the matrix runs row by row, so that is when its row starts): about 30 s otherwise silent.
     The reference row, always first, keeps its own factory (the matrix shares it as the oracle)."""
-    total = 1 + len([d for d in rows if d.name != "reference"]) + len(variants)
+    designs = [d for d in rows if d.name != "reference"]
+    total = 1 + len(designs) + len(variants)
     print(f"killmatrix: {total} rows; reference first", file=sys.stderr, flush=True)
-    counter = iter(range(2, total + 1))
 
-    def announced(row, kind: str):
+    def announced(row, kind: str, number: int):
         said = []
 
         def build(*args, **kwargs):
             if not said:
                 said.append(True)
-                print(f"killmatrix: [{next(counter)}/{total}] {kind} {row.name} "
+                print(f"killmatrix: [{number}/{total}] {kind} {row.name} "
                       f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
             return row.build(*args, **kwargs)
 
         return replace(row, build=build)
 
-    return ([d if d.name == "reference" else announced(d, "must-pass design") for d in rows],
-            [announced(v, "must-kill variant") for v in variants])
+    # a row's number is its place in the matrix, whichever process runs it (--jobs)
+    return ([d for d in rows if d.name == "reference"]
+            + [announced(d, "must-pass design", 2 + i) for i, d in enumerate(designs)],
+            [announced(v, "must-kill variant", 2 + len(designs) + i) for i, v in enumerate(variants)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     docs.add_argument("--check-docs", action="store_true", help=f"exit 1 if the matrix block of {DOC} is not this run's")
     parser.add_argument("--json", metavar="FILE", help="also write the matrix, with each first failure, as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each kill's and failure's first message")
+    parser.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                        help="run the rows in N processes on cpu (default 1; .ci/run uses 2, one per core): the same "
+                             "matrix, each process building the reference again")
     args = parser.parse_args(argv)
 
     unknown = ([n for n in args.design if n not in designs] + [n for n in args.variant if n not in VARIANTS]
@@ -160,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown design/variant/check {unknown}: designs {list(designs)}, variants {list(VARIANTS)}, "
               f"checks {list(COLUMNS)}", file=sys.stderr)
         return 2
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give 1 or more processes")
     try:
         kind = torch.device(args.device).type
     except RuntimeError as e:
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # tiny tensors: more threads only contend (and make timings jump)
     start = time.perf_counter()
     rows, variants = with_progress(rows, variants, start)
-    matrix = run_matrix(rows, variants, checks, args.device)
+    matrix = run_matrix_in(args.jobs, rows, variants, checks, args.device)
     seconds = time.perf_counter() - start
 
     print(f"kill matrix: {len(matrix['must_pass'])} must-pass rows and {len(variants)} must-kill variants x "
