@@ -79,6 +79,22 @@ PORT_PATCHES = {
     "mistral": [("MistralForCausalLM", None, "GaudiMistralForCausalLM"), ("MistralAttention", None, "GaudiMistralAttention"),
                 ("MistralDecoderLayer", None, "GaudiMistralDecoderLayer"), ("MistralModel", None, "GaudiMistralModel"),
                 ("MistralRMSNorm", "forward", "gaudi_mistral_rmsnorm_forward")],
+    "gpt_neox": [("GPTNeoXAttention", None, "GaudiGPTNeoXAttention"), ("GPTNeoXForCausalLM", None, "GaudiGPTNeoXForCausalLM"),
+                 ("GPTNeoXLayer", None, "GaudiGPTNeoXLayer"), ("GPTNeoXModel", "forward", "gaudi_gpt_neox_model_forward")],
+    "persimmon": [("PersimmonAttention", None, "GaudiPersimmonAttention"),
+                  ("PersimmonDecoderLayer", None, "GaudiPersimmonDecoderLayer"),
+                  ("PersimmonForCausalLM", None, "GaudiPersimmonForCausalLM"),
+                  ("PersimmonModel", "forward", "gaudi_persimmon_model_forward")],
+    "stablelm": [("StableLmAttention", None, "GaudiStableLmAttention"),
+                 ("StableLmDecoderLayer", None, "GaudiStableLmDecoderLayer"),
+                 ("StableLmForCausalLM", None, "GaudiStableLmForCausalLM"),
+                 ("StableLmModel", "forward", "gaudi_stablelm_model_forward")],
+    "qwen2": [("Qwen2ForCausalLM", None, "GaudiQwen2ForCausalLM"),
+              ("Qwen2ForSequenceClassification", None, "GaudiQwen2ForSequenceClassification"),
+              ("Qwen2ForTokenClassification", None, "GaudiQwen2ForTokenClassification"),
+              ("Qwen2Model", None, "GaudiQwen2Model"), ("Qwen2Attention", None, "GaudiQwen2Attention"),
+              ("Qwen2MLP", None, "GaudiQwen2MLP"), ("Qwen2DecoderLayer", None, "GaudiQwen2DecoderLayer"),
+              ("Qwen2RMSNorm", "forward", "gaudi_qwen2_rmsnorm_forward")],
 }
 
 # optimum-habana findings whose error the port's prefill forward raises: (family, variant, a text of
@@ -94,6 +110,115 @@ FORWARD_CRASHES = {
 # (generation/utils.py `_temporary_reorder_cache`), which these ports do not define; reached on the
 # default path (no static shapes): the findings whose checks see it there
 REORDER_CRASH = "no attribute '_reorder_cache'"
+
+# optimum-habana findings a short program of generate's calls raises (port_program.py.tmpl): the
+# call the pattern names ("<call> raised <error>"), after what the family checks run before it
+PROGRAMS = {
+    "prefill": [("prefill",)],
+    "decode": [("prefill",), ("extend", 1)],
+    "(prefill|decode)": [("prefill",), ("extend", 1)],
+    # family-P1/P2: the prefill, 2 greedy steps, then a chunk of 3 tokens in one cached call
+    "extend": [("prefill",), ("extend", 1), ("extend", 1), ("extend", 3)],
+    "reorder": [("prefill",), ("reorder",)],
+}
+PROGRAM_CALLS = {"prefill": "the prefill", "decode": "a decode step after the prefill",
+                 "(prefill|decode)": "the prefill or the decode step after it",
+                 "extend": "a 3-token cached call after the prefill and 2 decode steps",
+                 "reorder": "the beam-search cache reorder after the prefill"}
+# (a text of the error, its short name, a one-sentence suggested fix), the first that matches
+PROGRAM_ERRORS = [
+    ("The expanded size of the tensor", "causal-mask-expand",
+     "in GaudiAttentionMaskConverter._make_causal_mask (modeling_attn_mask_utils.py:53-54) pad the chunk's causal "
+     "mask with past_key_values_length zero columns (not past_key_values_length - tgt_len), as transformers' "
+     "AttentionMaskConverter does"),
+    ("The size of tensor a", "size-mismatch", None),
+    ("index_copy_", "index-copy",
+     "write the chunk's k slots (index_copy_ with token_idx - 1 + arange(k)) instead of one slot per call"),
+    ("index_add_", "index-add", "add the chunk's k slots (token_idx - 1 + arange(k)) instead of one index"),
+    ("INDICES element is out of DATA bounds", "index-out-of-bounds",
+     "index the multi-head layout's token axis (dim 2 of (B, H, T, 2 head_dim)), not dim 1, at "
+     "modeling_gpt_bigcode.py:358-361"),
+    ("is invalid for input of size", "view-shape",
+     "repeat the K/V heads to the query heads' groups for any num_kv_heads (modeling_falcon.py:301), not only 8"),
+    ("get_usable_length", "no-get-usable-length",
+     "use past_key_values.get_seq_length() (transformers >= 4.55 removed Cache.get_usable_length)"),
+    ("'_reorder_cache'", "no-reorder-cache",
+     "define `_reorder_cache` on the port (index_select of every layer's K and V along the batch), or have "
+     "_temporary_reorder_cache reorder a legacy tuple cache itself"),
+    ("'reorder_kv_cache'", "no-reorder-kv-cache",
+     "define `reorder_kv_cache(beam_idx)` on the port (index_select of each layer's preallocated K/V along the "
+     "batch, as the llama port does), or refuse reuse_cache with beam search up front"),
+    ("output with shape", "broadcast",
+     "allocate the reuse_cache K/V with the shape the attention writes (allocate_kv_cache, "
+     "modeling_falcon.py:257)"),
+    ("num_key_value_heads", "no-num-key-value-heads",
+     "read the K/V heads from the config in allocate_kv_cache (modeling_starcoder2.py:156): the attention "
+     "module has no num_key_value_heads"),
+]
+SIZE_MISMATCH_FIXES = {
+    ("extend", "3"): "with token_idx, build the chunk's causal mask against the whole cache (past_key_values_length = "
+                     "token_idx - 1) so that to_4d's masked_fill (modeling_attn_mask_utils.py:128) gets matching shapes",
+    ("extend", "2"): "have KVCache.update write a chunk of k tokens at token_idx - 1 (modeling_gptj.py:51-53), not one",
+    ("prefill", "1"): "allocate the reuse_cache K/V with the heads the attention writes (allocate_kv_cache, "
+                      "modeling_falcon.py:255)",
+}
+ALTERNATION_FIX = ("see the upstream lines: the concat path's causal mask (modeling_attn_mask_utils.py:53-54), the "
+                   "static path's to_4d (:128) and a one-slot index_copy_ each refuse a chunk of k > 1 tokens")
+
+
+@dataclass(frozen=True)
+class Program:
+    """An optimum-habana finding the program template covers: its calls, path and error."""
+
+    call: str        # the call the pattern names: a key of PROGRAMS
+    path: str        # concat | static | static+reuse
+    paths: tuple     # the paths driven: (path,), or family-P2's ("concat", path)
+    short: str       # the folder's short name
+    expected: str    # the error's last line (a regular expression)
+    fix: str
+
+
+def expected_errors(pattern: str) -> str:
+    """`expected_error` of a pattern that may be an alternation of "<call> raised <error>" texts."""
+    if pattern.startswith("(?:"):
+        return re.sub(r"the implementation's \w+ raised ", "", pattern)
+    return re.sub(r"^.*?raised ", "", pattern)
+
+
+def crash_program(entries: list[dict]) -> Program | None:
+    """The program of an optimum-habana crash finding: its call from the pattern, its path from the
+    entries (concat where an entry holds there, else static, else concat where an entry holds on
+    every path, else static+reuse)."""
+    entry = entries[0]
+    if implementation(entry) != "optimum-habana" or entry["family"] not in PORT_PATCHES:
+        return None
+    pattern = entry["pattern"].replace("\\", "")
+    found = re.search(r"(\(prefill\|decode\)|prefill|decode|extend|reorder) raised \w+", pattern)
+    if not found:
+        return None
+    call = found.group(1)
+    paths = {e.get("path") for e in entries}
+    # an entry without a path holds on every path the check drives (family-P2: concat, then static)
+    path = ("concat" if "concat" in paths else "static" if "static" in paths else "concat" if None in paths
+            else "static+reuse")
+    if pattern.startswith("(?:"):  # family-P2: the first of the concat and static paths' errors
+        error, fix = "mask-or-index-error", ALTERNATION_FIX
+    else:
+        error, fix = next(((name, fix) for text, name, fix in PROGRAM_ERRORS if text in pattern), (None, None))
+        if error is None:
+            return None
+        if error == "size-mismatch":
+            dim = re.search(r"dimension (\d)", pattern).group(1)
+            fix = SIZE_MISMATCH_FIXES.get((call, dim))
+            if fix is None:
+                return None
+    # family-P2 alone: the concat path first, then the static one (check_static_concat)
+    paths = ("concat", path) if path != "concat" and all(e.get("property") == "family-P2" for e in entries) else (path,)
+    prefix = re.match(r"(family-\w+) ", pattern)  # a second finding of the same error, seen by one check
+    short = "-".join(filter(None, [slugify("-then-".join(paths)), "beam-reorder" if call == "reorder" else slugify(call), error,
+                                   slugify(prefix.group(1)) if prefix else None]))
+    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix)
+
 
 PORT_OPERATIONS = {
     "forward": """\
@@ -265,6 +390,48 @@ def port_repro(entries: list[dict]) -> Repro:
     return Repro(slug_of(entries), title, script, readme, tuple(entries))
 
 
+def program_repro(entries: list[dict]) -> Repro:
+    """An optimum-habana finding a short program of generate's calls raises (`crash_program`)."""
+
+    entry = entries[0]
+    family, variant = entry["family"], entry["variant"]
+    program = crash_program(entries)
+    port = FAMILIES[family].gaudi
+    config_class, _ = class_names(family)
+    what_fails = PROGRAM_CALLS[program.call]
+    where = {"concat": "static shapes off", "static": "static shapes (token_idx)",
+             "static+reuse": "static shapes and reuse_cache"}[program.path]
+    if len(program.paths) > 1:
+        where = f"static shapes off, then {where}"
+    title = (f"optimum-habana {family}/{variant}, {where}: {what_fails} raises "
+             f"{program.expected.replace(chr(92), '')}")
+    patches = "\n".join(f"    hf.{name}{'.' + attribute if attribute else ''} = port.{value}"
+                        for name, attribute, value in PORT_PATCHES[family])
+    script = template("port_program.py.tmpl").substitute(
+        title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
+        family=family, variant=variant, config_class=config_class, hf_module=port.hf_module,
+        port_module=port.module, causal_lm=port.causal_lm, expected=repr(program.expected),
+        config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
+        generation_config=repr(dict(port.generation)), patches=patches,
+        load_module=LOAD_WITH_STANDIN if port.standin else LOAD_PLAIN, what_fails=what_fails,
+        program=repr(PROGRAMS[program.call]), paths=repr(program.paths),
+        generation_function=GENERATION_FUNCTION if program.call == "reorder" and program.path != "static+reuse" else "")
+    options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
+               "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
+    calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
+             "decode": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its first decode "
+                       "step",
+             "(prefill|decode)": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its "
+                                 "prefill and first decode step",
+             "extend": "model.generate(new_ids, attention_mask=mask, past_key_values=<an earlier generate's cache>, "
+                       f"{options}) - a cached call of k > 1 tokens; here a prefill, 2 greedy steps, then 3 tokens "
+                       "in one call",
+             "reorder": f"model.generate(input_ids, attention_mask=attention_mask, num_beams=2, {options}) - here "
+                        "its first reorder"}
+    readme = readme_text(entries, title, calls[program.call], program.fix)
+    return Repro(slug_of(entries), title, script, readme, tuple(entries))
+
+
 def readme_text(entries: list[dict], title: str, call: str, fix: str) -> str:
     """A repro folder's README: how to run it, what reaches it, where upstream, what it costs."""
 
@@ -324,7 +491,10 @@ def slug_of(entries: list[dict]) -> str | None:
     if is_transformers_view(entry):
         return slug(entry, "kv-views")
     covered = port_operation(entries)
-    return slug(entry, covered[1]) if covered else None
+    if covered:
+        return slug(entry, covered[1])
+    program = crash_program(entries)
+    return slug(entry, program.short) if program else None
 
 
 def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
@@ -335,8 +505,10 @@ def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
             missing.append(entries)
         elif is_transformers_view(entries[0]):
             repros.append(view_repro(entries))
-        else:
+        elif port_operation(entries):
             repros.append(port_repro(entries))
+        else:
+            repros.append(program_repro(entries))
     return repros, missing
 
 
