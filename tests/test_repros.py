@@ -31,6 +31,8 @@ WITH_REPROS = {
     "transformers-gpt-bigcode-mha-kv-views", "transformers-bloom-alibi-kv-views", "transformers-gpt2-mha-kv-views",
     "transformers-gpt-neox-mha-kv-views", "transformers-codegen-mha-kv-views", "transformers-persimmon-mha-kv-views",
     "transformers-phi3-gqa-kv-views", "transformers-dbrx-gqa-kv-views",
+    # transformers_call.py.tmpl: a prefill shows them
+    "transformers-falcon-new-arch-gqa-kv-cache-all-heads", "transformers-falcon-rotary-mqa-static-cache-prefill-index-copy",
     "optimum-habana-codegen-mha-forward-typeerror", "optimum-habana-phi-gqa-forward-size-mismatch",
     "optimum-habana-llama-fused-qkv-forward-nonetype-weight", "optimum-habana-mistral-gqa-forward-rope-size-mismatch",
     "optimum-habana-starcoder2-gqa-forward-keyerror-input-shape",

@@ -349,6 +349,91 @@ def view_repro(entries: list[dict]) -> Repro:
     return Repro(slug_of(entries), title, script, readme, tuple(entries))
 
 
+# transformers findings a prefill shows (transformers_call.py.tmpl): (family, variant, a text of the
+# pattern) -> (short name, the functions, the operation, what the script runs, a suggested fix)
+TRANSFORMERS_CALLS = {
+    ("falcon", "new-arch-gqa", "the cached tensors themselves hold"): (
+        "kv-cache-all-heads", '''\
+def cached_tensors(cache):
+    """Each layer's cached (key, value), from whatever the forward returned as past_key_values."""
+    if hasattr(cache, "layers"):  # a Cache object (transformers >= 4.54)
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    if hasattr(cache, "key_cache"):  # an older DynamicCache
+        return list(zip(cache.key_cache, cache.value_cache))
+    return [tuple(layer) for layer in cache]  # legacy tuples
+
+''', '''\
+    # the prefill forward of generate, with its default DynamicCache
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, use_cache=True)
+    cached = sum(t.numel() * t.element_size() for layer in cached_tensors(out.past_key_values) for t in layer)
+    # grouped-query attention needs num_kv_heads K/V heads per layer, not one per query head
+    head_dim = config.hidden_size // config.num_attention_heads
+    size = torch.empty((), dtype=model.dtype).element_size()
+    analytic = 2 * config.num_hidden_layers * input_ids.numel() * config.num_kv_heads * head_dim * size
+    print(f"cached K/V: {cached} bytes; num_kv_heads={config.num_kv_heads} K/V heads need {analytic} bytes "
+          f"(ratio {cached / analytic:.2f}; num_attention_heads / num_kv_heads = "
+          f"{config.num_attention_heads / config.num_kv_heads:.2f})")
+    if cached > analytic:
+        print(f"BUG: the cache holds {cached / analytic:.2f} times the grouped-query K/V")
+        return 1
+    print("OK: the cache holds num_kv_heads K/V heads")
+    return 0''',
+        "model.generate(input_ids, attention_mask=attention_mask) - any generate of a new-architecture Falcon with "
+        "num_kv_heads < num_attention_heads, the default DynamicCache; here its prefill",
+        "cache the num_kv_heads K/V heads and broadcast them to the query heads after the cache update "
+        "(modeling_falcon.py:256-261), as llama's repeat_kv does"),
+    ("falcon", "rotary-mqa", "index_copy_"): (
+        "static-cache-prefill-index-copy", "", '''\
+    # generate(cache_implementation="static"): a StaticCache of the model's config, the prefill's
+    # cache_position the prompt's slots
+    from transformers.cache_utils import StaticCache
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        cache = StaticCache(config=config, max_cache_len=MAX_LEN)
+    else:
+        cache = StaticCache(config=config, max_batch_size=2, max_cache_len=MAX_LEN, dtype=model.dtype)
+    try:
+        with torch.no_grad():
+            model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(input_ids.shape[1]))
+    except RuntimeError as e:
+        last_line = traceback.format_exception_only(type(e), e)[-1].strip()
+        if "index_copy_" not in last_line:
+            raise  # another error than this finding's
+        print(f"BUG: the prefill into a StaticCache raised {last_line}")
+        return 1
+    print("OK: the prefill into a StaticCache ran")
+    return 0''',
+        "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - multi-query "
+        "Falcon; here its prefill",
+        "preallocate StaticCache's K/V heads as the model caches them (1 for multi-query Falcon: "
+        "config.num_kv_heads, absent from num_key_value_heads), as transformers 4.56 does"),
+}
+
+
+def transformers_call(entries: list[dict]):
+    entry = entries[0]
+    if implementation(entry) != "transformers":
+        return None
+    return next((value for (family, variant, text), value in TRANSFORMERS_CALLS.items()
+                 if (entry["family"], entry["variant"]) == (family, variant) and text in entry["pattern"]), None)
+
+
+def transformers_repro(entries: list[dict]) -> Repro:
+    """A transformers finding a prefill shows, other than the view findings (`TRANSFORMERS_CALLS`)."""
+    entry = entries[0]
+    family, variant = entry["family"], entry["variant"]
+    _, functions, operation, call, fix = transformers_call(entries)
+    config_class, _ = class_names(family)
+    title = f"transformers {family}/{variant}: {what(entry).replace('`', '')}"
+    script = template("transformers_call.py.tmpl").substitute(
+        title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
+        config_class=config_class, family=family, variant=variant,
+        config=config_literal(tiny_config(family, variant)), functions=functions, operation=operation)
+    return Repro(slug_of(entries), title, script, readme_text(entries, title, call, fix), tuple(entries))
+
+
 def expected_error(entry: dict) -> str:
     """The finding's pattern from the exception's type on: the last line of the error."""
     return re.sub(r"^.*?raised ", "", entry["pattern"])
@@ -415,7 +500,7 @@ def program_repro(entries: list[dict]) -> Repro:
         generation_config=repr(dict(port.generation)), patches=patches,
         load_module=LOAD_WITH_STANDIN if port.standin else LOAD_PLAIN, what_fails=what_fails,
         program=repr(PROGRAMS[program.call]), paths=repr(program.paths),
-        generation_function=GENERATION_FUNCTION if program.call == "reorder" and program.path != "static+reuse" else "")
+        generation_function=GENERATION_FUNCTION)
     options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
                "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
     calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
@@ -490,6 +575,8 @@ def slug_of(entries: list[dict]) -> str | None:
     entry = entries[0]
     if is_transformers_view(entry):
         return slug(entry, "kv-views")
+    if transformers_call(entries):
+        return slug(entry, transformers_call(entries)[0])
     covered = port_operation(entries)
     if covered:
         return slug(entry, covered[1])
@@ -505,6 +592,8 @@ def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
             missing.append(entries)
         elif is_transformers_view(entries[0]):
             repros.append(view_repro(entries))
+        elif transformers_call(entries):
+            repros.append(transformers_repro(entries))
         elif port_operation(entries):
             repros.append(port_repro(entries))
         else:
