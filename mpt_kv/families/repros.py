@@ -79,6 +79,22 @@ PORT_PATCHES = {
     "mistral": [("MistralForCausalLM", None, "GaudiMistralForCausalLM"), ("MistralAttention", None, "GaudiMistralAttention"),
                 ("MistralDecoderLayer", None, "GaudiMistralDecoderLayer"), ("MistralModel", None, "GaudiMistralModel"),
                 ("MistralRMSNorm", "forward", "gaudi_mistral_rmsnorm_forward")],
+    "gpt_neox": [("GPTNeoXAttention", None, "GaudiGPTNeoXAttention"), ("GPTNeoXForCausalLM", None, "GaudiGPTNeoXForCausalLM"),
+                 ("GPTNeoXLayer", None, "GaudiGPTNeoXLayer"), ("GPTNeoXModel", "forward", "gaudi_gpt_neox_model_forward")],
+    "persimmon": [("PersimmonAttention", None, "GaudiPersimmonAttention"),
+                  ("PersimmonDecoderLayer", None, "GaudiPersimmonDecoderLayer"),
+                  ("PersimmonForCausalLM", None, "GaudiPersimmonForCausalLM"),
+                  ("PersimmonModel", "forward", "gaudi_persimmon_model_forward")],
+    "stablelm": [("StableLmAttention", None, "GaudiStableLmAttention"),
+                 ("StableLmDecoderLayer", None, "GaudiStableLmDecoderLayer"),
+                 ("StableLmForCausalLM", None, "GaudiStableLmForCausalLM"),
+                 ("StableLmModel", "forward", "gaudi_stablelm_model_forward")],
+    "qwen2": [("Qwen2ForCausalLM", None, "GaudiQwen2ForCausalLM"),
+              ("Qwen2ForSequenceClassification", None, "GaudiQwen2ForSequenceClassification"),
+              ("Qwen2ForTokenClassification", None, "GaudiQwen2ForTokenClassification"),
+              ("Qwen2Model", None, "GaudiQwen2Model"), ("Qwen2Attention", None, "GaudiQwen2Attention"),
+              ("Qwen2MLP", None, "GaudiQwen2MLP"), ("Qwen2DecoderLayer", None, "GaudiQwen2DecoderLayer"),
+              ("Qwen2RMSNorm", "forward", "gaudi_qwen2_rmsnorm_forward")],
 }
 
 # optimum-habana findings whose error the port's prefill forward raises: (family, variant, a text of
@@ -94,6 +110,115 @@ FORWARD_CRASHES = {
 # (generation/utils.py `_temporary_reorder_cache`), which these ports do not define; reached on the
 # default path (no static shapes): the findings whose checks see it there
 REORDER_CRASH = "no attribute '_reorder_cache'"
+
+# optimum-habana findings a short program of generate's calls raises (port_program.py.tmpl): the
+# call the pattern names ("<call> raised <error>"), after what the family checks run before it
+PROGRAMS = {
+    "prefill": [("prefill",)],
+    "decode": [("prefill",), ("extend", 1)],
+    "(prefill|decode)": [("prefill",), ("extend", 1)],
+    # family-P1/P2: the prefill, 2 greedy steps, then a chunk of 3 tokens in one cached call
+    "extend": [("prefill",), ("extend", 1), ("extend", 1), ("extend", 3)],
+    "reorder": [("prefill",), ("reorder",)],
+}
+PROGRAM_CALLS = {"prefill": "the prefill", "decode": "a decode step after the prefill",
+                 "(prefill|decode)": "the prefill or the decode step after it",
+                 "extend": "a 3-token cached call after the prefill and 2 decode steps",
+                 "reorder": "the beam-search cache reorder after the prefill"}
+# (a text of the error, its short name, a one-sentence suggested fix), the first that matches
+PROGRAM_ERRORS = [
+    ("The expanded size of the tensor", "causal-mask-expand",
+     "in GaudiAttentionMaskConverter._make_causal_mask (modeling_attn_mask_utils.py:53-54) pad the chunk's causal "
+     "mask with past_key_values_length zero columns (not past_key_values_length - tgt_len), as transformers' "
+     "AttentionMaskConverter does"),
+    ("The size of tensor a", "size-mismatch", None),
+    ("index_copy_", "index-copy",
+     "write the chunk's k slots (index_copy_ with token_idx - 1 + arange(k)) instead of one slot per call"),
+    ("index_add_", "index-add", "add the chunk's k slots (token_idx - 1 + arange(k)) instead of one index"),
+    ("INDICES element is out of DATA bounds", "index-out-of-bounds",
+     "index the multi-head layout's token axis (dim 2 of (B, H, T, 2 head_dim)), not dim 1, at "
+     "modeling_gpt_bigcode.py:358-361"),
+    ("is invalid for input of size", "view-shape",
+     "repeat the K/V heads to the query heads' groups for any num_kv_heads (modeling_falcon.py:301), not only 8"),
+    ("get_usable_length", "no-get-usable-length",
+     "use past_key_values.get_seq_length() (transformers >= 4.55 removed Cache.get_usable_length)"),
+    ("'_reorder_cache'", "no-reorder-cache",
+     "define `_reorder_cache` on the port (index_select of every layer's K and V along the batch), or have "
+     "_temporary_reorder_cache reorder a legacy tuple cache itself"),
+    ("'reorder_kv_cache'", "no-reorder-kv-cache",
+     "define `reorder_kv_cache(beam_idx)` on the port (index_select of each layer's preallocated K/V along the "
+     "batch, as the llama port does), or refuse reuse_cache with beam search up front"),
+    ("output with shape", "broadcast",
+     "allocate the reuse_cache K/V with the shape the attention writes (allocate_kv_cache, "
+     "modeling_falcon.py:257)"),
+    ("num_key_value_heads", "no-num-key-value-heads",
+     "read the K/V heads from the config in allocate_kv_cache (modeling_starcoder2.py:156): the attention "
+     "module has no num_key_value_heads"),
+]
+SIZE_MISMATCH_FIXES = {
+    ("extend", "3"): "with token_idx, build the chunk's causal mask against the whole cache (past_key_values_length = "
+                     "token_idx - 1) so that to_4d's masked_fill (modeling_attn_mask_utils.py:128) gets matching shapes",
+    ("extend", "2"): "have KVCache.update write a chunk of k tokens at token_idx - 1 (modeling_gptj.py:51-53), not one",
+    ("prefill", "1"): "allocate the reuse_cache K/V with the heads the attention writes (allocate_kv_cache, "
+                      "modeling_falcon.py:255)",
+}
+ALTERNATION_FIX = ("see the upstream lines: the concat path's causal mask (modeling_attn_mask_utils.py:53-54), the "
+                   "static path's to_4d (:128) and a one-slot index_copy_ each refuse a chunk of k > 1 tokens")
+
+
+@dataclass(frozen=True)
+class Program:
+    """An optimum-habana finding the program template covers: its calls, path and error."""
+
+    call: str        # the call the pattern names: a key of PROGRAMS
+    path: str        # concat | static | static+reuse
+    paths: tuple     # the paths driven: (path,), or family-P2's ("concat", path)
+    short: str       # the folder's short name
+    expected: str    # the error's last line (a regular expression)
+    fix: str
+
+
+def expected_errors(pattern: str) -> str:
+    """`expected_error` of a pattern that may be an alternation of "<call> raised <error>" texts."""
+    if pattern.startswith("(?:"):
+        return re.sub(r"the implementation's \w+ raised ", "", pattern)
+    return re.sub(r"^.*?raised ", "", pattern)
+
+
+def crash_program(entries: list[dict]) -> Program | None:
+    """The program of an optimum-habana crash finding: its call from the pattern, its path from the
+    entries (concat where an entry holds there, else static, else concat where an entry holds on
+    every path, else static+reuse)."""
+    entry = entries[0]
+    if implementation(entry) != "optimum-habana" or entry["family"] not in PORT_PATCHES:
+        return None
+    pattern = entry["pattern"].replace("\\", "")
+    found = re.search(r"(\(prefill\|decode\)|prefill|decode|extend|reorder) raised \w+", pattern)
+    if not found:
+        return None
+    call = found.group(1)
+    paths = {e.get("path") for e in entries}
+    # an entry without a path holds on every path the check drives (family-P2: concat, then static)
+    path = ("concat" if "concat" in paths else "static" if "static" in paths else "concat" if None in paths
+            else "static+reuse")
+    if pattern.startswith("(?:"):  # family-P2: the first of the concat and static paths' errors
+        error, fix = "mask-or-index-error", ALTERNATION_FIX
+    else:
+        error, fix = next(((name, fix) for text, name, fix in PROGRAM_ERRORS if text in pattern), (None, None))
+        if error is None:
+            return None
+        if error == "size-mismatch":
+            dim = re.search(r"dimension (\d)", pattern).group(1)
+            fix = SIZE_MISMATCH_FIXES.get((call, dim))
+            if fix is None:
+                return None
+    # family-P2 alone: the concat path first, then the static one (check_static_concat)
+    paths = ("concat", path) if path != "concat" and all(e.get("property") == "family-P2" for e in entries) else (path,)
+    prefix = re.match(r"(family-\w+) ", pattern)  # a second finding of the same error, seen by one check
+    short = "-".join(filter(None, [slugify("-then-".join(paths)), "beam-reorder" if call == "reorder" else slugify(call), error,
+                                   slugify(prefix.group(1)) if prefix else None]))
+    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix)
+
 
 PORT_OPERATIONS = {
     "forward": """\
@@ -224,6 +349,91 @@ def view_repro(entries: list[dict]) -> Repro:
     return Repro(slug_of(entries), title, script, readme, tuple(entries))
 
 
+# transformers findings a prefill shows (transformers_call.py.tmpl): (family, variant, a text of the
+# pattern) -> (short name, the functions, the operation, what the script runs, a suggested fix)
+TRANSFORMERS_CALLS = {
+    ("falcon", "new-arch-gqa", "the cached tensors themselves hold"): (
+        "kv-cache-all-heads", '''\
+def cached_tensors(cache):
+    """Each layer's cached (key, value), from whatever the forward returned as past_key_values."""
+    if hasattr(cache, "layers"):  # a Cache object (transformers >= 4.54)
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    if hasattr(cache, "key_cache"):  # an older DynamicCache
+        return list(zip(cache.key_cache, cache.value_cache))
+    return [tuple(layer) for layer in cache]  # legacy tuples
+
+''', '''\
+    # the prefill forward of generate, with its default DynamicCache
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, use_cache=True)
+    cached = sum(t.numel() * t.element_size() for layer in cached_tensors(out.past_key_values) for t in layer)
+    # grouped-query attention needs num_kv_heads K/V heads per layer, not one per query head
+    head_dim = config.hidden_size // config.num_attention_heads
+    size = torch.empty((), dtype=model.dtype).element_size()
+    analytic = 2 * config.num_hidden_layers * input_ids.numel() * config.num_kv_heads * head_dim * size
+    print(f"cached K/V: {cached} bytes; num_kv_heads={config.num_kv_heads} K/V heads need {analytic} bytes "
+          f"(ratio {cached / analytic:.2f}; num_attention_heads / num_kv_heads = "
+          f"{config.num_attention_heads / config.num_kv_heads:.2f})")
+    if cached > analytic:
+        print(f"BUG: the cache holds {cached / analytic:.2f} times the grouped-query K/V")
+        return 1
+    print("OK: the cache holds num_kv_heads K/V heads")
+    return 0''',
+        "model.generate(input_ids, attention_mask=attention_mask) - any generate of a new-architecture Falcon with "
+        "num_kv_heads < num_attention_heads, the default DynamicCache; here its prefill",
+        "cache the num_kv_heads K/V heads and broadcast them to the query heads after the cache update "
+        "(modeling_falcon.py:256-261), as llama's repeat_kv does"),
+    ("falcon", "rotary-mqa", "index_copy_"): (
+        "static-cache-prefill-index-copy", "", '''\
+    # generate(cache_implementation="static"): a StaticCache of the model's config, the prefill's
+    # cache_position the prompt's slots
+    from transformers.cache_utils import StaticCache
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        cache = StaticCache(config=config, max_cache_len=MAX_LEN)
+    else:
+        cache = StaticCache(config=config, max_batch_size=2, max_cache_len=MAX_LEN, dtype=model.dtype)
+    try:
+        with torch.no_grad():
+            model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(input_ids.shape[1]))
+    except RuntimeError as e:
+        last_line = traceback.format_exception_only(type(e), e)[-1].strip()
+        if "index_copy_" not in last_line:
+            raise  # another error than this finding's
+        print(f"BUG: the prefill into a StaticCache raised {last_line}")
+        return 1
+    print("OK: the prefill into a StaticCache ran")
+    return 0''',
+        "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - multi-query "
+        "Falcon; here its prefill",
+        "preallocate StaticCache's K/V heads as the model caches them (1 for multi-query Falcon: "
+        "config.num_kv_heads, absent from num_key_value_heads), as transformers 4.56 does"),
+}
+
+
+def transformers_call(entries: list[dict]):
+    entry = entries[0]
+    if implementation(entry) != "transformers":
+        return None
+    return next((value for (family, variant, text), value in TRANSFORMERS_CALLS.items()
+                 if (entry["family"], entry["variant"]) == (family, variant) and text in entry["pattern"]), None)
+
+
+def transformers_repro(entries: list[dict]) -> Repro:
+    """A transformers finding a prefill shows, other than the view findings (`TRANSFORMERS_CALLS`)."""
+    entry = entries[0]
+    family, variant = entry["family"], entry["variant"]
+    _, functions, operation, call, fix = transformers_call(entries)
+    config_class, _ = class_names(family)
+    title = f"transformers {family}/{variant}: {what(entry).replace('`', '')}"
+    script = template("transformers_call.py.tmpl").substitute(
+        title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
+        config_class=config_class, family=family, variant=variant,
+        config=config_literal(tiny_config(family, variant)), functions=functions, operation=operation)
+    return Repro(slug_of(entries), title, script, readme_text(entries, title, call, fix), tuple(entries))
+
+
 def expected_error(entry: dict) -> str:
     """The finding's pattern from the exception's type on: the last line of the error."""
     return re.sub(r"^.*?raised ", "", entry["pattern"])
@@ -262,6 +472,48 @@ def port_repro(entries: list[dict]) -> Repro:
                         "along the batch, as transformers' legacy models did), or have "
                         "_temporary_reorder_cache reorder a legacy tuple cache itself"}
     readme = readme_text(entries, title, calls[operation], fixes[operation])
+    return Repro(slug_of(entries), title, script, readme, tuple(entries))
+
+
+def program_repro(entries: list[dict]) -> Repro:
+    """An optimum-habana finding a short program of generate's calls raises (`crash_program`)."""
+
+    entry = entries[0]
+    family, variant = entry["family"], entry["variant"]
+    program = crash_program(entries)
+    port = FAMILIES[family].gaudi
+    config_class, _ = class_names(family)
+    what_fails = PROGRAM_CALLS[program.call]
+    where = {"concat": "static shapes off", "static": "static shapes (token_idx)",
+             "static+reuse": "static shapes and reuse_cache"}[program.path]
+    if len(program.paths) > 1:
+        where = f"static shapes off, then {where}"
+    title = (f"optimum-habana {family}/{variant}, {where}: {what_fails} raises "
+             f"{program.expected.replace(chr(92), '')}")
+    patches = "\n".join(f"    hf.{name}{'.' + attribute if attribute else ''} = port.{value}"
+                        for name, attribute, value in PORT_PATCHES[family])
+    script = template("port_program.py.tmpl").substitute(
+        title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
+        family=family, variant=variant, config_class=config_class, hf_module=port.hf_module,
+        port_module=port.module, causal_lm=port.causal_lm, expected=repr(program.expected),
+        config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
+        generation_config=repr(dict(port.generation)), patches=patches,
+        load_module=LOAD_WITH_STANDIN if port.standin else LOAD_PLAIN, what_fails=what_fails,
+        program=repr(PROGRAMS[program.call]), paths=repr(program.paths),
+        generation_function=GENERATION_FUNCTION)
+    options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
+               "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
+    calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
+             "decode": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its first decode "
+                       "step",
+             "(prefill|decode)": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its "
+                                 "prefill and first decode step",
+             "extend": "model.generate(new_ids, attention_mask=mask, past_key_values=<an earlier generate's cache>, "
+                       f"{options}) - a cached call of k > 1 tokens; here a prefill, 2 greedy steps, then 3 tokens "
+                       "in one call",
+             "reorder": f"model.generate(input_ids, attention_mask=attention_mask, num_beams=2, {options}) - here "
+                        "its first reorder"}
+    readme = readme_text(entries, title, calls[program.call], program.fix)
     return Repro(slug_of(entries), title, script, readme, tuple(entries))
 
 
@@ -323,8 +575,13 @@ def slug_of(entries: list[dict]) -> str | None:
     entry = entries[0]
     if is_transformers_view(entry):
         return slug(entry, "kv-views")
+    if transformers_call(entries):
+        return slug(entry, transformers_call(entries)[0])
     covered = port_operation(entries)
-    return slug(entry, covered[1]) if covered else None
+    if covered:
+        return slug(entry, covered[1])
+    program = crash_program(entries)
+    return slug(entry, program.short) if program else None
 
 
 def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
@@ -335,8 +592,12 @@ def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
             missing.append(entries)
         elif is_transformers_view(entries[0]):
             repros.append(view_repro(entries))
-        else:
+        elif transformers_call(entries):
+            repros.append(transformers_repro(entries))
+        elif port_operation(entries):
             repros.append(port_repro(entries))
+        else:
+            repros.append(program_repro(entries))
     return repros, missing
 
 
