@@ -210,6 +210,13 @@ def transformers_pin(release: Release, artifact: Path, listing=published) -> str
     return f"transformers=={max(matching)}"
 
 
+def optimum_requirement(artifact: Path) -> list[str]:
+    """The release's own Requires-Dist on optimum (its ports import optimum.utils), as it states it: pip
+    resolves it next to the transformers pin."""
+    req = requirement_of(metadata_text(artifact), "optimum")
+    return [f"optimum{req.specifier}"] if req is not None else []
+
+
 # --- environments -----------------------------------------------------------------------------------
 
 def last_line(text: str) -> str:
@@ -295,7 +302,7 @@ def release_env(release: Release, envs: Path, base: tuple[Path, str], deadline: 
     artifact = None
     if release.package == "optimum-habana":
         artifact = download(release, envs / "_downloads")
-        requirements = [transformers_pin(release, artifact, listing)]
+        requirements = [transformers_pin(release, artifact, listing), *optimum_requirement(artifact)]
     else:
         requirements = [f"transformers=={release.version}"]
     lock = {"python": sys.version, "requirements": requirements, "artifact": artifact.name if artifact else None,
@@ -561,8 +568,15 @@ def write_repro_scripts(folder: Path) -> dict[str, list[tuple[str, Path]]]:
 
 
 def output_last_line(output: str) -> str:
+    """A script's last line; where that only points at the traceback above ("see the error above",
+    "the prefill above raised"), the exception's line with it."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    return (lines or ["(no output)"])[-1][:200]
+    last = (lines or ["(no output)"])[-1]
+    if "above" in last:
+        raised = [ln for ln in lines[:-1] if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", ln)]
+        if raised:
+            last = f"{last.split(' (see')[0].split(': the')[0]}: {raised[-1]}"
+    return last[:200]
 
 
 def run_repros(venv: Path, scripts: list[tuple[str, Path]], deadline: float) -> dict[str, tuple[int, str]]:
