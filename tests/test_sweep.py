@@ -281,3 +281,24 @@ def test_main_repros_runs_each_release_and_a_release_not_built_is_exit_1(tmp_pat
     table = (out / "repros.md").read_text()
     assert "| t-mpt | - | 1 | 5.24.0 | 5.24.0 | - |" in table and "| oh-codegen | 1 | 1.21.2 | 1.21.2 | - |" in table
     assert json.loads((out / "repros.json").read_text())["rows"][0]["repros"] == {"oh-codegen": [1, "line 1"]}
+
+
+def test_a_repros_cannot_run_note_names_the_exception_not_the_pointer_to_it():
+    output = ("torch 2.13.0, transformers 4.45.2\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "RuntimeError: expected scalar type BFloat16 but found Float\n"
+              "cannot run the experiment (see the error above)\n")
+    assert sweep.output_last_line(output) == ("cannot run the experiment: RuntimeError: expected scalar type BFloat16 "
+                                              "but found Float")
+    assert sweep.output_last_line("cannot run the experiment: cannot import name 'Phi3Config'\n") == (
+        "cannot run the experiment: cannot import name 'Phi3Config'")
+    assert sweep.output_last_line("") == "(no output)"
+
+
+@pytest.mark.parametrize("requires, wanted", [
+    (["transformers <4.46.0,>=4.45.2", "optimum", "torch"], ["optimum"]),
+    (["transformers<4.56.0,>=4.55.0", "optimum<2.1.0,>=2.0.0", "optimum-habana[x] ; extra == 'x'"],
+     ["optimum<2.1.0,>=2.0.0"]),
+    (["transformers >=4.32.0"], []),
+])
+def test_an_optimum_habana_env_gets_its_own_optimum_requirement(tmp_path, requires, wanted):
+    assert sweep.optimum_requirement(wheel(tmp_path, requires)) == wanted
