@@ -295,10 +295,11 @@ def test_a_repros_cannot_run_note_names_the_exception_not_the_pointer_to_it():
 
 
 @pytest.mark.parametrize("requires, wanted", [
-    (["transformers <4.46.0,>=4.45.2", "optimum", "torch"], ["optimum"]),
-    (["transformers<4.56.0,>=4.55.0", "optimum<2.1.0,>=2.0.0", "optimum-habana[x] ; extra == 'x'"],
+    (["transformers <4.46.0,>=4.45.2", "optimum", "torch", "accelerate <0.34.0,>=0.33.0", "diffusers ==0.29.2"],
+     ["optimum", "accelerate<0.34.0,>=0.33.0"]),
+    (["transformers<4.56.0,>=4.55.0", "optimum<2.1.0,>=2.0.0", "accelerate ; extra == 'x'"],
      ["optimum<2.1.0,>=2.0.0"]),
     (["transformers >=4.32.0"], []),
 ])
-def test_an_optimum_habana_env_gets_its_own_optimum_requirement(tmp_path, requires, wanted):
-    assert sweep.optimum_requirement(wheel(tmp_path, requires)) == wanted
+def test_an_optimum_habana_env_gets_its_own_optimum_and_accelerate_requirements(tmp_path, requires, wanted):
+    assert sweep.runtime_requirements(wheel(tmp_path, requires)) == wanted

@@ -210,11 +210,16 @@ def transformers_pin(release: Release, artifact: Path, listing=published) -> str
     return f"transformers=={max(matching)}"
 
 
-def optimum_requirement(artifact: Path) -> list[str]:
-    """The release's own Requires-Dist on optimum (its ports import optimum.utils), as it states it: pip
-    resolves it next to the transformers pin."""
-    req = requirement_of(metadata_text(artifact), "optimum")
-    return [f"optimum{req.specifier}"] if req is not None else []
+RUNTIME = ("optimum", "accelerate")  # what the ports import besides transformers (optimum.utils, accelerate)
+
+
+def runtime_requirements(artifact: Path) -> list[str]:
+    """The release's own Requires-Dist on optimum and accelerate (its ports import them), as it states
+    them: pip resolves them next to the transformers pin. Not its heavy extras' pins (diffusers,
+    sentence-transformers): no MPT-family code imports them."""
+    text = metadata_text(artifact)
+    reqs = [requirement_of(text, name) for name in RUNTIME]
+    return [f"{req.name}{req.specifier}" for req in reqs if req is not None]
 
 
 # --- environments -----------------------------------------------------------------------------------
@@ -302,7 +307,7 @@ def release_env(release: Release, envs: Path, base: tuple[Path, str], deadline: 
     artifact = None
     if release.package == "optimum-habana":
         artifact = download(release, envs / "_downloads")
-        requirements = [transformers_pin(release, artifact, listing), *optimum_requirement(artifact)]
+        requirements = [transformers_pin(release, artifact, listing), *runtime_requirements(artifact)]
     else:
         requirements = [f"transformers=={release.version}"]
     lock = {"python": sys.version, "requirements": requirements, "artifact": artifact.name if artifact else None,
