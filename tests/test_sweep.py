@@ -292,6 +292,10 @@ def test_a_repros_cannot_run_note_names_the_exception_not_the_pointer_to_it():
     assert sweep.output_last_line("cannot run the experiment: cannot import name 'Phi3Config'\n") == (
         "cannot run the experiment: cannot import name 'Phi3Config'")
     assert sweep.output_last_line("") == "(no output)"
+    assert sweep.output_last_line("cannot run the experiment: cannot import name 'MptConfig' from 'transformers' "
+                                  "(/envs/transformers-4.30.2/venv/lib/transformers/__init__.py)\n") == (
+        "cannot run the experiment: cannot import name 'MptConfig' from 'transformers'")
+    assert [sweep.note_id(n) for n in (0, 25, 26, 27)] == ["a", "z", "aa", "ab"]
 
 
 @pytest.mark.parametrize("requires, wanted", [

@@ -581,7 +581,17 @@ def output_last_line(output: str) -> str:
         raised = [ln for ln in lines[:-1] if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", ln)]
         if raised:
             last = f"{last.split(' (see')[0].split(': the')[0]}: {raised[-1]}"
-    return last[:200]
+    return re.sub(r" \(/[^)]*\)", "", last)[:200]  # no "(/the/env/.../__init__.py)": one note for every release
+
+
+def note_id(n: int) -> str:
+    """The n-th note's letters: a ... z, aa, ab, ..."""
+    letters = ""
+    n += 1
+    while n:
+        n, r = divmod(n - 1, 26)
+        letters = chr(ord("a") + r) + letters
+    return letters
 
 
 def run_repros(venv: Path, scripts: list[tuple[str, Path]], deadline: float) -> dict[str, tuple[int, str]]:
@@ -664,7 +674,7 @@ def repro_table_lines(rows: list[Row]) -> list[str]:
                 code = code if code in (HOLDS, FIXED) else CANNOT
                 codes.append((r.release, code))
                 if code == CANNOT:
-                    letter = notes.setdefault(last, chr(ord("a") + len(notes)) if len(notes) < 26 else str(len(notes)))
+                    letter = notes.setdefault(last, note_id(len(notes)))
                     cells.append(f"2{letter}")
                 else:
                     cells.append(str(code))
