@@ -210,3 +210,100 @@ def test_main_runs_the_releases_in_parallel_and_writes_the_table(tmp_path, monke
     table = (out / "table.md").read_text()
     assert "| 5.24.0 | transformers 4.40.2 | pass |" in table and "| 4.40.2 | - | **not run**: install: pip" in table
     assert sorted(r["version"] for r in json.loads((out / "rows.json").read_text())["rows"]) == ["4.40.2", "5.24.0"]
+
+
+# --- --repros: the findings' standalone repros per release -------------------------------------------
+
+def repro_row(version, codes, package="transformers", problem=None):
+    """A release's row of a --repros sweep: slug -> (exit status, the script's last line)."""
+    return sweep.Row(release(package, version), pins=f"transformers {version}", problem=problem,
+                     repros=None if problem else {slug: (code, f"line {code}") for slug, code in codes.items()})
+
+
+def test_holds_range_is_the_first_and_last_release_that_exit_1_and_the_first_fixed_after():
+    r = [release("transformers", v) for v in ("4.30.2", "4.40.2", "4.45.2", "4.55.4", "4.56.2", "5.0.0")]
+    # cannot run (2) before the class exists, holds in 4.45-4.55, fixed (0) from 4.56
+    assert sweep.holds_range(list(zip(r, [2, 2, 1, 1, 0, 0]))) == (r[2], r[3], r[4])
+    assert sweep.holds_range(list(zip(r, [0, 1, 1, 1, 1, 1]))) == (r[1], r[5], None)  # still holds in the newest
+    assert sweep.holds_range(list(zip(r, [0, 0, 0, 0, 0, 2]))) == (None, None, None)  # never holds
+    assert sweep.holds_range(list(zip(r, [1, 0, 2, 1, 2, 0]))) == (r[0], r[3], r[5])  # a 2 is neither held nor fixed
+
+
+def test_the_repro_table_is_finding_by_release_with_notes_for_what_cannot_run():
+    rows = [repro_row("4.55.4", {"t-mpt": 1, "t-phi3": 1}), repro_row("4.30.2", {"t-mpt": 1, "t-phi3": 2}),
+            repro_row("4.56.2", {"t-mpt": 0, "t-phi3": 0}),
+            repro_row("4.40.2", {}, problem="install: pip install transformers==4.40.2 failed: ERROR: offline")]
+    rows[1].repros["t-phi3"] = (2, "cannot run the experiment: cannot import name 'Phi3Config'")
+    text = "\n".join(sweep.repro_table_lines(rows))
+    assert "| finding | 4.30.2 | 4.40.2 | 4.55.4 | 4.56.2 | holds first | holds last | fixed in |" in text, text
+    assert "| t-mpt | 1 | - | 1 | 0 | 4.30.2 | 4.55.4 | 4.56.2 |" in text, text
+    assert "| t-phi3 | 2a | - | 1 | 0 | 4.55.4 | 4.55.4 | 4.56.2 |" in text, text
+    assert "- 2a: cannot run the experiment: cannot import name 'Phi3Config'" in text
+    assert "- transformers 4.40.2: **not run**: install: pip install transformers==4.40.2 failed" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["transformers==5.24.0", "--repros", "--render"], "--repros runs the findings' repros, not the conformance "
+                                                         "cases: not with --render"),
+    (["transformers==5.24.0", "--repros", "-k", "P3"], "not with -k"),
+    (["transformers==5.24.0", "--repros", "--dtype", "bf16"], "not with --dtype"),
+    (["--repros"], "name the releases"),
+])
+def test_repros_bad_arguments_are_usage_errors_before_any_work(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        sweep.main([*argv, "--envs", str(tmp_path / "envs"), "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "envs").exists() and not (tmp_path / "out").exists()
+
+
+def test_main_repros_runs_each_release_and_a_release_not_built_is_exit_1(tmp_path, monkeypatch, capsys):
+    """The --repros flow with the env and script steps replaced: each package's scripts go to its
+    releases only; a release that could not be built makes the exit status 1, its row says why."""
+    seen = {}
+
+    def fake_run_release_repros(rel, envs, base, timeout, scripts, listing=None):
+        seen[str(rel)] = [slug for slug, _ in scripts.get(rel.package, [])]
+        if rel.version == Version("4.40.2"):
+            return sweep.Row(rel, problem="install: pip install transformers==4.40.2 failed: ERROR: offline")
+        return repro_row(str(rel.version), {slug: 1 for slug in seen[str(rel)]}, package=rel.package)
+
+    monkeypatch.setattr(sweep, "write_repro_scripts", lambda folder: {
+        "transformers": [("t-mpt", folder / "t-mpt" / "repro.py")],
+        "optimum-habana": [("oh-codegen", folder / "oh-codegen" / "repro.py")]})
+    monkeypatch.setattr(sweep, "base_env", lambda envs, timeout: (envs / "_base" / "venv", "digest"))
+    monkeypatch.setattr(sweep, "run_release_repros", fake_run_release_repros)
+    out = tmp_path / "out"
+    code = sweep.main(["transformers==4.40.2", "transformers==5.24.0", "optimum-habana==1.21.2", "--repros",
+                       "--envs", str(tmp_path / "e"), "--out", str(out)])
+    assert code == 1
+    assert seen == {"transformers 4.40.2": ["t-mpt"], "transformers 5.24.0": ["t-mpt"],
+                    "optimum-habana 1.21.2": ["oh-codegen"]}
+    table = (out / "repros.md").read_text()
+    assert "| t-mpt | - | 1 | 5.24.0 | 5.24.0 | - |" in table and "| oh-codegen | 1 | 1.21.2 | 1.21.2 | - |" in table
+    assert json.loads((out / "repros.json").read_text())["rows"][0]["repros"] == {"oh-codegen": [1, "line 1"]}
+
+
+def test_a_repros_cannot_run_note_names_the_exception_not_the_pointer_to_it():
+    output = ("torch 2.13.0, transformers 4.45.2\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "RuntimeError: expected scalar type BFloat16 but found Float\n"
+              "cannot run the experiment (see the error above)\n")
+    assert sweep.output_last_line(output) == ("cannot run the experiment: RuntimeError: expected scalar type BFloat16 "
+                                              "but found Float")
+    assert sweep.output_last_line("cannot run the experiment: cannot import name 'Phi3Config'\n") == (
+        "cannot run the experiment: cannot import name 'Phi3Config'")
+    assert sweep.output_last_line("") == "(no output)"
+    assert sweep.output_last_line("cannot run the experiment: cannot import name 'MptConfig' from 'transformers' "
+                                  "(/envs/transformers-4.30.2/venv/lib/transformers/__init__.py)\n") == (
+        "cannot run the experiment: cannot import name 'MptConfig' from 'transformers'")
+    assert [sweep.note_id(n) for n in (0, 25, 26, 27)] == ["a", "z", "aa", "ab"]
+
+
+@pytest.mark.parametrize("requires, wanted", [
+    (["transformers <4.46.0,>=4.45.2", "optimum", "torch", "accelerate <0.34.0,>=0.33.0", "diffusers ==0.29.2"],
+     ["optimum", "accelerate<0.34.0,>=0.33.0"]),
+    (["transformers<4.56.0,>=4.55.0", "optimum<2.1.0,>=2.0.0", "accelerate ; extra == 'x'"],
+     ["optimum<2.1.0,>=2.0.0"]),
+    (["transformers >=4.32.0"], []),
+])
+def test_an_optimum_habana_env_gets_its_own_optimum_and_accelerate_requirements(tmp_path, requires, wanted):
+    assert sweep.runtime_requirements(wheel(tmp_path, requires)) == wanted

@@ -5,7 +5,7 @@
   bench       throughput and memory table per (batch, max input, max new) config
   killmatrix  run every known-bad variant against the properties; non-zero if one survives
   report      one conformance matrix from the JSON reports of several runs (environments)
-  sweep       the conformance run under each release of optimum-habana or transformers, one table
+  sweep       the conformance run (--repros: the findings' repros) under each release, one table
   findings    the family findings and their cost at real configs (docs/findings.md)
   reach       the ranges each check's cases reached (docs/reach.md)
   calibrate   the tolerances' calibration: run, report, quantized (docs/calibration.md)

@@ -26,6 +26,15 @@ start in the release's env folder, where no ini file names `mpt_kv_require_ceili
 analytic properties only (retained bytes = the KV cache exactly, bounded decode transients, no
 leak), which is what differs between releases. The gate's own runs are unchanged.
 
+--repros: instead of the conformance run, the family findings' standalone repros
+(`mpt_kv.families.repros`, written once into a temporary folder) in each release's env: the
+transformers scripts in transformers releases, the optimum-habana ones in optimum-habana releases
+(with the transformers that release pins), all of a release's scripts in one interpreter (runpy,
+SystemExit caught; this checkout taken off its path: the scripts never see mpt_kv). The table:
+finding x release, 1 (the bug holds) / 0 (fixed) / 2 (the experiment cannot run there: the
+script's last line below the table), and each finding's first and last release where it holds
+and the first tried release after that where it is fixed (repros.md and repros.json in --out).
+
 A release whose pins cannot be read or whose install fails, times out or writes no report says
 why in its row; the exit status is 1 if any release did (0 when every release ran, whatever the
 checks found: the table is the result).
@@ -91,6 +100,7 @@ class Row:
     report: Path | None = None
     log: Path | None = None
     seconds: float = 0.0
+    repros: dict | None = None     # --repros: slug -> (exit status, the script's last line)
 
 
 # --- which releases ------------------------------------------------------------------------------
@@ -200,6 +210,18 @@ def transformers_pin(release: Release, artifact: Path, listing=published) -> str
     return f"transformers=={max(matching)}"
 
 
+RUNTIME = ("optimum", "accelerate")  # what the ports import besides transformers (optimum.utils, accelerate)
+
+
+def runtime_requirements(artifact: Path) -> list[str]:
+    """The release's own Requires-Dist on optimum and accelerate (its ports import them), as it states
+    them: pip resolves them next to the transformers pin. Not its heavy extras' pins (diffusers,
+    sentence-transformers): no MPT-family code imports them."""
+    text = metadata_text(artifact)
+    reqs = [requirement_of(text, name) for name in RUNTIME]
+    return [f"{req.name}{req.specifier}" for req in reqs if req is not None]
+
+
 # --- environments -----------------------------------------------------------------------------------
 
 def last_line(text: str) -> str:
@@ -285,7 +307,7 @@ def release_env(release: Release, envs: Path, base: tuple[Path, str], deadline: 
     artifact = None
     if release.package == "optimum-habana":
         artifact = download(release, envs / "_downloads")
-        requirements = [transformers_pin(release, artifact, listing)]
+        requirements = [transformers_pin(release, artifact, listing), *runtime_requirements(artifact)]
     else:
         requirements = [f"transformers=={release.version}"]
     lock = {"python": sys.version, "requirements": requirements, "artifact": artifact.name if artifact else None,
@@ -509,6 +531,208 @@ def table_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
+# --- --repros: the findings' standalone repros in each release ---------------------------------------
+
+# Runs each script as `python repro.py` would (run_name "__main__") in one interpreter, its output
+# captured, with the checkout (on the env's path by a .pth file) taken off sys.path first; prints
+# {path: {"code", "output"}} and any mpt_kv module the scripts imported (there must be none).
+REPRO_DRIVER = """
+import contextlib, io, json, os, runpy, sys
+source = os.path.realpath(sys.argv[1])
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != source]
+results = {}
+for path in sys.argv[2:]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:  # a script must exit, never raise: counted as "cannot run"
+            code = 2
+            print(f"the script raised {e!r}")
+    results[path] = {"code": code, "output": out.getvalue()}
+imported = sorted(m for m in sys.modules if m == "mpt_kv" or m.startswith("mpt_kv."))
+print(json.dumps({"results": results, "mpt_kv_modules": imported}))
+"""
+HOLDS, FIXED, CANNOT = 1, 0, 2
+
+
+def write_repro_scripts(folder: Path) -> dict[str, list[tuple[str, Path]]]:
+    """The repros (`python -m mpt_kv findings --repro`) under folder: package -> [(slug, repro.py)]."""
+    from mpt_kv.families import repros
+    from mpt_kv.families.costs import known_entries
+    from mpt_kv.families.findings import grouped
+
+    made, _ = repros.write(folder, grouped(known_entries()))
+    scripts: dict[str, list[tuple[str, Path]]] = {}
+    for r in made:
+        scripts.setdefault(repros.implementation(r.entries[0]), []).append((r.slug, folder / r.slug / "repro.py"))
+    return scripts
+
+
+def output_last_line(output: str) -> str:
+    """A script's last line; where that only points at the traceback above ("see the error above",
+    "the prefill above raised"), the exception's line with it."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    last = (lines or ["(no output)"])[-1]
+    if "above" in last:
+        raised = [ln for ln in lines[:-1] if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", ln)]
+        if raised:
+            last = f"{last.split(' (see')[0].split(': the')[0]}: {raised[-1]}"
+    return re.sub(r" \(/[^)]*\)", "", last)[:200]  # no "(/the/env/.../__init__.py)": one note for every release
+
+
+def note_id(n: int) -> str:
+    """The n-th note's letters: a ... z, aa, ab, ..."""
+    letters = ""
+    n += 1
+    while n:
+        n, r = divmod(n - 1, 26)
+        letters = chr(ord("a") + r) + letters
+    return letters
+
+
+def run_repros(venv: Path, scripts: list[tuple[str, Path]], deadline: float) -> dict[str, tuple[int, str]]:
+    """slug -> (exit status, last line) of the scripts, run in one interpreter of the release's env."""
+    if not scripts:
+        return {}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")
+           and not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    env["OMP_NUM_THREADS"] = "1"
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise SweepError("timed out before the repros (the install used the whole --timeout)")
+    try:
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", REPRO_DRIVER, str(SOURCE),
+                              *(str(path) for _, path in scripts)], capture_output=True, text=True,
+                             cwd=scripts[0][1].parent.parent, env=env, timeout=remaining)
+    except subprocess.TimeoutExpired as e:
+        raise SweepError(f"repros: timed out after {e.timeout:.0f} s (--timeout)") from e
+    try:
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise SweepError(f"repros: the driver exited {out.returncode} without its report: "
+                         f"{last_line(out.stderr or out.stdout)}") from None
+    if report["mpt_kv_modules"]:
+        raise SweepError(f"repros: the scripts imported {', '.join(report['mpt_kv_modules'])}")
+    by_path = report["results"]
+    return {slug: (by_path[str(path)]["code"], output_last_line(by_path[str(path)]["output"]))
+            for slug, path in scripts}
+
+
+def run_release_repros(release: Release, envs: Path, base, timeout: float,
+                       scripts: dict[str, list[tuple[str, Path]]], listing=published) -> Row:
+    """The release's env (built or reused, as the conformance sweep's), then its package's repros."""
+    start = time.monotonic()
+    deadline = start + timeout
+    row = Row(release)
+    try:
+        venv, row.pins = release_env(release, envs, base, deadline, listing)
+        row.repros = run_repros(venv, scripts.get(release.package, []), deadline)
+    except SweepError as e:
+        row.problem = str(e) if str(e).startswith("repros:") else f"install: {e}"
+    except subprocess.TimeoutExpired as e:
+        row.problem = f"install: timed out after {e.timeout:.0f} s"
+    row.seconds = time.monotonic() - start
+    return row
+
+
+def holds_range(codes: list[tuple[Release, int]]) -> tuple[Release | None, Release | None, Release | None]:
+    """(first, last) release where the bug holds (status 1) among releases in order, and the first
+    release after the last that ran it without the bug (0: fixed there); None where there is none.
+    A 2 (cannot run) is neither."""
+    held = [r for r, code in codes if code == HOLDS]
+    if not held:
+        return None, None, None
+    after = [r for r, code in codes if code == FIXED and r > held[-1]]
+    return held[0], held[-1], (after[0] if after else None)
+
+
+def repro_table_lines(rows: list[Row]) -> list[str]:
+    """Per package: finding x release (1 holds, 0 fixed, 2 cannot run, with a note), then each
+    finding's first and last release where it holds and the first fixed after it."""
+    rows = sorted(rows, key=lambda r: r.release)
+    lines = []
+    for package in sorted({r.release.package for r in rows}):
+        mine = [r for r in rows if r.release.package == package]
+        ran = [r for r in mine if r.problem is None]
+        slugs = list(dict.fromkeys(s for r in ran for s in r.repros))
+        notes: dict[str, str] = {}  # a 2's last line -> its note's letter
+        lines += [f"### {package}", "",
+                  "| finding | " + " | ".join(str(r.release.version) for r in mine)
+                  + " | holds first | holds last | fixed in |",
+                  "|---|" + "---|" * (len(mine) + 3)]
+        for slug in slugs:
+            cells, codes = [], []
+            for r in mine:
+                if r.problem is not None or slug not in r.repros:
+                    cells.append("-")
+                    continue
+                code, last = r.repros[slug]
+                code = code if code in (HOLDS, FIXED) else CANNOT
+                codes.append((r.release, code))
+                if code == CANNOT:
+                    letter = notes.setdefault(last, note_id(len(notes)))
+                    cells.append(f"2{letter}")
+                else:
+                    cells.append(str(code))
+            first, last, fixed = holds_range(codes)
+            ends = [str(x.version) if x else "-" for x in (first, last, fixed)]
+            lines.append(f"| {slug} | " + " | ".join(cells) + " | " + " | ".join(ends) + " |")
+        lines.append("")
+        if notes:
+            lines += ["Cannot run (2), the script's last line:", ""]
+            lines += [f"- 2{letter}: {text}" for text, letter in notes.items()]
+            lines.append("")
+        for r in mine:
+            lines.append(f"- {r.release}: " + (f"**not run**: {r.problem}" if r.problem else f"{r.pins}")
+                         + f" ({r.seconds:.0f} s)")
+        lines.append("")
+    return lines
+
+
+def main_repros(args, argv: list[str], releases: list[Release]) -> int:
+    import tempfile
+
+    started = time.monotonic()
+    print(f"mpt-kv sweep --repros: {len(releases)} releases, -p {args.parallel}, --timeout {args.timeout:.0f} s, "
+          f"envs {args.envs}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="mpt-kv-repros-") as folder:
+        try:
+            scripts = write_repro_scripts(Path(folder))
+        except ImportError as e:
+            raise SystemExit(f"mpt-kv sweep --repros: writing the repros needs torch and transformers here: {e}")
+        try:
+            base = base_env(args.envs.resolve(), args.timeout)
+        except SweepError as e:
+            raise SystemExit(f"mpt-kv sweep: {e}")
+        rows = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            futures = [pool.submit(run_release_repros, r, args.envs.resolve(), base, args.timeout, scripts)
+                       for r in releases]
+            for future in concurrent.futures.as_completed(futures):
+                row = future.result()
+                rows.append(row)
+                counts = {c: sum(1 for code, _ in (row.repros or {}).values() if (code if code in (0, 1) else 2) == c)
+                          for c in (HOLDS, FIXED, CANNOT)}
+                print(f"  {row.release}: {row.problem or 'ran: %d hold, %d fixed, %d cannot run' % tuple(counts.values())}"
+                      f" ({row.pins or 'no env'}; {row.seconds:.0f} s)", flush=True)
+    elapsed = time.monotonic() - started
+    made = (f"Made by `python -m mpt_kv sweep {' '.join(argv)}` in {elapsed / 60:.1f} min "
+            f"({time.strftime('%Y-%m-%d')}, -p {args.parallel}).")
+    (args.out / "repros.json").write_text(json.dumps({"made": made, "rows": [
+        {"package": r.release.package, "version": str(r.release.version), "pins": r.pins, "problem": r.problem,
+         "seconds": round(r.seconds, 1), "repros": r.repros} for r in sorted(rows, key=lambda r: r.release)]},
+        indent=1))
+    lines = [made, "", *repro_table_lines(rows)]
+    (args.out / "repros.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"table: {args.out / 'repros.md'}")
+    return 1 if any(r.problem for r in rows) else 0
+
+
 # --- the command ------------------------------------------------------------------------------------
 
 def default_envs() -> Path:
@@ -527,10 +751,19 @@ def main(argv: list[str]) -> int:
                    help="the environments' cache (default $MPT_KV_SWEEP_ENVS or ~/.cache/mpt-kv/sweep-envs)")
     p.add_argument("--out", type=Path, default=Path("reports/sweep"), help="reports, logs and table.md (default reports/sweep)")
     p.add_argument("--dtype", action="append", choices=["fp32", "bf16"], help="dtypes to run (default fp32)")
-    p.add_argument("-k", dest="keyword", default=DEFAULT_K, help=f"pytest -k of the runs (default: {DEFAULT_K!r})")
+    p.add_argument("-k", dest="keyword", default=None, help=f"pytest -k of the runs (default: {DEFAULT_K!r})")
     p.add_argument("--render", action="store_true",
                    help="run nothing: make the table again from --out's rows.json, reports and logs")
+    p.add_argument("--repros", action="store_true",
+                   help="run the findings' standalone repros in each release instead of the conformance run: "
+                        "finding x release, 1 holds / 0 fixed / 2 cannot run (repros.md in --out)")
     args = p.parse_args(argv)
+    if args.repros and (args.render or args.dtype or args.keyword is not None):
+        given = [o for o, v in (("--render", args.render), ("--dtype", args.dtype), ("-k", args.keyword is not None))
+                 if v]
+        p.error(f"--repros runs the findings' repros, not the conformance cases: not with {', '.join(given)}")
+    if args.keyword is None:
+        args.keyword = DEFAULT_K
     if args.render:
         return render(args.out)
     if not args.specs:
@@ -545,6 +778,10 @@ def main(argv: list[str]) -> int:
         if problem:
             p.error(f"{option} {folder}: {problem}")
     releases = expand(args.specs, args.per_minor)
+    if args.repros:
+        args.envs.mkdir(parents=True, exist_ok=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        return main_repros(args, argv, releases)
     run_args = [f"--dtype={d}" for d in (args.dtype or ["fp32"])] + (["-k", args.keyword] if args.keyword else [])
     args.envs.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)

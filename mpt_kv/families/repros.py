@@ -241,7 +241,10 @@ def generation_function(root: Path, name: str):
 
     path = root / "transformers" / "generation" / "utils.py"
     tree = ast.parse(path.read_text(), filename=str(path))
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if node is None:  # another release's generation code: this experiment does not apply there
+        raise LookupError(f"this optimum-habana's generation/utils.py defines no {name}(): it reorders the cache "
+                          "another way")
     namespace = {"torch": torch, "DynamicCache": DynamicCache, "EncoderDecoderCache": EncoderDecoderCache}
     exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
     return namespace[name]
