@@ -187,9 +187,9 @@ def test_a_declared_capability_gap_is_unsupported_not_a_pass(monkeypatch):
 
 def test_the_matrix_in_two_processes_is_the_matrix_in_one():
     """--jobs: the rows dealt to forked processes give the same cells, in the same row order."""
-    designs = [KM.must_pass()["stacked_kv"]]
-    variants = [VARIANTS["kv_views_of_mixed_qkv"], VARIANTS["only_v_cloned"], VARIANTS["static_cache_not_written"]]
-    checks = ["P1", "P2", "P3"]
+    designs = [KM.must_pass()["stacked_kv"]]  # a design and two variants: both processes get a row
+    variants = [VARIANTS["kv_views_of_mixed_qkv"], VARIANTS["only_v_cloned"]]
+    checks = ["P3"]
     one = KM.run_matrix(designs, variants, checks)
     two = KM.run_matrix_in(2, designs, variants, checks)
     assert two == one
