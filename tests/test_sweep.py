@@ -126,7 +126,7 @@ def test_bad_arguments_are_usage_errors_before_any_work(tmp_path, capsys, argv, 
 
 
 @pytest.mark.slow
-@pytest.mark.sweep  # builds two environments from the package index: tox's cpu env runs it on its own, after the rest
+@pytest.mark.sweep  # builds two environments from the package index: tests/conftest.py runs it first
 @pytest.mark.skipif(importlib.util.find_spec("optimum") is not None,
                     reason="the sweep builds its own envs: tox's optimum-habana env would only repeat tox -e cpu's run")
 def test_sweep_two_transformers_releases(tmp_path):
