@@ -80,27 +80,6 @@ WITH_REPROS = {
     "optimum-habana-starcoder2-gqa-static-reuse-prefill-no-num-key-value-heads",
 }
 
-# Runs each script as `python repro.py` would (run_name "__main__"), its output captured, and
-# prints {path: {"code": exit status, "output": text}} and whether any script imported mpt_kv.
-DRIVER = """
-import contextlib, io, json, runpy, sys
-results = {}
-for path in sys.argv[1:]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            runpy.run_path(path, run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException as e:  # a script must exit, never raise: the test reports it
-            code = f"raised {e!r}"
-    results[path] = {"code": code, "output": out.getvalue()}
-imported = sorted(m for m in sys.modules if m == "mpt_kv" or m.startswith("mpt_kv."))
-print(json.dumps({"results": results, "mpt_kv_modules": imported}))
-"""
-
-
 def is_optimum_habana(entries) -> bool:
     return repros.implementation(entries[0]) == "optimum-habana"
 
@@ -127,7 +106,7 @@ def driven(written):
     runnable.sort(key=lambda r: is_optimum_habana(r.entries))
     paths = [str(directory / r.slug / "repro.py") for r in runnable]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-I", "-c", DRIVER, *paths], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-I", "-c", repros.DRIVER, "", *paths], capture_output=True, text=True,
                          cwd=directory, env=env, timeout=600)
     assert run.returncode == 0, f"the driver failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     report = json.loads(run.stdout.splitlines()[-1])

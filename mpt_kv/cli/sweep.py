@@ -533,29 +533,6 @@ def table_lines(rows: list[Row]) -> list[str]:
 
 # --- --repros: the findings' standalone repros in each release ---------------------------------------
 
-# Runs each script as `python repro.py` would (run_name "__main__") in one interpreter, its output
-# captured, with the checkout (on the env's path by a .pth file) taken off sys.path first; prints
-# {path: {"code", "output"}} and any mpt_kv module the scripts imported (there must be none).
-REPRO_DRIVER = """
-import contextlib, io, json, os, runpy, sys
-source = os.path.realpath(sys.argv[1])
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != source]
-results = {}
-for path in sys.argv[2:]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            runpy.run_path(path, run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException as e:  # a script must exit, never raise: counted as "cannot run"
-            code = 2
-            print(f"the script raised {e!r}")
-    results[path] = {"code": code, "output": out.getvalue()}
-imported = sorted(m for m in sys.modules if m == "mpt_kv" or m.startswith("mpt_kv."))
-print(json.dumps({"results": results, "mpt_kv_modules": imported}))
-"""
 HOLDS, FIXED, CANNOT = 1, 0, 2
 
 
@@ -596,6 +573,8 @@ def note_id(n: int) -> str:
 
 def run_repros(venv: Path, scripts: list[tuple[str, Path]], deadline: float) -> dict[str, tuple[int, str]]:
     """slug -> (exit status, last line) of the scripts, run in one interpreter of the release's env."""
+    from mpt_kv.families import repros  # lazy: torch and the models only where this command needs them
+
     if not scripts:
         return {}
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")
@@ -605,7 +584,7 @@ def run_repros(venv: Path, scripts: list[tuple[str, Path]], deadline: float) -> 
     if remaining <= 0:
         raise SweepError("timed out before the repros (the install used the whole --timeout)")
     try:
-        out = subprocess.run([str(venv / "bin" / "python"), "-c", REPRO_DRIVER, str(SOURCE),
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", repros.DRIVER, str(SOURCE),
                               *(str(path) for _, path in scripts)], capture_output=True, text=True,
                              cwd=scripts[0][1].parent.parent, env=env, timeout=remaining)
     except subprocess.TimeoutExpired as e:

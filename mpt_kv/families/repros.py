@@ -27,6 +27,34 @@ from string import Template
 from mpt_kv.families import FAMILIES, user_path
 from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, human, versions, what
 
+# Runs each script as `python repro.py` would (run_name "__main__") in one interpreter, its output
+# captured: `python -c DRIVER SOURCE SCRIPT...`, SOURCE a folder taken off sys.path first ("" for
+# none: the sweep's envs have the checkout on their path by a .pth file). Prints {path: {"code",
+# "output"}} and every mpt_kv module the scripts imported (there must be none). A script that raises
+# instead of exiting is status 2, "cannot run", its exception in its output. The sweep and
+# tests/test_repros.py run the scripts through it.
+DRIVER = """
+import contextlib, io, json, os, runpy, sys
+if sys.argv[1]:
+    source = os.path.realpath(sys.argv[1])
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != source]
+results = {}
+for path in sys.argv[2:]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:  # a script must exit, never raise: counted as "cannot run"
+            code = 2
+            print(f"the script raised {e!r}")
+    results[path] = {"code": code, "output": out.getvalue()}
+imported = sorted(m for m in sys.modules if m == "mpt_kv" or m.startswith("mpt_kv."))
+print(json.dumps({"results": results, "mpt_kv_modules": imported}))
+"""
+
 TEMPLATES = "repro_templates"
 
 # Why a view finding costs memory, and how transformers 4.56 stopped it (DynamicLayer.update's
