@@ -196,14 +196,17 @@ ALTERNATION_FIX = ("see the upstream lines: the concat path's causal mask (model
 
 @dataclass(frozen=True)
 class Program:
-    """An optimum-habana finding the program template covers: its calls, path and error."""
+    """An optimum-habana finding the program template covers: its calls, path, error and what is
+    observed after a call (the template's OBSERVE)."""
 
-    call: str        # the call the pattern names: a key of PROGRAMS
+    call: str        # the last call the finding needs: a key of PROGRAMS
     path: str        # concat | static | static+reuse
     paths: tuple     # the paths driven: (path,), or family-P2's ("concat", path)
     short: str       # the folder's short name
-    expected: str    # the error's last line (a regular expression)
+    expected: str | None  # the error's last line (a regular expression); None: no error is part of it
     fix: str
+    observe: tuple = ()   # ((call, "views" | "memory" | "logits"), ...)
+    seen: str = ""        # what the observation sees, for the title
 
 
 def expected_errors(pattern: str) -> str:
@@ -246,6 +249,48 @@ def crash_program(entries: list[dict]) -> Program | None:
     short = "-".join(filter(None, [slugify("-then-".join(paths)), "beam-reorder" if call == "reorder" else slugify(call), error,
                                    slugify(prefix.group(1)) if prefix else None]))
     return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix)
+
+
+# optimum-habana findings seen in what a call leaves, not in an error (port_program.py.tmpl's
+# OBSERVE): the seed bug class in a port (the cache views the fused projection's output after the
+# prefill), and a port's logits against the eager reference (transformers' eager Falcon ALiBi
+# attention adds ALiBi twice: not the port's error, its sdpa equals the port), with, for family-P1,
+# the crash that run meets after (the error's last line on each path, as the entry's reason says)
+VIEWS_FIX = ("copy the prefill's K/V out of the fused projection's output before caching them (index_select, "
+             "`.contiguous()` or `.clone()` of the slices), as optimum-habana's MPT port has done since it stopped "
+             "caching views of mixed_qkv")
+EAGER_ALIBI_FIX = ("in transformers' eager Falcon attention add ALiBi once: it is already folded into the causal "
+                   "mask (_update_causal_mask, modeling_falcon.py:911-916), so drop `attention_scores + alibi` "
+                   "(:393-394), as its sdpa path does")
+EAGER_ALIBI_SEEN = ("the prefill's logits equal transformers' sdpa forward, not its eager forward (mpt-kv's "
+                    "reference), which adds ALiBi twice")
+EXTEND_CRASHES = {"concat": r"RuntimeError: The expanded size of the tensor \(\d+\) must match the existing size",
+                  "static": r"RuntimeError: The size of tensor a \(\d+\) must match the size of tensor b"}
+EXTEND_CRASH_FIXES = {"concat": PROGRAM_ERRORS[0][2], "static": SIZE_MISMATCH_FIXES[("extend", "3")]}
+
+
+def observed_program(entries: list[dict]) -> Program | None:
+    """The program of an optimum-habana finding seen after a call (`views` or `logits`)."""
+    entry = entries[0]
+    if implementation(entry) != "optimum-habana" or entry["family"] not in PORT_PATCHES:
+        return None
+    path = next((e["path"] for e in entries if e.get("path")), "concat")
+    if entry.get("views") and path in ("concat", "static"):
+        memory = entry["pattern"].startswith("family-memory")
+        observe = (("prefill", "memory"), ("prefill", "views")) if memory else (("prefill", "views"),)
+        seen = ("the cache's storages hold more bytes than its K/V: " if memory else "") + what(entry).replace("`", "")
+        return Program("prefill", path, (path,), f"{path}-prefill-" + ("storage-bytes" if memory else "kv-views"),
+                       None, VIEWS_FIX, observe, f"after the prefill, {seen}")
+    if "vs transformers' uncached forward" in entry["pattern"] and (entry["family"], entry["variant"]) == (
+            "falcon", "alibi"):
+        if "did not get past extend 3" not in entry["pattern"]:  # family-P0 and the ops' prefill
+            return Program("prefill", "concat", ("concat",), "prefill-logits-vs-eager", None, EAGER_ALIBI_FIX,
+                           (("prefill", "logits"),), EAGER_ALIBI_SEEN)
+        if path in EXTEND_CRASHES:  # family-P1: the prefill's logits, then the 3-token call's crash
+            return Program("extend", path, (path,), f"{path}-prefill-logits-vs-eager-then-extend-crash",
+                           EXTEND_CRASHES[path], f"{EAGER_ALIBI_FIX}; then {EXTEND_CRASH_FIXES[path]}",
+                           (("prefill", "logits"),), EAGER_ALIBI_SEEN)
+    return None
 
 
 PORT_OPERATIONS = {
@@ -443,6 +488,9 @@ def cached_tensors(cache):
 }
 
 
+TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every query head, not num_kv_heads"}
+
+
 def transformers_call(entries: list[dict]):
     entry = entries[0]
     if implementation(entry) != "transformers":
@@ -455,9 +503,11 @@ def transformers_repro(entries: list[dict]) -> Repro:
     """A transformers finding a prefill shows, other than the view findings (`TRANSFORMERS_CALLS`)."""
     entry = entries[0]
     family, variant = entry["family"], entry["variant"]
-    _, functions, operation, call, fix = transformers_call(entries)
+    short, functions, operation, call, fix = transformers_call(entries)
     config_class, _ = class_names(family)
-    title = f"transformers {family}/{variant}: {what(entry).replace('`', '')}"
+    # the pattern's own words, where it is plain text (a regular expression is no title)
+    shown = TRANSFORMERS_TITLES.get(short, what(entry).replace("`", ""))
+    title = f"transformers {family}/{variant}: {shown}"
     script = template("transformers_call.py.tmpl").substitute(
         title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
         config_class=config_class, family=family, variant=variant,
@@ -507,11 +557,12 @@ def port_repro(entries: list[dict]) -> Repro:
 
 
 def program_repro(entries: list[dict]) -> Repro:
-    """An optimum-habana finding a short program of generate's calls raises (`crash_program`)."""
+    """An optimum-habana finding a short program of generate's calls raises (`crash_program`) or
+    leaves in its cache or logits (`observed_program`)."""
 
     entry = entries[0]
     family, variant = entry["family"], entry["variant"]
-    program = crash_program(entries)
+    program = program_of(entries)
     port = FAMILIES[family].gaudi
     config_class, _ = class_names(family)
     what_fails = PROGRAM_CALLS[program.call]
@@ -519,8 +570,14 @@ def program_repro(entries: list[dict]) -> Repro:
              "static+reuse": "static shapes and reuse_cache"}[program.path]
     if len(program.paths) > 1:
         where = f"static shapes off, then {where}"
-    title = (f"optimum-habana {family}/{variant}, {where}: {what_fails} raises "
-             f"{program.expected.replace(chr(92), '')}")
+    if program.observe:  # what is seen, then the error that follows it, if the finding has one
+        then = (f"; then {PROGRAM_CALLS[program.call]} raises {program.expected.replace(chr(92), '')}"
+                if program.expected else "")
+        title = f"optimum-habana {family}/{variant}, {where}: {program.seen}{then}"
+        what_fails = program.seen
+    else:
+        title = (f"optimum-habana {family}/{variant}, {where}: {what_fails} raises "
+                 f"{program.expected.replace(chr(92), '')}")
     patches = "\n".join(f"    hf.{name}{'.' + attribute if attribute else ''} = port.{value}"
                         for name, attribute, value in PORT_PATCHES[family])
     script = template("port_program.py.tmpl").substitute(
@@ -530,8 +587,8 @@ def program_repro(entries: list[dict]) -> Repro:
         config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
         generation_config=repr(dict(port.generation)), patches=patches,
         load_module=LOAD_WITH_STANDIN if port.standin else LOAD_PLAIN, what_fails=what_fails,
-        program=repr(PROGRAMS[program.call]), paths=repr(program.paths),
-        generation_function=GENERATION_FUNCTION)
+        program=repr(PROGRAMS[program.call]), paths=repr(program.paths), observe=repr(list(program.observe)),
+        fused=FAMILIES[family].fused, generation_function=GENERATION_FUNCTION)
     options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
                "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
     calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
@@ -611,8 +668,13 @@ def slug_of(entries: list[dict]) -> str | None:
     covered = port_operation(entries)
     if covered:
         return slug(entry, covered[1])
-    program = crash_program(entries)
+    program = program_of(entries)
     return slug(entry, program.short) if program else None
+
+
+def program_of(entries: list[dict]) -> Program | None:
+    """The program of an optimum-habana finding port_program.py.tmpl covers: a crash or an observation."""
+    return crash_program(entries) or observed_program(entries)
 
 
 def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
