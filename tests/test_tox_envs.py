@@ -1,7 +1,7 @@
 """tox.ini: the main job's commands are written once ([conformance]) and run both by `tox` (each
-test env's conformance run after its tests, the matrix after the ohabana env) and by `tox -m
-conformance` (envs of their own): CI runs `tox`, so the README's main-job command runs there as the
-same commands."""
+test env's conformance run after its tests, then its own matrix) and by `tox -m conformance` (envs of
+their own, one matrix of both at the end): CI runs `tox run-parallel`, so the README's main-job
+command runs there as the same commands."""
 
 import subprocess
 import sys
@@ -40,8 +40,20 @@ def test_tox_runs_the_main_jobs_commands_as_tox_m_conformance_does(envs):
     assert envs["conformance-cpu"]["commands"] and envs["conformance-ohabana"]["commands"]
     assert set(envs["conformance-cpu"]["commands"]) <= set(envs["cpu"]["commands"])
     assert set(envs["conformance-ohabana"]["commands"]) <= set(envs["ohabana"]["commands"])
-    assert envs["ohabana"]["commands_post"] == envs["conformance-ohabana"]["commands_post"]
-    assert any("mpt_kv report" in c for c in envs["ohabana"]["commands_post"])  # the matrix of both runs
+    # the main job ends with one matrix of both runs
+    assert [c for c in envs["conformance-ohabana"]["commands_post"] if "mpt_kv report" in c and
+            "conformance-cpu.json" in c and "conformance-ohabana.json" in c]
+
+
+@pytest.mark.parametrize("env, other", [("cpu", "ohabana"), ("ohabana", "cpu")])
+def test_a_test_env_reads_and_removes_only_its_own_report(envs, env, other):
+    """`tox run-parallel` runs the two test envs side by side: an env that removed or read the
+    other's report could delete a fresh one or print a stale one."""
+    commands = envs[env]["commands"] + envs[env]["commands_post"]
+    assert any("mpt_kv report" in c and f"conformance-{env}.json" in c for c in envs[env]["commands_post"])
+    assert not [c for c in commands if f"conformance-{other}" in c], commands
+    removals = [c for c in commands if "unlink" in c]
+    assert removals and all(f"conformance-{env}.json" in c and other not in c for c in removals), removals
 
 
 def test_the_conformance_suite_runs_once_per_env(envs):
