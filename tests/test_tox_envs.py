@@ -1,6 +1,6 @@
 """tox.ini: the main job's commands are written once ([conformance]) and run both by `tox` (each
 test env's conformance run after its tests, then its own matrix) and by `tox -m conformance` (envs of
-their own, one matrix of both at the end): CI runs `tox run-parallel`, so the README's main-job
+their own, one matrix of both at the end): CI runs `tox p -o`, so the README's main-job
 command runs there as the same commands."""
 
 import subprocess
