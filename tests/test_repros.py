@@ -87,6 +87,9 @@ WITH_REPROS = {
     "optimum-habana-falcon-alibi-static-prefill-logits-vs-eager-then-extend-crash",
     # the MPT targets' findings (mpt_kv/targets/known_failures.json), scripts kept in mpt_kv/targets/repros/
     "transformers-mpt-alibi-bias-max-ignored",
+    "optimum-habana-mpt-alibi-bias-max-ignored", "optimum-habana-mpt-bucket-decode-reads-unwritten-slots",
+    "optimum-habana-mpt-prefill-kv-views-of-mixed-qkv", "optimum-habana-mpt-crop-keeps-cropped-positions",
+    "optimum-habana-mpt-beam-reorder-copies-whole-cache", "optimum-habana-mpt-static-reorder-moves-buffers",
 }
 
 def is_optimum_habana(entries) -> bool:
