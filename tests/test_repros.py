@@ -86,7 +86,9 @@ WITH_REPROS = {
     "optimum-habana-falcon-alibi-concat-prefill-logits-vs-eager-then-extend-crash",
     "optimum-habana-falcon-alibi-static-prefill-logits-vs-eager-then-extend-crash",
     # the MPT targets' findings (mpt_kv/targets/known_failures.json), scripts kept in mpt_kv/targets/repros/
-    "transformers-mpt-alibi-bias-max-ignored",
+    "transformers-mpt-alibi-bias-max-ignored", "transformers-mpt-crop-keeps-cropped-positions",
+    "transformers-mpt-static-decode-host-sync", "transformers-mpt-static-reorder-moves-buffers",
+    "transformers-mpt-static-cache-cannot-crop", "transformers-mpt-beam-reorder-copies-whole-cache",
     "optimum-habana-mpt-alibi-bias-max-ignored", "optimum-habana-mpt-bucket-decode-reads-unwritten-slots",
     "optimum-habana-mpt-prefill-kv-views-of-mixed-qkv", "optimum-habana-mpt-crop-keeps-cropped-positions",
     "optimum-habana-mpt-beam-reorder-copies-whole-cache", "optimum-habana-mpt-static-reorder-moves-buffers",

@@ -714,7 +714,9 @@ def index_text(repros: list[Repro], missing: list[list[dict]], shared: dict | No
              "2 where it could not run its experiment. Its README.md says what reaches it, where upstream, what "
              "it costs and a suggested fix.", "",
              "| folder | finding | holds in |", "|---|---|---|"]
-    lines += [f"| [{r.slug}]({r.slug}/README.md) | {r.title} | {versions(r.entries[0])} |" for r in repros]
+    # every range its entries give (a kept MPT target repro serves checks that see it in different ones)
+    lines += [f"| [{r.slug}]({r.slug}/README.md) | {r.title} | "
+              f"{'; '.join(dict.fromkeys(versions(e) for e in r.entries))} |" for r in repros]
     if shared:
         lines += ["", "MPT target findings whose repro is a family finding's (the same bug):", ""]
         lines += [f"- {', '.join(dict.fromkeys(e['target'] + ' ' + e['property'] for e in entries))}: "
