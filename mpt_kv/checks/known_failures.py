@@ -42,7 +42,9 @@ FILE = Path(__file__).resolve().parent.parent / "targets" / "known_failures.json
 PROPERTIES = tuple(p.name for p in index.PROPERTIES if not p.family)  # what an MPT entry may name
 PATHS = ("concat", "static")
 REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}
-OPTIONAL = {"path": str, "bucket": bool, "when": dict, "check": str}
+# "repro": the finding's standalone repro, a folder of `python -m mpt_kv findings --repro DIR`
+# (mpt_kv.families.repros: a script kept in mpt_kv/targets/repros/, or a family finding's repro)
+OPTIONAL = {"path": str, "bucket": bool, "when": dict, "check": str, "repro": str}
 
 
 

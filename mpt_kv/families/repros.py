@@ -364,7 +364,8 @@ class Repro:
 
 
 def implementation(entry: dict) -> str:
-    return entry.get("implementation", "transformers")
+    """The package a finding is in: a family entry's "implementation", an MPT target entry's "target"."""
+    return entry.get("implementation") or entry.get("target") or "transformers"
 
 
 def is_transformers_view(entry: dict) -> bool:
@@ -698,11 +699,13 @@ def describe(entries: list[dict]) -> str:
     """One line naming a finding, for the list of findings without a repro."""
 
     entry = entries[0]
+    if "target" in entry:  # an MPT target's entry
+        return f"MPT target {entry['target']} {entry['property']} ({versions(entry)}): {entry['reason'][:160]}"
     return (f"{implementation(entry)} {entry['family']}/{entry['variant']} ({versions(entry)}): "
             f"{what(entry)} [{entry['upstream']}]")
 
 
-def index_text(repros: list[Repro], missing: list[list[dict]]) -> str:
+def index_text(repros: list[Repro], missing: list[list[dict]], shared: dict | None = None) -> str:
     """DIR/README.md: every repro folder, and every finding without a repro (the gap, visible)."""
 
     lines = ["# Standalone reproductions of mpt-kv's family findings", "",
@@ -711,18 +714,101 @@ def index_text(repros: list[Repro], missing: list[list[dict]]) -> str:
              "2 where it could not run its experiment. Its README.md says what reaches it, where upstream, what "
              "it costs and a suggested fix.", "",
              "| folder | finding | holds in |", "|---|---|---|"]
-    lines += [f"| [{r.slug}]({r.slug}/README.md) | {r.title} | {versions(r.entries[0])} |" for r in repros]
+    # every range its entries give (a kept MPT target repro serves checks that see it in different ones)
+    lines += [f"| [{r.slug}]({r.slug}/README.md) | {r.title} | "
+              f"{'; '.join(dict.fromkeys(versions(e) for e in r.entries))} |" for r in repros]
+    if shared:
+        lines += ["", "MPT target findings whose repro is a family finding's (the same bug):", ""]
+        lines += [f"- {', '.join(dict.fromkeys(e['target'] + ' ' + e['property'] for e in entries))}: "
+                  f"[{slug}]({slug}/README.md)" for slug, entries in shared.items()]
     lines += ["", f"## Findings without a standalone repro ({len(missing)})", ""]
     lines += [f"- no standalone repro yet: {describe(entries)}".replace("|", "\\|") for entries in missing]
     return "\n".join(lines) + "\n"
 
 
+# --- the MPT targets' findings (mpt_kv/targets/known_failures.json) ----------------------------------
+# Each entry names its repro ("repro"): a script written once and kept in mpt_kv/targets/repros/
+# (<slug>.py: standalone as the generated ones; its docstring's first line is its title, and its
+# CALL and FIX say what reaches it and the suggested fix, for its README), or the folder of a family
+# finding that is the same bug (the family checks see it in MPT too).
+TARGET_SCRIPTS = ("mpt_kv.targets", "repros")
+
+
+def target_entries() -> list[dict]:
+    """The MPT targets' known failures, as raw entries (every key kept)."""
+    import json
+
+    return json.loads(resources.files(TARGET_SCRIPTS[0]).joinpath("known_failures.json").read_text(encoding="utf-8"))
+
+
+def target_script(slug: str) -> str | None:
+    """The text of mpt_kv/targets/repros/<slug>.py, None where there is none."""
+    path = resources.files(TARGET_SCRIPTS[0]).joinpath(TARGET_SCRIPTS[1], f"{slug}.py")
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def script_constants(script: str) -> dict:
+    """A kept script's docstring ("doc") and its string constants (CALL, FIX), read without running it."""
+    import ast
+
+    tree = ast.parse(script)
+    found = {"doc": ast.get_docstring(tree) or ""}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and \
+                isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found[node.targets[0].id] = node.value.value
+    return found
+
+
+def target_readme(entries: list[dict], title: str, call: str, fix: str) -> str:
+    """A kept MPT target repro's README, from its entries (one per check that sees the finding)."""
+    lines = [f"# {title}", "", "```", "python repro.py", "```", "",
+             "Exit status 1: the bug is there; 0: it is not; 2: the experiment could not run (a module missing, "
+             "another error).", "",
+             f"- **Reached by**: {call}",
+             "- **Holds in**: " + "; ".join(dict.fromkeys(versions(e) for e in entries)),
+             f"- **Suggested fix**: {fix}",
+             "- **Seen by mpt-kv's checks**: " + ", ".join(dict.fromkeys(
+                 f"{e['property']}" + (f" ({e['path']})" if e.get("path") else "") for e in entries))
+             + f" (MPT target {implementation(entries[0])})", ""]
+    lines += [f"- **Why** ({e['property']}, {versions(e)}): {e['reason']}" for e in
+              {e["reason"]: e for e in entries}.values()]
+    return "\n".join(lines) + "\n"
+
+
+def target_plan(entries: list[dict]) -> tuple[list[Repro], list[dict], dict[str, list[dict]]]:
+    """(the kept MPT target repros, the entries without a repro, {family repro slug: the entries
+    that name it}), in the file's order."""
+    by_slug: dict[str, list[dict]] = {}
+    missing = []
+    for entry in entries:
+        if "repro" in entry:
+            by_slug.setdefault(entry["repro"], []).append(entry)
+        else:
+            missing.append(entry)
+    kept, shared = [], {}
+    for name, named in by_slug.items():
+        script = target_script(name)
+        if script is None:
+            shared[name] = named
+            continue
+        constants = script_constants(script)
+        title = constants["doc"].splitlines()[0].removeprefix("Standalone reproduction: ").rstrip(".")
+        kept.append(Repro(name, title, script, target_readme(named, title, constants["CALL"], constants["FIX"]),
+                          tuple(named)))
+    return kept, missing, shared
+
+
 def write(directory, groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
-    """Write one folder per covered finding under `directory` (repro.py, README.md) and the index
-    directory/README.md; (the repros, the findings without one)."""
+    """Write one folder per covered finding under `directory` (repro.py, README.md), the family
+    findings' and the MPT targets' kept ones, and the index directory/README.md; (the repros, the
+    findings without one)."""
     from pathlib import Path
 
     repros, missing = plan(groups)
+    kept, target_missing, shared = target_plan(target_entries())
+    repros += kept
+    missing += [[entry] for entry in target_missing]
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     for r in repros:
@@ -730,5 +816,5 @@ def write(directory, groups: list[list[dict]]) -> tuple[list[Repro], list[list[d
         folder.mkdir(exist_ok=True)
         (folder / "repro.py").write_text(r.script, encoding="utf-8")
         (folder / "README.md").write_text(r.readme, encoding="utf-8")
-    (root / "README.md").write_text(index_text(repros, missing), encoding="utf-8")
+    (root / "README.md").write_text(index_text(repros, missing, shared), encoding="utf-8")
     return repros, missing

@@ -19,6 +19,15 @@ HFSession = TransformersSession  # the names this module had before the wrappers
 
 
 
+def static_path_missing(version: str) -> str | None:
+    """Why transformers `version`'s MPT has no static-cache path; None where it has one. Also the
+    rule by which tests/test_repros.py reads a static-path repro's "cannot run" (exit 2) there."""
+    if int(version.split(".")[0]) < 5:
+        return (f"transformers {version}: MptForCausalLM has no static-cache path "
+                "(generate(cache_implementation='static') raises for MPT before 5.0)")
+    return None
+
+
 class HFRunner(TransformersRunner):
     name = "transformers"
 
@@ -33,10 +42,9 @@ class HFRunner(TransformersRunner):
         model.load_state_dict(state_dict, strict=True)
         model.to(device=device, dtype=dtype).eval()
         unsupported = {}
-        if self.major < 5:
-            unsupported["static"] = (
-                f"transformers {self.version}: MptForCausalLM has no static-cache path "
-                "(generate(cache_implementation='static') raises for MPT before 5.0)")
+        why = static_path_missing(self.version)
+        if why:
+            unsupported["static"] = why
         from transformers.models.mpt.modeling_mpt import MptAttention
 
         if not reads_attribute(MptAttention.forward, "clip_qkv"):  # older releases (4.40) ignore it
