@@ -741,10 +741,23 @@ def target_entries() -> list[dict]:
     return json.loads(resources.files(TARGET_SCRIPTS[0]).joinpath("known_failures.json").read_text(encoding="utf-8"))
 
 
+# A kept script's line "# mpt-kv: NAME.part" is replaced by mpt_kv/targets/repros/NAME.part (its
+# leading comment, which says what it needs, left out): code several kept scripts share, written once
+PART = re.compile(r"^# mpt-kv: ([\w-]+\.part)\n", re.M)
+
+
 def target_script(slug: str) -> str | None:
-    """The text of mpt_kv/targets/repros/<slug>.py, None where there is none."""
-    path = resources.files(TARGET_SCRIPTS[0]).joinpath(TARGET_SCRIPTS[1], f"{slug}.py")
-    return path.read_text(encoding="utf-8") if path.is_file() else None
+    """The text of mpt_kv/targets/repros/<slug>.py with its parts filled in, None where there is none."""
+    folder = resources.files(TARGET_SCRIPTS[0]).joinpath(TARGET_SCRIPTS[1])
+    path = folder.joinpath(f"{slug}.py")
+    if not path.is_file():
+        return None
+
+    def part(found: re.Match) -> str:
+        text = folder.joinpath(found.group(1)).read_text(encoding="utf-8")
+        return re.sub(r"\A(#[^\n]*\n)+\n*", "", text)
+
+    return PART.sub(part, path.read_text(encoding="utf-8"))
 
 
 def script_constants(script: str) -> dict:
