@@ -36,25 +36,7 @@ MAJOR = int(transformers.__version__.split(".")[0])
 NO_CROP = re.compile(r"'\w*StaticLayer' object has no attribute 'crop'")
 
 
-class CannotRun(Exception):
-    pass
-
-
-def tiny_mpt():
-    torch.manual_seed(0)
-    config = MptConfig(**CONFIG)
-    try:
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    except TypeError:  # before transformers 4.36 there is no attn_implementation: eager is the only one
-        return AutoModelForCausalLM.from_config(config).eval()
-
-
-def static_cache(model, batch_size: int):
-    if MAJOR >= 5:
-        return StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
-    # 4.x: the batch, length, device and dtype up front
-    return StaticCache(config=model.config, max_batch_size=batch_size, max_cache_len=MAX_CACHE_LEN,
-                       device=model.device, dtype=model.dtype)
+# mpt-kv: static_mpt.part
 
 
 def main() -> int:
