@@ -49,9 +49,21 @@ def short_path(filename: str) -> str:
     """`filename` relative to the sys.path entry it is under (transformers/models/mpt/modeling_mpt.py,
     mpt_kv/catalogue/variants.py), or as it is."""
     filename = os.path.abspath(filename)
-    under = [os.path.relpath(filename, p) for p in map(os.path.abspath, filter(None, sys.path))
+    roots = [*filter(None, sys.path), *package_parents()]
+    under = [os.path.relpath(filename, p) for p in map(os.path.abspath, roots)
              if filename.startswith(p.rstrip(os.sep) + os.sep)]
     return min(under, key=len) if under else filename
+
+
+def package_parents() -> list[str]:
+    """The folders that hold an imported top-level package: where an editable install or a
+    path hook loaded it from, when that folder is not on sys.path (mpt_kv/catalogue/variants.py
+    is named so then too)."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__path__", None) if "." not in name else None
+        out += [os.path.dirname(os.path.abspath(p)) for p in (path or []) if isinstance(p, str)]
+    return [p for p in dict.fromkeys(out) if p != os.path.dirname(p)]  # never the filesystem's root
 
 
 @dataclass(frozen=True)
