@@ -35,6 +35,7 @@ mask of the cache's length), read no device value on the host and branch on no t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import linecache
 import os
 import re
@@ -301,7 +302,23 @@ class GraphedDecode:
         self.calls = 0
 
     def split(self, args, kwargs):
-        named = {**{i: a for i, a in enumerate(args)}, **kwargs}
+        try:  # named as the forward names them: 'token_idx', not 3
+            signature = inspect.signature(self.eager)
+            bound = signature.bind(*args, **kwargs).arguments
+        except (TypeError, ValueError):
+            signature, bound = None, None
+        if bound is None:
+            named = {**{i: a for i, a in enumerate(args)}, **kwargs}
+        else:
+            named = {}
+            for name, value in bound.items():
+                kind = signature.parameters[name].kind
+                if kind is inspect.Parameter.VAR_KEYWORD:  # **kwargs: each keyword an argument of its own
+                    named.update(value)
+                elif kind is inspect.Parameter.VAR_POSITIONAL:
+                    named.update({f"*{name}[{i}]": v for i, v in enumerate(value)})
+                else:
+                    named[name] = value
         return ({k: v for k, v in named.items() if isinstance(v, torch.Tensor)},
                 {k: fingerprint(v) for k, v in named.items() if not isinstance(v, torch.Tensor)})
 
