@@ -105,6 +105,8 @@ def failure_site(error: BaseException) -> str:
     """' at path:line in function (`source`)', the innermost user frame dynamo names, or ''."""
     text = str(error)
     frames = _FRAME.findall(text.split("from user code:", 1)[1]) if "from user code:" in text else []
+    # a torch function or dispatch mode on the stack (a profiler, a device shim) is never where the target failed
+    frames = [f for f in frames if f[2] not in ("__torch_function__", "__torch_dispatch__")]
     if not frames:
         return ""
     path, line, function = frames[-1]
