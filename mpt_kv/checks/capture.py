@@ -6,8 +6,10 @@ CUDA graphs and HPU graphs need it.
 The decode step is what production code compiles or captures: the target's model forward
 (`runner.model.forward`) on one decode step of the static path; the prefill and the generation
 loop around it (the session: token_idx, the mask) stay eager, as in optimum-habana's and
-transformers' generation and gpt-fast's loop. Against an eager session of the same runner, fed the
-same tokens, every decode step of the fixed case:
+transformers' generation and gpt-fast's loop. The case's static path is generated eagerly first, then
+again on the same model with the decode steps compiled (and on cuda a third time, replayed), fed the
+eager run's tokens, one generation at a time as a served model runs them; every decode step against
+the eager one:
 
 - cpu (and every device): `torch.compile(model.forward, fullgraph=True, dynamic=False,
   backend="aot_eager")`: dynamo and AOT autograd's functionalization trace the step as inductor
@@ -37,14 +39,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import linecache
-import os
 import re
 
 import torch
 
 from mpt_kv.checks.compare import NOT_CRASHES, PropertyFailure, assert_close, crash_of, describe
 from mpt_kv.checks.properties import Context, greedy
-from mpt_kv.checks.results import copied, snapshot
+from mpt_kv.checks.results import copied
 from mpt_kv.checks.static_shape import short_path, validation_off
 from mpt_kv.errors import Unsupported
 
@@ -52,7 +53,7 @@ BACKEND = "aot_eager"  # dynamo + AOT functionalization, no code generation
 COMPILE = f"torch.compile(fullgraph=True, dynamic=False, backend={BACKEND!r})"
 HPU_REASON = ("graph-capture on hpu: HPU graphs (wrap_in_hpu_graph, optimum-habana's --use_hpu_graphs) are checked "
               "by P1, P2 and P4's /graphs runs; torch.compile on HPU takes backend='hpu_backend' from "
-              "habana_frameworks (docs/checks.md, 'What graphs need'), not run by this check")
+              "habana_frameworks (docs/checks.md, 'Graph capture'), not run by this check")
 
 
 def capture_unavailable(kind: str) -> str | None:
