@@ -2,7 +2,10 @@
 target and record every comparison's error as a fraction of its bound.
 
     python -m mpt_kv calibrate run --target reference --cases 5000 [--shard 0/4] [--out calibration]
+    python -m mpt_kv calibrate run --target reference --device cuda --tf32 off --sdpa-backend default ...
     python -m mpt_kv calibrate report calibration/*.jsonl
+    python -m mpt_kv calibrate quantized --cases 400     the quantized caches' bounds
+    python -m mpt_kv calibrate compiled --cases 200      the compiled decode step's bound (graph-capture)
 
 `run` appends one JSON line per case to OUT/<target>-<transformers version>-<k>of<n>.jsonl and
 skips the cases already there (resumable; shards split the case indices k, k + n, ...). Run it

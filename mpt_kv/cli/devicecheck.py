@@ -21,8 +21,8 @@ Steps, in this order, each a subprocess with its own time limit, its output unde
   bench-legacy  the bench's rows on transformers 4.55.4, the release that shipped the seed bug in its
                 DynamicCache (concat: its MPT has no static path), loaded from --legacy-transformers DIR (put
                 first on that step's sys.path): a folder holding transformers 4.55.4 and what it needs beyond
-                the machine's packages (huggingface_hub<1, tokenizers<0.22: `pip install --no-deps --target DIR`
-                of their wheels)
+                a transformers 5 environment (huggingface_hub<1, tokenizers<0.22, and the requests huggingface_hub
+                0.x imports: `pip install --no-deps --target DIR` of their wheels, docs/bench.md)
 
 Each step's limit (--timeout STEP=SECONDS changes one) is also cut to what is left of --budget: the whole
 command ends within it (default 470 s, under 8 minutes with the start). A step that runs out of time is
@@ -140,8 +140,8 @@ def plan(a, out: Path) -> list[Step]:
     legacy = Step("bench-legacy", mpt_kv(*bench_args, "--target", "transformers", "--path", "concat", "--out",
                                          str(out / "bench-legacy")), a.timeouts["bench-legacy"])
     if a.legacy_transformers is None:
-        legacy.status = (f"not installed: no --legacy-transformers DIR (transformers {LEGACY} with huggingface_hub<1 "
-                         "and tokenizers<0.22, docs/bench.md)")
+        legacy.status = (f"not installed: no --legacy-transformers DIR (transformers {LEGACY} with huggingface_hub<1, "
+                         "tokenizers<0.22 and requests: docs/bench.md)")
     else:
         legacy.env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(a.legacy_transformers).resolve()),
                                                                   os.environ.get("PYTHONPATH")]))}
@@ -300,7 +300,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", default=None, metavar="B,I,N",
                    help="a bench row instead of the model's seed rows (repeatable)")
     p.add_argument("--legacy-transformers", default=None, metavar="DIR",
-                   help=f"a folder with transformers {LEGACY}, huggingface_hub<1 and tokenizers<0.22 (step bench-legacy)")
+                   help=f"a folder with transformers {LEGACY} and what it needs beyond a transformers 5 environment "
+                        "(huggingface_hub<1, tokenizers<0.22, requests): step bench-legacy (docs/bench.md)")
     p.add_argument("--timeout", action="append", type=parse_timeout, default=[], metavar="STEP=SECONDS",
                    help=f"one step's time limit (defaults: {', '.join(f'{k}={v}' for k, v in TIMEOUTS.items())})")
     p.add_argument("--budget", type=int, default=BUDGET, help=f"seconds for the whole command (default {BUDGET})")
