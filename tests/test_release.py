@@ -223,6 +223,7 @@ def releases() -> list[tuple[str, str | None, list[str]]]:
 def test_the_current_version_has_a_changelog_entry_in_keep_a_changelog_form():
     from packaging.version import Version
 
+    assert VERSION == PROJECT["version"], f"installed mpt-kv {VERSION}, pyproject.toml {PROJECT['version']}: pip install -e ."
     found = releases()
     assert found[0][:2] == ("Unreleased", None), "CHANGELOG.md starts with ## [Unreleased]"
     dated = found[1:]
