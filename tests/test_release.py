@@ -135,9 +135,10 @@ def test_the_installed_wheel_opens_the_files_of_its_list_and_no_other(wheel_venv
     assert got["root"] == str(wheel_venv.purelib / "mpt_kv"), got["root"]  # the wheel's copy, not the checkout
     assert got["codes"] == [0, 0]
     here = sorted(str(p.relative_to(package_data.PACKAGE_ROOT)) for p in package_data.files())
-    assert got["listed"] == here, "the installed wheel lacks files of the list: " + str(sorted(set(here) - set(got["listed"])))
-    assert set(got["opened"]) <= set(got["listed"]), f"opened, not in mpt_kv/package_data.py: {set(got['opened']) - set(here)}"
-    assert set(got["opened"]) == set(got["listed"]), f"listed, never opened: {set(here) - set(got['opened'])}"
+    listed, opened = set(got["listed"]), set(got["opened"])
+    assert got["listed"] == here, f"the installed wheel lacks files of the list: {sorted(set(here) - listed)}"
+    assert opened <= listed, f"opened, not in mpt_kv/package_data.py: {sorted(opened - listed)}"
+    assert opened == listed, f"listed, never opened: {sorted(listed - opened)}"
 
 
 # a module of the package that names its own location for what it is not opening: why
@@ -231,10 +232,10 @@ def test_the_current_version_has_a_changelog_entry_in_keep_a_changelog_form():
     numbers = [Version(v) for v, _, _ in dated]
     assert numbers == sorted(numbers, reverse=True) and len(set(numbers)) == len(numbers), "newest first, once each"
     assert [date for _, date, _ in dated] == sorted((date for _, date, _ in dated), reverse=True)
-    assert dated and dated[0][0] == VERSION, f"mpt-kv {VERSION} (pyproject.toml) has no entry: CHANGELOG.md's newest is {dated[0][0]}"
+    assert dated and dated[0][0] == VERSION, f"mpt-kv {VERSION} has no entry: CHANGELOG.md's newest is {dated[0][0]}"
     for name, _, headings in found:
         assert all(h in TYPES for h in headings), f"{name}: {headings}: Keep a Changelog's are {TYPES}"
-        assert headings == sorted(set(headings), key=TYPES.index), f"{name}: {headings}: once each, in the order {TYPES}"
+        assert headings == sorted(set(headings), key=TYPES.index), f"{name}: {headings}: once each, in {TYPES}' order"
     entry = CHANGELOG.split(f"## [{VERSION}]")[1].split("\n## ")[0]
     assert "**Upgrading**" in entry, "a release says first what a project must do"
     linked = dict(re.findall(r"^\[([^\]]+)\]: (\S+)$", CHANGELOG, flags=re.M))

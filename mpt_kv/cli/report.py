@@ -93,7 +93,8 @@ def merge(reports: list[dict]) -> dict:
     capabilities = {t: u for rep in reports for t, u in rep.get("capabilities", {}).items()}
     unrecorded = {f"{u['target']}|{u['device']}|{u['file']}": u for rep in reports for u in rep.get("unrecorded", [])}
     profiles = sorted({rep.get("hypothesis_profile") for rep in reports if rep.get("hypothesis_profile")})
-    return {"mpt_kv_version": versions.mpt_kv(), "results": results, "memory": memory, "absent_devices": absent, "capabilities": capabilities,
+    return {"mpt_kv_version": versions.mpt_kv(),  # the mpt-kv that merged and judged them; each run's: "environments"
+            "results": results, "memory": memory, "absent_devices": absent, "capabilities": capabilities,
             "unrecorded": unrecorded, "hypothesis_profile": "/".join(profiles) or None,
             "reach": [r for rep in reports for r in rep.get("reach", [])],
             "allow_missing_device": all(rep.get("allow_missing_device", False) for rep in reports),
