@@ -11,6 +11,7 @@ import hashlib
 import base64
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -97,6 +98,19 @@ def test_the_wheel_holds_the_package_as_it_is_in_the_checkout(wheel_venv):
     assert license_text == (REPO / "LICENSE").read_bytes()
     clone_only = [str(p.relative_to(package_data.CHECKOUT_ROOT)) for p in package_data.CHECKOUT]
     assert not set(clone_only) & names, clone_only
+
+
+@pytest.mark.slow  # about 5 s
+def test_releasings_install_check_runs_the_shipped_suite_from_the_wheel(wheel_venv, tmp_path):
+    """docs/releasing.md's last step, its run of the shipped suite from a folder outside the repository,
+    with the wheel's mpt-kv (the index's install before it gives the same wheel, once published)."""
+    (command,) = [c for c in shell_commands("docs/releasing.md") if "--pyargs" in c]
+    argv = shlex.split(command.split("&&", 1)[1])  # after `cd /tmp &&`: any folder outside a clone
+    assert argv[0] == "/tmp/mpt-kv-installed/bin/python" and argv[1:4] == ["-m", "pytest", "--pyargs"], argv
+    done = subprocess.run([str(wheel_venv.python), *argv[1:], "-p", "no:cacheprovider"], cwd=tmp_path,
+                          env=wheel_venv.env(CI="true"), capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and re.search(r"\d+ passed", out), out[-3000:]
 
 
 # Run in the wheel's venv: every file the installed package opens while its openers run (an audit
