@@ -108,9 +108,11 @@ def failure_site(error: BaseException) -> str:
     frames = _FRAME.findall(text.split("from user code:", 1)[1]) if "from user code:" in text else []
     # a torch function or dispatch mode on the stack (a profiler, a device shim) is never where the target failed
     frames = [f for f in frames if f[2] not in ("__torch_function__", "__torch_dispatch__")]
-    if not frames:
-        return ""
-    path, line, function = frames[-1]
+    return site(*frames[-1]) if frames else ""
+
+
+def site(path: str, line: str, function: str) -> str:
+    """' at mpt_kv/catalogue/variants.py:198 in update (`n = int(...)`)': a frame as the messages name it."""
     source = linecache.getline(path, int(line)).strip()
     return f" at {short_path(path)}:{line} in {function}" + (f" (`{source}`)" if source else "")
 
@@ -134,12 +136,7 @@ def host_reads(gm) -> list[str]:
         if node.op not in ("call_method", "call_function") or name not in HOST_READS:
             continue
         frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-        where = ""
-        if frames:
-            path, line, function = frames[-1]
-            source = linecache.getline(path, int(line)).strip()
-            where = f" at {short_path(path)}:{line} in {function}" + (f" (`{source}`)" if source else "")
-        out.append(f"{HOST_READS[name]}{where}")
+        out.append(HOST_READS[name] + (site(*frames[-1]) if frames else ""))
     return out
 
 
