@@ -7,7 +7,8 @@ Rows: the must-pass catalogue (the reference and the legitimate designs of desig
 must-kill catalogue (the known-bad variants of variants.py). Columns: P0-P4 (properties.py; P4,
 the output-reuse check, is "n/a" in a build that lacks it), static-shape (static_shape.py) and
 memory (ceilings.check_memory). Each column runs over fixed, deterministic cases (`CASES`) and
-its cache paths (concat, static, static with the case's cache_idx bucket), fp32, CPU by default.
+its cache paths (concat, static, static with the case's cache_idx bucket), fp32 (or the row's own
+`dtype`, for an entry that differs from the reference only below fp32), CPU by default.
 Each case names the columns that run it, to keep the matrix fast: the long case runs the value
 columns (P0-P2) only; the memory column (the costliest: an exact byte count of every op) and
 static-shape run the first case, static-shape the wide one too.
@@ -164,9 +165,10 @@ def run_column(column: str, build, name: str, device, dtype, runners: dict) -> C
                 for fields in inputs(prop, mc, bucket):
                     case = fields.pop("case")
                     try:
-                        # the corner cases have their own model; every other input runs on the matrix case's
-                        runner = runners_for(target, mc.case if case.cfg == mc.case.cfg else case, device, dtype,
-                                             runners)
+                        # the corner cases have their own model; every other input runs on the matrix case's,
+                        # with the weights its oracles are built from (the case's seed: a bf16 row's fp32 twin)
+                        shared = case.cfg == mc.case.cfg and case.seed == mc.case.seed
+                        runner = runners_for(target, mc.case if shared else case, device, dtype, runners)
                         runner.require(path, "bucket" if bucket else None, dtype_feature(dtype), device.type)
                         run = running.Run(check, target, device, dtype)
                         run.check_case(runner, run.context(case, **fields))
@@ -216,9 +218,10 @@ def run_matrix(designs: list[Design], variants: list[Variant], checks: list[str]
     device = torch.device(device)
     runners: dict = {}
     rows = [REFERENCE] + [d for d in designs if d.name != "reference"]
-    passing = {d.name: {c: as_must_pass(run_column(c, d.build, d.name, device, dtype, runners))
+    # a row that names its own dtype (a design or bug that exists only below float32) runs in it
+    passing = {d.name: {c: as_must_pass(run_column(c, d.build, d.name, device, d.dtype or dtype, runners))
                         for c in checks} for d in rows}
-    killing = {v.name: {c: run_column(c, v.build, v.name, device, dtype, runners) for c in checks}
+    killing = {v.name: {c: run_column(c, v.build, v.name, device, v.dtype or dtype, runners) for c in checks}
                for v in variants}
     return {"must_pass": passing, "must_kill": killing}
 

@@ -43,17 +43,19 @@ class Variant:
     killed_by: tuple[str, ...]    # kill-matrix columns expected to catch it
     build: Callable               # (cfg, state_dict, device, dtype) -> Runner
     waits_for: str = ""           # the check feature, not in this build, that will kill it
+    dtype: torch.dtype | None = None  # the dtype the kill matrix runs the row in (None: the matrix's, fp32)
 
 
 VARIANTS: dict[str, Variant] = {}
 
 
-def variant(name, bug, origin, killed_by, waits_for="", **pieces):
-    """Register a variant and return its factory (also a module attribute of the same name)."""
+def variant(name, bug, origin, killed_by, waits_for="", dtype=None, **pieces):
+    """Register a variant and return its factory (also a module attribute of the same name); `dtype`:
+    the kill matrix runs its row in that dtype (a bug that exists only there)."""
     session_class = pieces.pop("session", ReferenceSession)
     model_class = pieces.pop("model", None) or model_with(**pieces)
     build = runner_factory(name, model_class, session_class, module=__name__)
-    VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build, waits_for)
+    VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build, waits_for, dtype)
     return build
 
 
@@ -979,3 +981,98 @@ quantized_kv_wrong_row = quantized_variant(
     "row: another row's values clip or lose their precision",
     "a scale reduction over the wrong dimension, or a scale buffer indexed without the batch row",
     ["P1", "ops"], RowZeroScale)
+
+
+# --- a quantized cache that holds more than its codes and one layer's dequantize (memory) ---------------
+
+from mpt_kv.catalogue.designs import dequantize  # noqa: E402
+
+
+class WholeCacheDequantized:
+    """At the first layer of each cached call every layer's cache is dequantized (held until the last
+    layer's attention has run); each layer still attends over its own fresh dequantize."""
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        cached = self._cached(layer)
+        if cached and layer == 0:
+            self.whole = [None if q is None else tuple(dequantize(c, s, self.out_dtype) for c, s in zip(*q))
+                          for q in self.q]
+        out = super().update(layer, k, v, token_idx, cache_idx)
+        if cached and layer == len(self.q) - 1:
+            self.whole = None
+        return out
+
+
+quantized_kv_whole_cache_dequantized = quantized_variant(
+    "quantized_kv_whole_cache_dequantized",
+    "the int8 quantized cache dequantizes every layer's K and V at the first layer of each cached call and holds "
+    "them until the last layer: the whole cache in full precision during every step",
+    "an attention fed from cache.dequantized() / a kv() accessor that dequantizes every layer, or a 'dequantize "
+    "once per step' optimisation, where one layer at a time was meant",
+    ["memory"], WholeCacheDequantized)
+
+
+class FullPrecisionCopy:
+    """Keeps a full-precision copy of every cached K and V beside the codes (the concat path)."""
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        shadow = getattr(self, "shadow", None) or [None] * len(self.q)
+        self.shadow = shadow
+        shadow[layer] = (k.clone(), v.clone()) if shadow[layer] is None else \
+            (torch.cat([shadow[layer][0], k], 2), torch.cat([shadow[layer][1], v], 2))
+        return super().update(layer, k, v, token_idx, cache_idx)
+
+
+quantized_kv_full_precision_copy = quantized_variant(
+    "quantized_kv_full_precision_copy",
+    "the int8 quantized cache also keeps every cached K and V in full precision beside the codes: the cache is "
+    "larger than the one it replaces",
+    "a full-precision cache kept 'for the prefill' or for a fallback path, never dropped once quantized",
+    ["memory"], FullPrecisionCopy)
+
+
+class OldCodesKept:
+    """The concat path's codes and scales before each torch.cat stay referenced after the step."""
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        old = getattr(self, "old", None) or [None] * len(self.q)
+        self.old = old
+        old[layer] = self.q[layer]
+        return super().update(layer, k, v, token_idx, cache_idx)
+
+
+quantized_kv_old_codes_kept = quantized_variant(
+    "quantized_kv_old_codes_kept",
+    "the int8 quantized concat cache keeps the codes and scales from before each torch.cat referenced after the "
+    "step: every decode step holds the quantized cache twice",
+    "old_cache_kept_referenced in a quantized cache: the previous step's tuple kept for an undo or a rollback",
+    ["memory"], OldCodesKept)
+
+
+# --- a bf16 model that upcasts every layer's cache to fp32 (memory) -------------------------------------
+
+from mpt_kv.catalogue.designs import UpcastSdpaAttention  # noqa: E402
+
+
+class UpcastEveryLayer(UpcastSdpaAttention):
+    """At the first layer of a cached call, every layer's cached K and V upcast to fp32 (held on the cache
+    until the last layer); each layer then attends as the design does."""
+
+    def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
+        kv = getattr(cache, "kv", None)
+        if layer == 0 and kv is not None and all(pair is not None for pair in kv):  # a cached call
+            cache.upcast = [(k.float(), v.float()) for k, v in kv]  # every layer's cache, as fp32 copies
+        out = super().forward(x, mask, bias, cache, layer, token_idx, cache_idx)
+        if layer == self.cfg.n_layers - 1 and cache is not None:
+            cache.upcast = None
+        return out
+
+
+attention_upcasts_every_layer = variant(
+    "attention_upcasts_every_layer",
+    "a bfloat16 model (attention_upcast_to_fp32) that upcasts every layer's cached K and V to float32 at the first "
+    "layer of each decode step and holds them until the last: the whole cache in fp32 during every step "
+    "(a bfloat16 row)",
+    "an fp32 attention path fed by a whole-cache conversion once per step (past_key_values converted with "
+    ".float() / .to(torch.float32) before the forward) where one layer at a time was meant",
+    ["memory"], dtype=torch.bfloat16, attention=UpcastEveryLayer)
