@@ -192,15 +192,25 @@ def step_allowance(session, cfg: ModelConfig, batch: int, length: int, s: int, q
     return 0, ""
 
 
-def decode_bound(cfg: ModelConfig, batch: int, length: int, s: int, path: str, block: int | None = None) -> int:
+def decode_bound(cfg: ModelConfig, batch: int, length: int, s: int, path: str, block: int | None = None,
+                 layout=None) -> int:
     """Most a decode step may allocate above what was allocated before it (see module doc); `block`:
-    the block size of a BlockGrowth layout, whose new buffer is that capacity, not the tokens held."""
+    the block size of a BlockGrowth layout, whose new buffer is that capacity, not the tokens held;
+    `layout`: a declared QuantizedKV, whose new concat cache is its codes and scales."""
     shape = shape_of(cfg)
     transients = TRANSIENT_SLACK * analytic.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
     logits = analytic.logits_bytes(shape, batch, 1, trim=True, itemsize=s) * 2  # + an fp32 copy
     masks = batch * length * (2 * 8 + 4 + 1) + length  # old + new int64 mask, a float and a bool mask
-    cache = analytic.kv_cache_bytes(shape, batch, new_cache_length(length, block), s) if path == "concat" else 0
+    cache = new_cache_bytes(cfg, batch, length, s, block, layout) if path == "concat" else 0
     return transients + logits + masks + cache
+
+
+def new_cache_bytes(cfg: ModelConfig, batch: int, length: int, s: int, block: int | None, layout) -> int:
+    """The new cache a concat step may build next to the old one: KV of `length` positions (whole
+    blocks of a BlockGrowth), or a declared quantized cache's codes and scales (not full precision: a
+    step that keeps the old cache dequantized, or a full-precision one, does not fit)."""
+    n = new_cache_length(length, block)
+    return expected_kv_bytes(layout if isinstance(layout, QuantizedKV) else None, cfg, batch, n, s)
 
 
 # --- measuring one generation ----------------------------------------------------------------------
@@ -522,14 +532,14 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                 allocated = meter.allocated() - base
                 transient, max_allocated = max(transient, step_transient), max(max_allocated, peak)
                 kv_bytes = check_retained(session, f"decode step {step}", allocated)
-                block = growth_block(session)
+                block, layout = growth_block(session), quantized_layout(session)
                 allowance, allowed = step_allowance(session, cfg, B, L + (path == "concat"), s)
-                bound = decode_bound(cfg, B, L + (path == "concat"), s, path, block) + allowance
+                bound = decode_bound(cfg, B, L + (path == "concat"), s, path, block, layout) + allowance
                 if step_transient > bound and "decode" not in problems:
                     problems["decode"] = (
                         f"memory: {path} decode step {step} peaked {step_transient} bytes above the "
                         f"{before} allocated before it, {step_transient - bound} bytes too many: the bound "
-                        f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path, block)}"
+                        f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path, block, layout)}"
                         f"{f' + {allowed}' if allowance else ''}) "
                         f"[{describe(ctx)}]")
             del session
@@ -732,15 +742,24 @@ def pool_bytes(session, kept: dict) -> int:
     return sum(st.nbytes() for key, st in storages.items() if key in kept and kept[key]() is st)
 
 
-def decode_bound_text(cfg, batch, length, s, path, block: int | None = None) -> str:
+def decode_bound_text(cfg, batch, length, s, path, block: int | None = None, layout=None) -> str:
     shape = shape_of(cfg)
     lt = analytic.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
     text = (f"{TRANSIENT_SLACK} x one layer's transients {lt} at q=1, kv={length} + logits and masks")
     if path == "concat":
         n = new_cache_length(length, block)
         grown = f", {length} positions in whole blocks of {block} (BlockGrowth)" if block else ""
-        text += f" + the new cache KV({n}) {analytic.kv_cache_bytes(shape, batch, n, s)} next to the old one{grown}"
+        quantized = isinstance(layout, QuantizedKV)
+        text += (f" + the new {'quantized ' if quantized else ''}cache {'' if quantized else f'KV({n}) '}"
+                 f"{new_cache_bytes(cfg, batch, length, s, block, layout)} next to the old one{grown}")
     return text
+
+
+def quantized_layout(session) -> QuantizedKV | None:
+    """The session's declared QuantizedKV without its tensors (what it declares, for the bounds), else
+    None: a reference to the codes kept across the next step would be measured as part of the cache."""
+    layout = layout_of(session)
+    return dataclasses.replace(layout, codes=(), scale_tensors=()) if isinstance(layout, QuantizedKV) else None
 
 
 def check_memory(runner, c: Context) -> list[str]:
