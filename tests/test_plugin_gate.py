@@ -123,6 +123,43 @@ def test_the_end_of_run_gate_counts_only_passed_device_cases():
     assert gate.gate_failures(config) == []
 
 
+def test_a_required_kind_whose_cases_failed_says_what_failed_not_that_nothing_ran():
+    """Issue 38: a narrowed run whose P3 cases fail on a views bug checked the cache and found it broken;
+    "a gate that ran nothing" would send a reviewer looking for a skip."""
+    config = FakeConfig()
+    run = run_state(config)
+    run.required = {"cpu": "-m 'cpu' selects cpu cases"}
+    run.results += [{"target": "t", "property": "P3", "path": "concat", "outcome": "failed", "kinds": ["cpu"]},
+                    {"target": "t", "property": "ops-P3", "path": "concat", "outcome": "failed", "kinds": ["cpu"]},
+                    {"target": "t", "property": "P1", "path": "concat", "outcome": "skipped", "kinds": ["cpu"]}]
+    assert gate.gate_failures(config) == [
+        "-m 'cpu' selects cpu cases: no cpu case passed: 2 of the 3 cpu cases failed (P3, ops-P3 failed 2 on concat); "
+        "their failures above say what is wrong."]
+
+
+# --- the opt-outs are for exploring: refused under CI, as --update-ceilings is -----------------------------------
+
+@pytest.mark.parametrize("flag, args", [
+    ("--allow-missing-device", ("-m", "hpu")),  # was: exit 0, every hpu case skipped
+    ("--allow-no-cache-check", ("-m", "cpu")),  # was: exit 0 having checked no cache
+])
+def test_the_opt_outs_are_refused_under_ci(run, flag, args):
+    result = run(ONE_CASE_PER_DEVICE, *args, flag, CI="true")
+    text = output(result)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, text
+    assert f"ERROR: {flag} is refused under CI (CI=true): it lets " in text, text
+    assert "It is for exploring locally: run without CI=true" in text, text
+    local = run(ONE_CASE_PER_DEVICE, *args, flag, CI="false")  # locally it is what it was
+    assert local.ret == pytest.ExitCode.OK, output(local)
+
+
+@pytest.mark.parametrize("name", ["allow_missing_device", "allow_no_cache_check"])
+def test_every_opt_out_is_refused_under_ci_before_any_test(monkeypatch, name):
+    monkeypatch.setenv("CI", "yes")
+    with pytest.raises(pytest.UsageError, match="is refused under CI"):
+        gate.configure(FakeConfig(**{name: True}))
+
+
 def test_gate_under_xdist_decides_from_the_workers_reports(run):
     # one case (cpu), so one worker: its reports are all the controller decides from; --device cpu: no
     # accelerator to survey for cards (tests/test_plugin_cards.py does that)

@@ -314,7 +314,7 @@ def mpt_cache_evidence(r: Run) -> dict:
     held = sum(storages.values())
     analytic = expected_kv_bytes(layout, case.cfg, case.batch, session.written, itemsize(r.dtype))
     where = (f"after a prefill of {case.batch} x {session.written} tokens on {r.check.path}"
-             f"{f' (bucket {r.check.bucket})' if r.check.bucket else ''}, {r.dtype}")
+             f"{f' (bucket {r.check.bucket})' if r.check.bucket else ''}, {str(r.dtype).replace('torch.', '')}:")
     if held < analytic:
         return {"shown": False, "why": f"{where} the cache's storages hold {held} bytes, less than the analytic K/V "
                                        f"of the prefilled tokens ({analytic} bytes): no cache is kept"}

@@ -660,7 +660,7 @@ def cache_evidence(implementation, family, variant: str, path: str = "concat", d
     storages = {storage_key(t): t.untyped_storage().nbytes() for _, _, t in first}
     held, written = sum(storages.values()), session.written
     analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * written
-    where = f"after a prefill of {c.batch} x {written} tokens on {path}, {c.dtype}"
+    where = f"after a prefill of {c.batch} x {written} tokens on {path}, {str(c.dtype).replace('torch.', '')}:"
     if held < analytic:
         return {"shown": False, "why": f"{where} the cache's storages hold {held} bytes, less than the family's "
                                        f"analytic K/V of the prefilled tokens ({analytic} bytes): no cache is kept"}
