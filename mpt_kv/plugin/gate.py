@@ -157,7 +157,7 @@ def configure(config) -> None:
             raise pytest.UsageError(refused_under_ci(flag))
     for flag, name in (("--mpt-kv-report", "mpt_kv_report"), ("--mpt-kv-markdown", "mpt_kv_markdown")):
         path = config.getoption(name)
-        if path:
+        if path is not None:  # '' too: an empty path is a usage error, never "not given"
             problem = file_problem(path)
             if problem:
                 raise pytest.UsageError(f"{flag} {path}: {problem}")
