@@ -79,6 +79,14 @@ def test_a_bad_declaration_is_refused(kwargs, message):
         mpt_kv.QuantizedKV(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(codes=5), dict(codes=[codes()[0][0][0]]), dict(scale_tensors=None)])
+def test_codes_and_scales_of_the_wrong_kind_are_a_clear_type_error(kwargs):
+    """Issue 38: QuantizedKV(..., codes=5) raised a raw TypeError (object of type 'int' has no len())."""
+    name = next(iter(kwargs))
+    with pytest.raises(TypeError, match=rf"QuantizedKV\({name}=.*\): expected a list of per-layer \(key, value\) pairs"):
+        mpt_kv.QuantizedKV(torch.int8, "token", **kwargs)
+
+
 def test_an_uncalibrated_granularity_is_refused_not_judged_by_the_token_bound():
     session = P.copied(designs.quantized_kv_int8(CASE.cfg, random_state_dict(CASE.cfg), CPU, F32)).session("concat", 10)
     session.prefill(*CASE.inputs(CPU))
