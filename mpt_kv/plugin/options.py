@@ -205,6 +205,43 @@ def ceilings_dir_and_source(config) -> tuple[Path, str | None]:
     return config.rootpath / CEILINGS_FOLDER, None
 
 
+def keep_rootdir(config, parser, args) -> None:
+    """Put pytest's rootdir (and ini file) back where they would be without mpt-kv's option values.
+
+    pytest finds its rootdir before a plugin's options are known: in `--ceilings-dir DIR` it reads
+    DIR as a test path, so the rootdir (and the ini file searched from it) became DIR's, and every node
+    id moved (`FAILED ../../tmp/DIR::test_memory_ceilings[...]`, the project's ini options lost).
+    Called from the plugin's earliest hook, before any conftest or collection: it redoes pytest's own
+    `determine_setup` over the arguments as parsed now and, where the rootdir differs, restores it. The
+    only use of pytest's private setup state (`_rootpath`, `_inipath`, `_inicfg`, `_inicache`);
+    tests/test_plugin_options.py runs it on the locked pytest."""
+    import copy
+
+    try:
+        from _pytest.config.findpaths import determine_setup
+
+        ns = parser.parse_known_args(list(args), namespace=copy.copy(config.option))
+        if not getattr(ns, "ceilings_dir", None):
+            return
+        rootpath, inipath, inicfg, ignored = determine_setup(
+            inifile=ns.inifilename, override_ini=ns.override_ini, args=ns.file_or_dir,
+            rootdir_cmd_arg=ns.rootdir or None, invocation_dir=config.invocation_params.dir)
+        if rootpath == config.rootpath:
+            return
+        old = (str(config.inipath.parent) if config.inipath else str(config.rootpath))
+        config._rootpath, config._inipath, config._inicfg = rootpath, inipath, inicfg
+        config._ignored_config_files = ignored
+        config._inicache.clear()
+        parser.extra_info["rootdir"], parser.extra_info["inifile"] = str(rootpath), str(inipath)
+        if config.known_args_namespace.confcutdir == old:  # derived from the wrong rootdir: derive it again
+            config.known_args_namespace.confcutdir = str(inipath.parent if inipath else rootpath)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise pytest.UsageError(f"--ceilings-dir: mpt-kv keeps pytest's rootdir with pytest's private setup API, which "
+                                f"pytest {pytest.__version__} does not provide as expected ({type(e).__name__}: {e}); "
+                                "write --ceilings-dir=DIR (pytest then does not read DIR as a test path), or install "
+                                "the pytest of mpt-kv's locks") from None
+
+
 def ceilings_dir(config) -> Path:
     return ceilings_dir_and_source(config)[0]
 
