@@ -1076,3 +1076,41 @@ attention_upcasts_every_layer = variant(
     "an fp32 attention path fed by a whole-cache conversion once per step (past_key_values converted with "
     ".float() / .to(torch.float32) before the forward) where one layer at a time was meant",
     ["memory"], dtype=torch.bfloat16, attention=UpcastEveryLayer)
+
+
+# --- an adapter that drops a config field the drawn cases vary (P0: the reference reads every field) ----------
+
+import dataclasses  # noqa: E402
+
+
+def model_dropping(**fixed):
+    """The reference built with these config fields fixed, whatever the factory's config says: what an
+    adapter that forgets to pass them on builds (its model's own defaults)."""
+
+    class Model(ReferenceMPT):
+        def __init__(self, cfg):
+            super().__init__(dataclasses.replace(cfg, **fixed))
+
+    return Model
+
+
+layer_norm_epsilon_dropped = variant(
+    "layer_norm_epsilon_dropped",
+    "the model is built with layer_norm_epsilon 1e-5 (MPT's default) whatever the config says",
+    "an adapter that builds its model from d_model, n_heads, n_layers, vocab and max_seq_len and leaves the "
+    "norm's eps at the class default (nn.LayerNorm's 1e-5; a fused kernel's hard-coded one)",
+    ["P0"], model=model_dropping(layer_norm_epsilon=1e-5))
+
+vocab_size_dropped = variant(
+    "vocab_size_dropped",
+    "the model is built with MPT-7B's vocab_size 50432 whatever the config says",
+    "an adapter that keeps the checkpoint's (padded) vocabulary size from a default config instead of the one "
+    "it is given",
+    ["P0"], model=model_dropping(vocab_size=50432))
+
+clip_qkv_dropped = variant(
+    "clip_qkv_dropped",
+    "the model never clamps mixed_qkv: clip_qkv dropped from the config (both paths, cached or not)",
+    "an adapter or a port that does not pass attn_config's clip_qkv on (transformers releases before clip_qkv "
+    "was read: MptAttention.forward never read it), or a fused QKV kernel without the clamp",
+    ["P0"], model=model_dropping(clip_qkv=None))
