@@ -39,10 +39,10 @@ def add_options(parser) -> None:
                 help=f"fail unless this device is present and at least one of its cases passed (repeatable; "
                      f"also ${ENV_REQUIRE}=hpu,cuda). -m and --device imply it for the kinds they select")
     g.addoption("--allow-missing-device", action="store_true",
-                help="local exploration only, never in CI: a device selected by -m or --device may be absent "
+                help="local exploration only (refused under CI=true): a device selected by -m or --device may be absent "
                      "(its cases skip, and a run that ran none of them can pass); --require-device still holds")
     g.addoption("--allow-no-cache-check", action="store_true",
-                help="local exploration only, never in CI: a run (e.g. -k P0) may pass although a target of it had "
+                help="local exploration only (refused under CI=true): a run (e.g. -k P0) may pass although a target of it had "
                      "no cache property pass (P1-P3, memory, static-shape, ops-*, family-P1-P3, family-memory, "
                      "family-ops); the report records it")
     g.addoption("--target", action="append", default=[], metavar="SPEC",
