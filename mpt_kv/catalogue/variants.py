@@ -1114,3 +1114,45 @@ clip_qkv_dropped = variant(
     "an adapter or a port that does not pass attn_config's clip_qkv on (transformers releases before clip_qkv "
     "was read: MptAttention.forward never read it), or a fused QKV kernel without the clamp",
     ["P0"], model=model_dropping(clip_qkv=None))
+
+
+# --- a "cache" that keeps only the token ids and recomputes (memory; the green-run rule) --------------------
+
+class RecomputingSession(ReferenceSession):
+    """On the concat path the session keeps the token ids and runs the whole history uncached at each
+    call (right logits, nothing cached); kv() makes K/V-shaped tensors at each read."""
+
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        if self.path != "concat":
+            return super()._forward(input_ids, mask, token_idx, cache_idx)
+        self.ids = input_ids if getattr(self, "ids", None) is None else torch.cat([self.ids, input_ids], 1)
+        return self.model(self.ids, mask)[:, -input_ids.shape[1]:]
+
+    def _crop_cache(self, n):
+        if self.path == "concat":
+            self.ids = self.ids[:, :n]
+        else:
+            super()._crop_cache(n)
+
+    def _reorder_cache(self, index):
+        if self.path == "concat":
+            self.ids = self.ids.index_select(0, index)
+        else:
+            super()._reorder_cache(index)
+
+    def kv(self):
+        if self.path != "concat":
+            return super().kv()
+        cfg, (B, T) = self.model.cfg, self.ids.shape
+        w = self.model.transformer.wte.weight
+        return [tuple(torch.zeros(B, cfg.n_heads, T, cfg.head_dim, dtype=w.dtype, device=w.device) for _ in "kv")
+                for _ in range(cfg.n_layers)]
+
+
+cache_recomputed_from_tokens = variant(
+    "cache_recomputed_from_tokens",
+    "the concat path keeps only the token ids and runs the whole history uncached at every call: right logits, "
+    "no cache (kv() makes K/V-shaped tensors at each read)",
+    "a 'cache' stubbed out while porting (use_cache accepted and ignored, past_key_values holding the input ids), "
+    "or a generation loop that re-runs the prefix; value checks alone pass it (docs/gate.md row 48)",
+    ["memory"], session=RecomputingSession)
