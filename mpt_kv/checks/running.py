@@ -283,7 +283,7 @@ def cache_evidence(r: Run) -> dict:
             evidence = family_evidence(t.implementation, t.family, t.variant, r.check.path, r.dtype)
         else:
             evidence = mpt_cache_evidence(r)
-    except Exception as e:  # noqa: BLE001  no evidence: the gate says why, the check's own verdict stands
+    except (Exception, Unsupported) as e:  # noqa: BLE001  no evidence: the gate says why, the check's verdict stands
         evidence = {"shown": False, "why": f"the prefill that shows the cache raised {type(e).__name__}: {e}"}
     if key is not None:
         _evidence[key] = evidence
