@@ -796,8 +796,7 @@ def repro_names() -> frozenset[str]:
         from mpt_kv.families.costs import known_entries
         from mpt_kv.families.findings import grouped
 
-        folder = resources.files(TARGET_SCRIPTS[0]).joinpath(TARGET_SCRIPTS[1])
-        kept = {p.name[:-3] for p in folder.iterdir() if p.name.endswith(".py")}
+        kept = {p.stem for p in package_data.KEPT_REPROS.glob("*.py")}
         _NAMES = frozenset(kept | {s for s in (slug_of(g) for g in grouped(known_entries())) if s})
     return _NAMES
 
