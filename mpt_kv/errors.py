@@ -44,6 +44,12 @@ class TargetUnavailable(RuntimeError):
     """A target could not be imported or built here; the message is the reason it is skipped."""
 
 
+class AdapterError(TypeError):
+    """A target's adapter broke the runner protocol it was built with (a CallableRunner's new_cache
+    returning None): the adapter's error, raised as it is (never read as a finding of the model, never
+    a crash verdict): "error" in the matrix."""
+
+
 class TargetBroken(RuntimeError):
     """A target's factory raised while building a runner: the message names the target, the
     device and the factory's own exception (chained as the cause). An error, never a skip."""

@@ -6,13 +6,31 @@ and open the file for writing (a folder: create it and a file in it). Whatever t
 is removed again, so a refused or later-failing run leaves nothing behind, and a file that was
 there is opened for appending, never truncated. `os.access` is not enough: it is true for root
 on /proc, and says nothing about a read-only mount or a full quota.
+
+Nothing the user did not name is overwritten: an empty path is refused everywhere (it is not the
+current folder: `Path("")` is "."; `path_arg` is the argparse type every command's output option
+takes), and a command that writes a folder writes only into a new or empty folder or into its own
+earlier output, marked by a file `MARKER` naming the command (`dir_problem(path, command)`, then
+`mark_output(path, command)`): `findings --repro .` in a project's root is refused, a rerun
+replaces its own folders.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from pathlib import Path
+
+MARKER = ".mpt-kv-output"  # in a folder a command wrote: which command, so that a rerun may replace it
+EMPTY = "an empty path ('') names no file or folder (it is not the current folder): give one"
+
+
+def path_arg(value: str) -> Path:
+    """The argparse type of every output path option: '' is a usage error naming it, never '.'."""
+    if str(value).strip() == "":
+        raise argparse.ArgumentTypeError(EMPTY)
+    return Path(value)
 
 
 def _make_parents(folder: Path, created: list[Path]) -> None:
@@ -51,8 +69,8 @@ def _not_a_folder(folder: Path) -> str | None:
 def file_problem(path: str | os.PathLike) -> str | None:
     """Why a file cannot be written (None if it can), found by creating its parents and opening it
     for writing; everything the check created is removed."""
-    if str(path) == "":
-        return "an empty path: give a file name"
+    if str(path).strip() == "":
+        return EMPTY
     path = Path(path).absolute()
     if path.is_dir():
         return f"{path} is a folder, expected a file name"
@@ -74,15 +92,21 @@ def file_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def dir_problem(path: str | os.PathLike) -> str | None:
+def dir_problem(path: str | os.PathLike, command: str | None = None) -> str | None:
     """Why files cannot be written in a folder (None if they can), found by creating the folder
-    (and its parents) and a file in it; everything the check created is removed."""
-    if str(path) == "":
-        return "an empty path: give a folder"
+    (and its parents) and a file in it; everything the check created is removed. `command` (the
+    command that writes the folder, e.g. "findings --repro"): the folder must also be new, empty, or
+    that command's own earlier output (its MARKER): a folder of other files is never written into."""
+    if str(path).strip() == "":
+        return EMPTY
     path = Path(path).absolute()
     problem = _not_a_folder(path)
     if problem:
         return problem
+    if command is not None:
+        problem = foreign_folder(path, command)
+        if problem:
+            return problem
     created: list[Path] = []
     try:
         _make_parents(path, created)
@@ -102,3 +126,28 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
+
+
+def foreign_folder(path: Path, command: str) -> str | None:
+    """Why `command` must not write into `path`: it holds files and is not that command's earlier
+    output (no MARKER naming it). None for a missing or empty folder, or its own output."""
+    if not path.is_dir():
+        return None
+    entries = sorted(e.name for e in path.iterdir())
+    if not entries:
+        return None
+    marker = path / MARKER
+    owner = marker.read_text(encoding="utf-8", errors="replace").strip() if marker.is_file() else None
+    if owner == command:
+        return None
+    shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    whose = f"the output of `{owner}`" if owner else "not an earlier output of this command"
+    return (f"{path} is a folder of {len(entries)} entries ({shown}), {whose} (no {MARKER} naming "
+            f"`python -m mpt_kv {command}` in it): it writes only into a new or empty folder or its own earlier "
+            "output, never over files it did not write; name a new folder")
+
+
+def mark_output(path: str | os.PathLike, command: str) -> None:
+    """Mark a folder `command` wrote (after `dir_problem(path, command)` allowed it), so that a rerun
+    may write there again."""
+    (Path(path) / MARKER).write_text(command + "\n", encoding="utf-8")

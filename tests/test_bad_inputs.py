@@ -177,6 +177,14 @@ ROWS = [
                  id="memory-max-new-0"),
     pytest.param(lambda: cli(killmatrix.main, "--device", "cpu:3"), SystemExit,
                  r"--device cpu:3 is not available here: cpu is one device", id="killmatrix-cpu:3"),
+    # --- issue 38: nothing the user did not name is written; an adapter's mistake named at construction -------------
+    pytest.param(lambda: cli(__import__("mpt_kv.cli.findings", fromlist=["main"]).main, "--repro", ""), SystemExit,
+                 r"--repro: an empty path \(''\) names no file or folder", id="findings-repro-empty"),
+    pytest.param(lambda: __import__("mpt_kv").CallableRunner(torch.nn.Linear(1, 1), cfg=ModelConfig(), logits=None,
+                                                             new_cache=len, step=len, kv=len),
+                 TypeError, r"CallableRunner logits=None: expected a callable", id="callable-runner-logits-None"),
+    pytest.param(lambda: __import__("mpt_kv").QuantizedKV(torch.int8, "token", codes=5), TypeError,
+                 r"QuantizedKV\(codes=5\): expected a list of per-layer \(key, value\) pairs", id="quantized-kv-codes-5"),
 ]
 
 

@@ -6,6 +6,7 @@ import torch
 
 import mpt_kv
 from mpt_kv import CHECKS, PropertyFailure
+from mpt_kv.errors import AdapterError
 from mpt_kv.model.reference import ReferenceMPT
 
 
@@ -83,3 +84,46 @@ def test_a_step_that_returns_bare_logits_is_a_type_error():
 def test_a_callable_that_is_not_one_is_a_type_error():
     with pytest.raises(TypeError, match=r"CallableRunner kv='cache\.kv' \(str\): expected a callable"):
         mpt_kv.CallableRunner(torch.nn.Linear(1, 1), cfg=PROBE, logits=len, new_cache=len, step=len, kv="cache.kv")
+
+
+# --- issue 38: an adapter fails at construction, with the argument named, never as a value finding --------------
+
+@pytest.mark.parametrize("missing", ["logits", "new_cache", "step", "kv"])
+def test_a_required_callable_that_is_none_is_refused_at_construction(missing):
+    """Was accepted, and failed later inside a check."""
+    callables = {"logits": len, "new_cache": len, "step": len, "kv": len, missing: None}
+    with pytest.raises(AdapterError, match=rf"CallableRunner {missing}=None: expected a callable, {missing}\("):
+        mpt_kv.CallableRunner(torch.nn.Linear(1, 1), cfg=PROBE, **callables)
+
+
+def test_a_new_cache_that_returns_none_is_the_adapters_error_not_a_finding():
+    """Was: P1 failed as "logits differ" (step() ran with no cache)."""
+    from mpt_kv.model.config import random_state_dict
+
+    def build_none(cfg, state_dict, device, dtype):
+        runner = make(cfg, state_dict, device, dtype)
+        runner.new_cache = lambda path, batch, max_len: None
+        return runner
+
+    with pytest.raises(AdapterError, match=r"the adapter's new_cache\('concat', 2, 8\) returned None: it must "
+                                                  r"return the fresh cache that step\(\) fills"):
+        build_none(PROBE, random_state_dict(PROBE), torch.device("cpu"), torch.float32).session("concat", 8).prefill(
+            torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(AdapterError):  # through a check: raised as it is ("error"), never a PropertyFailure
+        CHECKS["P1/concat"].run_case(build_none, "cpu", torch.float32, mpt_kv.Case(PROBE, (3, 2), 2))
+
+
+def test_a_model_without_config_and_no_cfg_is_one_clear_line():
+    """Was: the sentence inside a four-deep chain of "The above exception was the direct cause"."""
+    from mpt_kv.model.config import random_state_dict
+    from mpt_kv.targets import resolve_target
+
+    def no_cfg(cfg, state_dict, device, dtype):
+        model = ReferenceMPT(cfg).load_hf_state_dict(state_dict)
+        return mpt_kv.GaudiStyleRunner(model, device)  # ReferenceMPT has .cfg, no .config
+
+    with pytest.raises(AdapterError, match=r"ReferenceMPT: pass cfg= \(the factory's ModelConfig\) to the "
+                                                  r"runner, or give the model a \.config .*no cfg= and the model has "
+                                                  r"no \.config") as e:
+        resolve_target(no_cfg).build(PROBE, random_state_dict(PROBE), "cpu", torch.float32)
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chain under it

@@ -29,6 +29,43 @@ def build(cfg, state_dict, device, dtype):
 """
 
 
+# a target whose "cache" is the token ids: every call runs the whole history uncached (right logits, no
+# cache); kv() makes K/V-shaped tensors at each read, or returns the ids themselves
+RECOMPUTES = """
+import torch
+from mpt_kv.model.session import Session
+from mpt_kv.targets.reference import build as reference
+
+
+class RecomputeSession(Session):
+    def __init__(self, runner, path, max_len):
+        super().__init__(path, max_len, runner.model.cfg.max_seq_len, runner.model.cfg.vocab_size)
+        self.runner, self.ids = runner, None
+
+    def _prefill(self, ids, mask):
+        self.ids, self.mask = ids, mask
+        return self.runner.logits(ids, mask)
+
+    def _extend(self, tokens):
+        self.ids = torch.cat([self.ids, tokens], 1)
+        self.mask = torch.cat([self.mask, torch.ones_like(tokens, dtype=self.mask.dtype)], 1)
+        return self.runner.logits(self.ids, self.mask)[:, -tokens.shape[1]:]
+
+    def kv(self):
+        cfg, (B, T) = self.runner.model.cfg, self.ids.shape
+        if KV == "ids":
+            return [(self.ids, self.ids) for _ in range(cfg.n_layers)]
+        return [(torch.zeros(B, cfg.n_heads, T, cfg.head_dim), torch.zeros(B, cfg.n_heads, T, cfg.head_dim))
+                for _ in range(cfg.n_layers)]
+
+
+def build(cfg, state_dict, device, dtype):
+    runner = reference(cfg, state_dict, device, dtype)
+    runner.session = lambda path, max_len, bucket=None: RecomputeSession(runner, path, max_len)
+    return runner
+"""
+
+
 @pytest.fixture
 def pytest_run(pytester, monkeypatch):
     """pytest in a fresh subprocess from pytester's folder: (exit code, its output)."""
@@ -77,9 +114,29 @@ def test_a_run_that_checked_no_cache_or_had_no_target_fails(pytest_run, args, in
     assert line in text, text
 
 
+SHOWN = {"shown": True, "why": "after a prefill of 2 x 5 tokens the cache's storages hold 1280 bytes"}
+
+
+@pytest.mark.parametrize("kv, why", [
+    ("made", "a second read of the cache returned other storages than the first: K/V made at each read"),
+    ("ids", "less than the analytic K/V of the prefilled tokens (3840 bytes): no cache is kept")])
+def test_a_target_that_recomputes_instead_of_caching_fails_a_run_of_value_checks(pytester, pytest_run, kv, why):
+    """Issue 38: was exit 0, "7 passed": P1 compares logits, which a recomputing target gets right."""
+    pytester.makepyfile(recomputes=RECOMPUTES.replace("KV ==", f"{kv!r} ==", 1))
+    ret, text = pytest_run("--pyargs", "mpt_kv.conformance.test_properties", "--target", "recomputes:build",
+                           "--only-targets", "-m", "cpu", "-k", "P1/concat and fp32")
+    assert ret == 1, text
+    assert "7 passed" in text, text
+    assert ("target recomputes:build: its cache properties passed (P1 passed 7 on concat) but show no cache: after a "
+            f"prefill of 2 x 5 tokens on concat, float32: ") in text and why in text, text
+
+
 def case(target, prop, outcome, path="concat", **more):
-    """A result record as outcomes.collect makes it (an uncached P0 has no path)."""
-    return {"target": target, "property": prop, "outcome": outcome, **({} if prop == "P0" else {"path": path}), **more}
+    """A result record as outcomes.collect makes it (an uncached P0 has no path; a cache property that
+    passed carries the run layer's evidence that the cache exists, unless `more` says otherwise)."""
+    evidence = {"cache": SHOWN} if outcome == "passed" and prop in gate.CACHE_PROPERTIES and prop != "P0" else {}
+    return {"target": target, "property": prop, "outcome": outcome, **({} if prop == "P0" else {"path": path}),
+            **evidence, **more}
 
 
 def family(implementation, fam, prop, outcome, path="concat"):
@@ -122,10 +179,25 @@ CHECKED = [case("t", "P0", "passed"), case("t", "P1", "passed")]
     pytest.param([*CHECKED, case("u", "P0", "skipped"), case("u", "P1", "unsupported")],
                  "target u: no cache property passed (P0 skipped 1; P1 unsupported 1 on concat)",
                  id="a-target-that-ran-nothing-beside-one-that-was-checked"),
+    # issue 38: a "cache" that keeps the token ids and recomputes passes the value checks: a pass counts
+    # only with the run layer's evidence that a cache exists
+    pytest.param([case("t", "P0", "passed"), case("t", "P1", "passed", cache=None)],
+                 "target t: its cache properties passed (P1 passed 1 on concat) but show no cache: the record carries "
+                 "no evidence that a cache exists", id="a-pass-without-evidence-of-a-cache"),
+    pytest.param([case("t", "P1", "passed", cache={"shown": False, "why": "a second read returned other storages"})],
+                 "target t: its cache properties passed (P1 passed 1 on concat) but show no cache: a second read "
+                 "returned other storages", id="a-cache-recomputed-at-each-read"),
+    pytest.param([case("t", "P1", "xfail", cache=None)], None, id="a-known-failure-needs-no-evidence"),
+    # issue 38: a run whose cache checks failed checked a cache: it says what failed, not "checked no cache"
+    pytest.param([case("t", "P0", "passed"), case("t", "P3", "failed"), case("t", "ops-P3", "error", "static")],
+                 "target t: no cache property passed: ops-P3 error 1 on static; P3 failed 1 on concat; their failures "
+                 "above say what is wrong", id="red-cache-checks-say-what-failed"),
 ])
 def test_the_rule_over_result_records(results, problem):
     problems = gate.run_problems(results)
     assert problems == [] if problem is None else (len(problems) == 1 and problem in problems[0]), problems
+    if problem and "failed" in problem:
+        assert "must not look green" not in problems[0], problems  # true of a run that checked nothing only
 
 
 @pytest.mark.parametrize("results, allow_missing_device, allow_no_cache_check", [

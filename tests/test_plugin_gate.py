@@ -92,7 +92,7 @@ def test_pytest_m_cuda_on_a_gpu_runs_exactly_its_cases(run, mode, passed):
     else:
         assert result.ret == pytest.ExitCode.TESTS_FAILED, output(result)
         result.assert_outcomes(failed=2, deselected=2)
-        assert "no cuda case passed (2 cuda cases reported)" in output(result)
+        assert "no cuda case passed: 2 of the 2 cuda cases failed (test_gated.py::test_add[cuda], " in output(result)
 
 
 @pytest.mark.skipif(devices.unavailable_reason("hpu") is None, reason="this machine has an HPU: the gate would pass")
@@ -145,9 +145,47 @@ def test_the_end_of_run_gate_counts_only_passed_device_cases():
                                             "A gate that ran nothing must not look green."]  # selects nothing
     for report in (Reports(outcome="skipped", kinds=["hpu"]), Reports("setup", "failed", ["hpu"]), Reports()):
         outcomes.collect(run, report)
-    assert "(2 hpu cases reported)" in gate.gate_failures(config)[0]  # a setup error counts, a keyword-less pass not
+    # a setup error counts (as a failure: the gate says which), a keyword-less pass not
+    assert "no hpu case passed: 1 of the 2 hpu cases failed (t.py::t)" in gate.gate_failures(config)[0]
     outcomes.collect(run, Reports(kinds=["hpu"]))
     assert gate.gate_failures(config) == []
+
+
+def test_a_required_kind_whose_cases_failed_says_what_failed_not_that_nothing_ran():
+    """Issue 38: a narrowed run whose P3 cases fail on a views bug checked the cache and found it broken;
+    "a gate that ran nothing" would send a reviewer looking for a skip."""
+    config = FakeConfig()
+    run = run_state(config)
+    run.required = {"cpu": "-m 'cpu' selects cpu cases"}
+    run.results += [{"target": "t", "property": "P3", "path": "concat", "outcome": "failed", "kinds": ["cpu"]},
+                    {"target": "t", "property": "ops-P3", "path": "concat", "outcome": "failed", "kinds": ["cpu"]},
+                    {"target": "t", "property": "P1", "path": "concat", "outcome": "skipped", "kinds": ["cpu"]}]
+    assert gate.gate_failures(config) == [
+        "-m 'cpu' selects cpu cases: no cpu case passed: 2 of the 3 cpu cases failed (P3, ops-P3 failed 2 on concat); "
+        "their failures above say what is wrong."]
+
+
+# --- the opt-outs are for exploring: refused under CI, as --update-ceilings is -----------------------------------
+
+@pytest.mark.parametrize("flag, args", [
+    ("--allow-missing-device", ("-m", "hpu")),  # was: exit 0, every hpu case skipped
+    ("--allow-no-cache-check", ("-m", "cpu")),  # was: exit 0 having checked no cache
+])
+def test_the_opt_outs_are_refused_under_ci(run, flag, args):
+    result = run(ONE_CASE_PER_DEVICE, *args, flag, CI="true")
+    text = output(result)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, text
+    assert f"ERROR: {flag} is refused under CI (CI=true): it lets " in text, text
+    assert "It is for exploring locally: run without CI=true" in text, text
+    local = run(ONE_CASE_PER_DEVICE, *args, flag, CI="false")  # locally it is what it was
+    assert local.ret == pytest.ExitCode.OK, output(local)
+
+
+@pytest.mark.parametrize("name", ["allow_missing_device", "allow_no_cache_check"])
+def test_every_opt_out_is_refused_under_ci_before_any_test(monkeypatch, name):
+    monkeypatch.setenv("CI", "yes")
+    with pytest.raises(pytest.UsageError, match="is refused under CI"):
+        gate.configure(FakeConfig(**{name: True}))
 
 
 def test_gate_under_xdist_decides_from_the_workers_reports(run):

@@ -139,6 +139,10 @@ def test_a_malformed_known_failures_file_is_a_usage_error_not_an_internal_error(
     (json.dumps([{**ENTRY, "path": "paged"}]), "unknown path 'paged'"),
     (json.dumps([{**ENTRY, "bucket": "yes"}]), "'bucket' must be a bool"),
     (json.dumps([ENTRY, "P3"]), "entry 1: expected an object, got str"),
+    # issue 38: was accepted without a word
+    (json.dumps([{**ENTRY, "repro": "transformers-mpt-kv-views-typo"}]),
+     "entry 0 (reference P3): 'repro' 'transformers-mpt-kv-views-typo' names no repro of `python -m mpt_kv findings "
+     "--repro DIR` (closest: transformers-mpt-alibi-kv-views"),
 ])
 def test_malformed_known_failures_name_the_file_the_entry_and_the_problem(tmp_path, content, what):
     path = tmp_path / "known.json"

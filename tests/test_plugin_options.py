@@ -266,3 +266,26 @@ def test_a_report_that_cannot_be_written_at_the_end_keeps_the_matrix_and_fails_i
     assert f"--mpt-kv-report {broken}: the report could not be written: [Errno 21] Is a directory" in text, text
     assert "mpt-kv conformance" in text and "1 passed" in text and "Traceback" not in text, text
     assert os.path.isdir(broken)
+
+
+@pytest.mark.parametrize("form", ["space", "equals"])
+def test_a_ceilings_folder_elsewhere_moves_no_node_id(tmp_path, form):
+    """Issue 38: pytest reads the value of `--ceilings-dir DIR` as a test path before mpt-kv's options are known:
+    the rootdir became DIR's and FAILED lines read `../../../tmp/DIR::test_memory_ceilings[...]` (the project's
+    ini file lost too). options.keep_rootdir puts them back, on the locked pytest."""
+    import subprocess
+
+    ceilings_folder = tmp_path / "ceilings"
+    ceilings_folder.mkdir()
+    named = ["--ceilings-dir", str(ceilings_folder)] if form == "space" else [f"--ceilings-dir={ceilings_folder}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance.test_memory", "-p", "no:cacheprovider",
+         "--target", "mpt_kv.catalogue.variants:kv_views_of_mixed_qkv", "--only-targets", "-m", "cpu", "-rf",
+         "-k", "fp32 and B4-in32 and concat", *named],
+        cwd=ROOT, env={**env, "MPT_KV_HYPOTHESIS_PROFILE": "ci"}, capture_output=True, text=True, timeout=300)
+    text = result.stdout + result.stderr
+    assert result.returncode == 1, text  # the views bug fails memory
+    assert f"rootdir: {ROOT}" in text and "configfile: pyproject.toml" in text, text
+    assert "FAILED mpt_kv/conformance/test_memory.py::test_memory_ceilings[cpu-mpt_kv.catalogue.variants:" \
+           "kv_views_of_mixed_qkv-fp32-memory/concat/B4-in32-new8]" in text, text

@@ -14,6 +14,7 @@ from mpt_kv.checks import ceilings as C
 from mpt_kv.checks import properties as P
 from mpt_kv.checks.compare import TOLERANCES, PropertyFailure, tolerance
 from mpt_kv.checks.quantized import QUANTIZED, widened
+from mpt_kv.checks.strategies import HEAD_COUNTS
 from mpt_kv.model.config import ModelConfig, random_state_dict
 from mpt_kv.targets.layouts import poison_quantized
 from mpt_kv.targets.reference import build as reference_build
@@ -56,6 +57,35 @@ def test_a_wrong_scale_is_killed_by_p1_under_the_int8_bound(variant, path):
     assert "P1" in variants.VARIANTS[variant].killed_by
 
 
+class WrongAxisScale:
+    """Each position's scale reduced over the heads (dim 1) instead of head_dim (-1): the codes divide by a
+    per-(row, position, channel) maximum over heads, while the stored per-token scale is that maximum's
+    largest channel: dequantized values are not the cached ones, whatever the head count."""
+
+    def _quantize(self, x, layer, i, at):
+        top = designs.quant_max(self.storage)
+        channel = x.float().abs().amax(1, keepdim=True).clamp_min(1e-30) / top  # (B, 1, T, hd): the wrong axis
+        q = (x.float() / channel).clamp(-top, top)
+        codes = (q.round() if not self.storage.is_floating_point else q).to(self.storage)
+        return codes, channel.amax(-1, keepdim=True).expand(*x.shape[:3], 1).contiguous()
+
+
+@pytest.mark.parametrize("heads", HEAD_COUNTS)
+def test_scales_over_the_wrong_axis_fail_p1_for_every_head_count_drawn(heads):
+    """Issue 38 (a held-out design): a wrong-axis scale must not hide at any head count drawn (at one head a
+    reduction over the heads is a reduction over nothing)."""
+    concat = type("WrongAxisConcat", (WrongAxisScale, designs.QuantizedConcatCache), {})
+    static = type("WrongAxisStatic", (WrongAxisScale, designs.QuantizedStaticCache), {})
+    model = type("WrongAxisMPT", (designs.QuantizedMPT,), {"concat_class": concat, "static_class": static})
+    wrong = runner_factory("quantized_scale_wrong_axis", model, designs.QuantizedSession)
+    case = P.Case(ModelConfig(d_model=heads * 4, n_heads=heads, n_layers=1, vocab_size=64, max_seq_len=16), (5, 3), 3,
+                  seed=heads)
+    for path in ("concat", "static"):
+        P.check_cached_equals_uncached(*context(designs.quantized_kv_int8, case, path))  # the case is a fair one
+        with pytest.raises(PropertyFailure, match=rf"P1 .* differ .*float32 (logits|kv):{path}\+int8/token"):
+            P.check_cached_equals_uncached(*context(wrong, case, path))
+
+
 def codes(dtype=torch.int8, T=6, scales_shape=None):
     k = torch.zeros(2, 3, T, 4, dtype=dtype)
     s = torch.ones(*(scales_shape or (2, 3, T, 1)))
@@ -77,6 +107,14 @@ def codes(dtype=torch.int8, T=6, scales_shape=None):
 def test_a_bad_declaration_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mpt_kv.QuantizedKV(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(codes=5), dict(codes=[codes()[0][0][0]]), dict(scale_tensors=None)])
+def test_codes_and_scales_of_the_wrong_kind_are_a_clear_type_error(kwargs):
+    """Issue 38: QuantizedKV(..., codes=5) raised a raw TypeError (object of type 'int' has no len())."""
+    name = next(iter(kwargs))
+    with pytest.raises(TypeError, match=rf"QuantizedKV\({name}=.*\): expected a list of per-layer \(key, value\) pairs"):
+        mpt_kv.QuantizedKV(torch.int8, "token", **kwargs)
 
 
 def test_an_uncalibrated_granularity_is_refused_not_judged_by_the_token_bound():

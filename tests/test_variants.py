@@ -43,7 +43,7 @@ def variant_params():
 def test_variant_is_killed_by_its_expected_checks(name):
     v = VARIANTS[name]
     for check in v.killed_by:
-        cell = KM.run_column(check, v.build, name, CPU, torch.float32, {})
+        cell = KM.run_column(check, v.build, name, CPU, v.dtype or torch.float32, {})
         assert cell.killed, (f"{name} ({v.bug}) survived {check}, the check expected to kill it: a missing or weak "
                              f"test (cases: {[mc.case.describe() for mc in KM.CASES]}) [{cell.result}: {cell.detail}]")
 
@@ -82,6 +82,24 @@ def test_long_and_wide_variants_survive_without_the_cases_that_reach_them(name, 
     for check in v.killed_by:
         cell = KM.run_column(check, v.build, name, CPU, torch.float32, {})
         assert cell.result == "survived", f"{name} is killed by {check} on the cases left: {cell.detail}"
+
+
+# Issue 38: every config field the docs say is drawn reaches a value where dropping it shows, in every run (a
+# model that hard-codes eps=1e-5 passed every check while the drawn values were 1e-5 and 1e-6)
+@pytest.mark.parametrize("name, check", [
+    ("layer_norm_epsilon_dropped", "P0/batch-8-heads-32"),  # eps 1e-3 there (and drawn)
+    ("clip_qkv_dropped", "P0/batch-8-heads-32"),            # clip_qkv 0.5 there (and drawn)
+    ("vocab_size_dropped", "P0"),                           # every drawn vocab is one the adapter's model is not
+    ("alibi_bias_max_always_8", "P0/alibi-bias-max-16"),    # P0's drawn cases keep 8 (docs/reach.md)
+])
+def test_an_adapter_that_drops_a_drawn_config_field_fails_p0_in_every_run(name, check):
+    from mpt_kv import CHECKS
+    from mpt_kv.errors import InputError
+
+    assert "P0" in VARIANTS[name].killed_by
+    with pytest.raises((PropertyFailure, InputError)):
+        CHECKS[check](VARIANTS[name].build, "cpu", torch.float32)
+    CHECKS[check]("reference", "cpu", torch.float32)  # the case itself is right: the reference passes it
 
 
 def test_catalogues_are_documented_and_usable_as_targets():

@@ -32,15 +32,17 @@ class Design:
     what: str        # one line: what it does differently from the reference
     origin: str      # where such a design comes from
     build: Callable  # (cfg, state_dict, device, dtype) -> Runner
+    dtype: torch.dtype | None = None  # the dtype the kill matrix runs the row in (None: the matrix's, fp32)
 
 
 DESIGNS: dict[str, Design] = {}
 
 
-def design(name, what, origin, model, capabilities=Capabilities()):
-    """Register a design and return its factory (also a module attribute of the same name)."""
+def design(name, what, origin, model, capabilities=Capabilities(), dtype=None):
+    """Register a design and return its factory (also a module attribute of the same name); `dtype`:
+    the kill matrix runs its row in that dtype (a design that differs from the reference only there)."""
     build = runner_factory(name, model, capabilities=capabilities, module=__name__)
-    DESIGNS[name] = Design(name, what, origin, build)
+    DESIGNS[name] = Design(name, what, origin, build, dtype)
     return build
 
 
@@ -888,6 +890,69 @@ quantized_kv_fp8 = layout_design(
     "to its 3 mantissa bits): QuantizedKV(float8_e4m3fn, scales='token')",
     "vLLM's kv_cache_dtype='fp8' (e4m3), Intel Neural Compressor's FP8 KVCache on Gaudi",
     Fp8QuantizedMPT, QuantizedSession)
+
+
+def dequantize_out_of_place(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scales).to(dtype)  # the codes as fp32, their fp32 product, then the model's dtype
+
+
+class OutOfPlaceDequantize:
+    """K, then V, dequantized out of place, as eager code commonly writes it (and transformers'
+    Fp8QuantizedLayer._dequantize): while V is dequantized, K's dequantized values, V's codes as fp32
+    and their fp32 product are alive at once."""
+
+    def dequantized(self):
+        return [None if q is None else tuple(dequantize_out_of_place(c, s, self.out_dtype) for c, s in zip(*q))
+                for q in self.q]
+
+    def _dequantized(self, layer, n=None):
+        (kc, vc), (ks, vs) = self.q[layer]
+        return tuple(dequantize_out_of_place(c[:, :, :n], s[:, :, :n], self.out_dtype) for c, s in ((kc, ks), (vc, vs)))
+
+
+class OutOfPlaceQuantizedMPT(QuantizedMPT):
+    concat_class = type("OutOfPlaceQuantizedConcatCache", (OutOfPlaceDequantize, QuantizedConcatCache), {})
+    static_class = type("OutOfPlaceQuantizedStaticCache", (OutOfPlaceDequantize, QuantizedStaticCache), {})
+
+
+quantized_kv_int8_out_of_place = layout_design(
+    "quantized_kv_int8_out_of_place",
+    "the int8 quantized cache (quantized_kv_int8) dequantized out of place, (codes.float() * scale).to(dtype), K "
+    "then V: one layer's dequantized K beside V's codes as fp32 and their fp32 product during each cached call",
+    "the way eager code commonly writes a dequantize, e.g. transformers' Fp8QuantizedLayer._dequantize "
+    "((quant_tensor.float() * scale).to(dtype), cache_utils.py in 5.24) and KIVI-style reference code",
+    OutOfPlaceQuantizedMPT, QuantizedSession)
+
+
+# --- attention computed in fp32 in a bf16 model (one layer's q, K, V upcast) ----------------------------
+
+class UpcastSdpaAttention(Attention):
+    """q, K and V of this layer upcast to float32 for scaled_dot_product_attention (ALiBi and the mask
+    as its float attn_mask), the output cast back: one layer's fp32 copies live during the call."""
+
+    def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
+        B, T, D = x.shape
+        H, hd = self.cfg.n_heads, self.cfg.head_dim
+        mixed_qkv = self.Wqkv(x)
+        if self.cfg.clip_qkv:
+            mixed_qkv = mixed_qkv.clamp(min=-self.cfg.clip_qkv, max=self.cfg.clip_qkv)
+        q, k, v = (t.reshape(B, T, H, hd).transpose(1, 2) for t in mixed_qkv.chunk(3, dim=2))
+        if cache is not None:
+            k, v = cache.update(layer, k, v, token_idx, cache_idx)
+        K = k.shape[2]
+        bias = bias[:, :, -K:].float().masked_fill(mask[:, :, :, :K], torch.finfo(torch.float32).min)
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias).to(x.dtype)
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+attention_upcast_to_fp32 = design(
+    "attention_upcast_to_fp32",
+    "a bfloat16 model whose attention upcasts one layer's q, K and V to float32 for scaled_dot_product_attention "
+    "(ALiBi and the mask as its float attn_mask): one layer's fp32 copies during each call (a bfloat16 row)",
+    "a common CPU choice: bf16 matmuls and softmax are slow or inexact on CPUs without AMX, so eager and SDPA "
+    "attention paths compute in fp32 (e.g. transformers' `upcast` / `attention_softmax_in_fp32` options, "
+    "GPT-BigCode's and Bloom's fp32 softmax paths)",
+    model_with(attention=UpcastSdpaAttention), dtype=torch.bfloat16)
 
 
 # --- what a captured graph allows (issue 37): graph-capture must pass these -----------------------------

@@ -43,17 +43,19 @@ class Variant:
     killed_by: tuple[str, ...]    # kill-matrix columns expected to catch it
     build: Callable               # (cfg, state_dict, device, dtype) -> Runner
     waits_for: str = ""           # the check feature, not in this build, that will kill it
+    dtype: torch.dtype | None = None  # the dtype the kill matrix runs the row in (None: the matrix's, fp32)
 
 
 VARIANTS: dict[str, Variant] = {}
 
 
-def variant(name, bug, origin, killed_by, waits_for="", **pieces):
-    """Register a variant and return its factory (also a module attribute of the same name)."""
+def variant(name, bug, origin, killed_by, waits_for="", dtype=None, **pieces):
+    """Register a variant and return its factory (also a module attribute of the same name); `dtype`:
+    the kill matrix runs its row in that dtype (a bug that exists only there)."""
     session_class = pieces.pop("session", ReferenceSession)
     model_class = pieces.pop("model", None) or model_with(**pieces)
     build = runner_factory(name, model_class, session_class, module=__name__)
-    VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build, waits_for)
+    VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build, waits_for, dtype)
     return build
 
 
@@ -979,6 +981,181 @@ quantized_kv_wrong_row = quantized_variant(
     "row: another row's values clip or lose their precision",
     "a scale reduction over the wrong dimension, or a scale buffer indexed without the batch row",
     ["P1", "ops"], RowZeroScale)
+
+
+# --- a quantized cache that holds more than its codes and one layer's dequantize (memory) ---------------
+
+from mpt_kv.catalogue.designs import dequantize  # noqa: E402
+
+
+class WholeCacheDequantized:
+    """At the first layer of each cached call every layer's cache is dequantized (held until the last
+    layer's attention has run); each layer still attends over its own fresh dequantize."""
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        cached = self._cached(layer)
+        if cached and layer == 0:
+            self.whole = [None if q is None else tuple(dequantize(c, s, self.out_dtype) for c, s in zip(*q))
+                          for q in self.q]
+        out = super().update(layer, k, v, token_idx, cache_idx)
+        if cached and layer == len(self.q) - 1:
+            self.whole = None
+        return out
+
+
+quantized_kv_whole_cache_dequantized = quantized_variant(
+    "quantized_kv_whole_cache_dequantized",
+    "the int8 quantized cache dequantizes every layer's K and V at the first layer of each cached call and holds "
+    "them until the last layer: the whole cache in full precision during every step",
+    "an attention fed from cache.dequantized() / a kv() accessor that dequantizes every layer, or a 'dequantize "
+    "once per step' optimisation, where one layer at a time was meant",
+    ["memory"], WholeCacheDequantized)
+
+
+class FullPrecisionCopy:
+    """Keeps a full-precision copy of every cached K and V beside the codes (the concat path)."""
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        shadow = getattr(self, "shadow", None) or [None] * len(self.q)
+        self.shadow = shadow
+        shadow[layer] = (k.clone(), v.clone()) if shadow[layer] is None else \
+            (torch.cat([shadow[layer][0], k], 2), torch.cat([shadow[layer][1], v], 2))
+        return super().update(layer, k, v, token_idx, cache_idx)
+
+
+quantized_kv_full_precision_copy = quantized_variant(
+    "quantized_kv_full_precision_copy",
+    "the int8 quantized cache also keeps every cached K and V in full precision beside the codes: the cache is "
+    "larger than the one it replaces",
+    "a full-precision cache kept 'for the prefill' or for a fallback path, never dropped once quantized",
+    ["memory"], FullPrecisionCopy)
+
+
+class OldCodesKept:
+    """The concat path's codes and scales before each torch.cat stay referenced after the step."""
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        old = getattr(self, "old", None) or [None] * len(self.q)
+        self.old = old
+        old[layer] = self.q[layer]
+        return super().update(layer, k, v, token_idx, cache_idx)
+
+
+quantized_kv_old_codes_kept = quantized_variant(
+    "quantized_kv_old_codes_kept",
+    "the int8 quantized concat cache keeps the codes and scales from before each torch.cat referenced after the "
+    "step: every decode step holds the quantized cache twice",
+    "old_cache_kept_referenced in a quantized cache: the previous step's tuple kept for an undo or a rollback",
+    ["memory"], OldCodesKept)
+
+
+# --- a bf16 model that upcasts every layer's cache to fp32 (memory) -------------------------------------
+
+from mpt_kv.catalogue.designs import UpcastSdpaAttention  # noqa: E402
+
+
+class UpcastEveryLayer(UpcastSdpaAttention):
+    """At the first layer of a cached call, every layer's cached K and V upcast to fp32 (held on the cache
+    until the last layer); each layer then attends as the design does."""
+
+    def forward(self, x, mask, bias, cache, layer, token_idx, cache_idx):
+        kv = getattr(cache, "kv", None)
+        if layer == 0 and kv is not None and all(pair is not None for pair in kv):  # a cached call
+            cache.upcast = [(k.float(), v.float()) for k, v in kv]  # every layer's cache, as fp32 copies
+        out = super().forward(x, mask, bias, cache, layer, token_idx, cache_idx)
+        if layer == self.cfg.n_layers - 1 and cache is not None:
+            cache.upcast = None
+        return out
+
+
+attention_upcasts_every_layer = variant(
+    "attention_upcasts_every_layer",
+    "a bfloat16 model (attention_upcast_to_fp32) that upcasts every layer's cached K and V to float32 at the first "
+    "layer of each decode step and holds them until the last: the whole cache in fp32 during every step "
+    "(a bfloat16 row)",
+    "an fp32 attention path fed by a whole-cache conversion once per step (past_key_values converted with "
+    ".float() / .to(torch.float32) before the forward) where one layer at a time was meant",
+    ["memory"], dtype=torch.bfloat16, attention=UpcastEveryLayer)
+
+
+# --- an adapter that drops a config field the drawn cases vary (P0: the reference reads every field) ----------
+
+import dataclasses  # noqa: E402
+
+
+def model_dropping(**fixed):
+    """The reference built with these config fields fixed, whatever the factory's config says: what an
+    adapter that forgets to pass them on builds (its model's own defaults)."""
+
+    class Model(ReferenceMPT):
+        def __init__(self, cfg):
+            super().__init__(dataclasses.replace(cfg, **fixed))
+
+    return Model
+
+
+layer_norm_epsilon_dropped = variant(
+    "layer_norm_epsilon_dropped",
+    "the model is built with layer_norm_epsilon 1e-5 (MPT's default) whatever the config says",
+    "an adapter that builds its model from d_model, n_heads, n_layers, vocab and max_seq_len and leaves the "
+    "norm's eps at the class default (nn.LayerNorm's 1e-5; a fused kernel's hard-coded one)",
+    ["P0"], model=model_dropping(layer_norm_epsilon=1e-5))
+
+vocab_size_dropped = variant(
+    "vocab_size_dropped",
+    "the model is built with MPT-7B's vocab_size 50432 whatever the config says",
+    "an adapter that keeps the checkpoint's (padded) vocabulary size from a default config instead of the one "
+    "it is given",
+    ["P0"], model=model_dropping(vocab_size=50432))
+
+clip_qkv_dropped = variant(
+    "clip_qkv_dropped",
+    "the model never clamps mixed_qkv: clip_qkv dropped from the config (both paths, cached or not)",
+    "an adapter or a port that does not pass attn_config's clip_qkv on (transformers releases before clip_qkv "
+    "was read: MptAttention.forward never read it), or a fused QKV kernel without the clamp",
+    ["P0"], model=model_dropping(clip_qkv=None))
+
+
+# --- a "cache" that keeps only the token ids and recomputes (memory; the green-run rule) --------------------
+
+class RecomputingSession(ReferenceSession):
+    """On the concat path the session keeps the token ids and runs the whole history uncached at each
+    call (right logits, nothing cached); kv() makes K/V-shaped tensors at each read."""
+
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        if self.path != "concat":
+            return super()._forward(input_ids, mask, token_idx, cache_idx)
+        self.ids = input_ids if getattr(self, "ids", None) is None else torch.cat([self.ids, input_ids], 1)
+        return self.model(self.ids, mask)[:, -input_ids.shape[1]:]
+
+    def _crop_cache(self, n):
+        if self.path == "concat":
+            self.ids = self.ids[:, :n]
+        else:
+            super()._crop_cache(n)
+
+    def _reorder_cache(self, index):
+        if self.path == "concat":
+            self.ids = self.ids.index_select(0, index)
+        else:
+            super()._reorder_cache(index)
+
+    def kv(self):
+        if self.path != "concat":
+            return super().kv()
+        cfg, (B, T) = self.model.cfg, self.ids.shape
+        w = self.model.transformer.wte.weight
+        return [tuple(torch.zeros(B, cfg.n_heads, T, cfg.head_dim, dtype=w.dtype, device=w.device) for _ in "kv")
+                for _ in range(cfg.n_layers)]
+
+
+cache_recomputed_from_tokens = variant(
+    "cache_recomputed_from_tokens",
+    "the concat path keeps only the token ids and runs the whole history uncached at every call: right logits, "
+    "no cache (kv() makes K/V-shaped tensors at each read)",
+    "a 'cache' stubbed out while porting (use_cache accepted and ignored, past_key_values holding the input ids), "
+    "or a generation loop that re-runs the prefix; value checks alone pass it (docs/gate.md row 48)",
+    ["memory"], session=RecomputingSession)
 
 
 # --- what a captured graph cannot hold (issue 37): graph-capture must kill these --------------------------

@@ -25,8 +25,10 @@ Two kinds of limit, combined like this:
      allocated before the generation, they are counted as the cache, not as missing bytes.
    - static decode: a step's peak above what was allocated before it is at most
      `decode_bound`: one layer's transients at q = 1 (`analytic.layer_transients`, times
-     `TRANSIENT_SLACK`), the step's logits and its masks. None of it is proportional to the
-     cache, so it holds at any sequence length; a step that copies the cache does not fit.
+     `TRANSIENT_SLACK`), the step's logits and its masks, plus the allowance of the way its
+     attention reads the cache (`step_allowance`: one layer dequantized, or upcast to fp32 below
+     float32; the message names the one applied). Per layer, never per cache, so it holds at any
+     sequence length; a step that copies (or dequantizes, or upcasts) the whole cache does not fit.
    - concat decode: the same plus KV(L + 1): the new cache may coexist with the old one
      (`torch.cat` while the old tensors are referenced: per layer in the reference, the whole
      cache in optimum-habana's tuple cache, the transformers issue "forward pass consumes 2x memory"), but
@@ -163,24 +165,52 @@ def expected_kv_bytes(layout, cfg: ModelConfig, batch: int, length: int, s: int)
     return analytic.kv_cache_bytes(shape_of(cfg), batch, length, s)
 
 
-def dequantized_bytes(session, cfg: ModelConfig, batch: int, length: int, s: int) -> int:
-    """A declared quantized cache (QuantizedKV) may hold one layer's K and V dequantized to the
-    model's dtype during a decode step: what an eager attention over int8/fp8 codes reads (INC's
-    patched KVCache returns them). A fused kernel that dequantizes in registers holds none."""
-    if not isinstance(layout_of(session), QuantizedKV):
-        return 0
-    return analytic.kv_cache_bytes(dataclasses.replace(shape_of(cfg), n_layers=1), batch, length, s)
+def step_allowance(session, cfg: ModelConfig, batch: int, length: int, s: int, q_len: int = 1) -> tuple[int, str]:
+    """What a cached call may hold beyond `decode_bound` for the way its attention reads the cache:
+    (bytes, the allowance in words; (0, "") for none). Per layer, never per cache: measured on the
+    implementations named in docs/memory-model.md ("Transient allowances") with the cpu meter.
+    N = B x H x length x hd, one layer's key (or value).
+
+    - a declared quantized cache (QuantizedKV): one layer's K dequantized, to the model's dtype or to
+      fp32 (the wider), while its V is dequantized out of place, `(codes.float() * scale).to(dtype)`:
+      V's codes as fp32 and their fp32 product: (max(s, 4) + 8) x N. Covers an in-place dequantize
+      (2 x s x N), an eager out-of-place one (transformers' Fp8QuantizedLayer, s + 8) and one that
+      dequantizes to fp32 and attends there (12);
+    - a model below float32 (bf16): one layer's q, K and V upcast to fp32 for attention (a common
+      CPU choice for scaled_dot_product_attention): 4 x (B x H x q x hd + 2 x N).
+    The larger applies (a quantized cache's covers the upcast of its own dequantized values). A whole
+    cache dequantized or upcast, or one kept from step to step, is n_layers times that: it fails."""
+    n = batch * cfg.n_heads * length * cfg.head_dim
+    if isinstance(layout_of(session), QuantizedKV):
+        allowance = (max(s, 4) + 8) * n
+        return allowance, (f"one layer's K dequantized and V dequantized out of place (its codes as fp32 and their "
+                           f"fp32 product) {allowance} (the allowance of a declared QuantizedKV)")
+    if s < 4:
+        allowance = 4 * (batch * cfg.n_heads * q_len * cfg.head_dim + 2 * n)
+        return allowance, (f"one layer's q, K and V upcast to float32 for attention {allowance} (the allowance of a "
+                           "model below float32)")
+    return 0, ""
 
 
-def decode_bound(cfg: ModelConfig, batch: int, length: int, s: int, path: str, block: int | None = None) -> int:
+def decode_bound(cfg: ModelConfig, batch: int, length: int, s: int, path: str, block: int | None = None,
+                 layout=None) -> int:
     """Most a decode step may allocate above what was allocated before it (see module doc); `block`:
-    the block size of a BlockGrowth layout, whose new buffer is that capacity, not the tokens held."""
+    the block size of a BlockGrowth layout, whose new buffer is that capacity, not the tokens held;
+    `layout`: a declared QuantizedKV, whose new concat cache is its codes and scales."""
     shape = shape_of(cfg)
     transients = TRANSIENT_SLACK * analytic.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
     logits = analytic.logits_bytes(shape, batch, 1, trim=True, itemsize=s) * 2  # + an fp32 copy
     masks = batch * length * (2 * 8 + 4 + 1) + length  # old + new int64 mask, a float and a bool mask
-    cache = analytic.kv_cache_bytes(shape, batch, new_cache_length(length, block), s) if path == "concat" else 0
+    cache = new_cache_bytes(cfg, batch, length, s, block, layout) if path == "concat" else 0
     return transients + logits + masks + cache
+
+
+def new_cache_bytes(cfg: ModelConfig, batch: int, length: int, s: int, block: int | None, layout) -> int:
+    """The new cache a concat step may build next to the old one: KV of `length` positions (whole
+    blocks of a BlockGrowth), or a declared quantized cache's codes and scales (not full precision: a
+    step that keeps the old cache dequantized, or a full-precision one, does not fit)."""
+    n = new_cache_length(length, block)
+    return expected_kv_bytes(layout if isinstance(layout, QuantizedKV) else None, cfg, batch, n, s)
 
 
 # --- measuring one generation ----------------------------------------------------------------------
@@ -502,15 +532,15 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
                 allocated = meter.allocated() - base
                 transient, max_allocated = max(transient, step_transient), max(max_allocated, peak)
                 kv_bytes = check_retained(session, f"decode step {step}", allocated)
-                block = growth_block(session)
-                dequantized = dequantized_bytes(session, cfg, B, L + (path == "concat"), s)
-                bound = decode_bound(cfg, B, L + (path == "concat"), s, path, block) + dequantized
+                block, layout = growth_block(session), quantized_layout(session)
+                allowance, allowed = step_allowance(session, cfg, B, L + (path == "concat"), s)
+                bound = decode_bound(cfg, B, L + (path == "concat"), s, path, block, layout) + allowance
                 if step_transient > bound and "decode" not in problems:
                     problems["decode"] = (
                         f"memory: {path} decode step {step} peaked {step_transient} bytes above the "
                         f"{before} allocated before it, {step_transient - bound} bytes too many: the bound "
-                        f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path, block)}"
-                        f"{f' + one layer of dequantized K and V {dequantized} (a declared QuantizedKV)' if dequantized else ''}) "
+                        f"is {bound} ({decode_bound_text(cfg, B, L + (path == 'concat'), s, path, block, layout)}"
+                        f"{f' + {allowed}' if allowance else ''}) "
                         f"[{describe(ctx)}]")
             del session
             returned = meter.allocated() - base
@@ -712,15 +742,24 @@ def pool_bytes(session, kept: dict) -> int:
     return sum(st.nbytes() for key, st in storages.items() if key in kept and kept[key]() is st)
 
 
-def decode_bound_text(cfg, batch, length, s, path, block: int | None = None) -> str:
+def decode_bound_text(cfg, batch, length, s, path, block: int | None = None, layout=None) -> str:
     shape = shape_of(cfg)
     lt = analytic.layer_transients(shape, batch, 1, length, s, softmax_itemsize=4)
     text = (f"{TRANSIENT_SLACK} x one layer's transients {lt} at q=1, kv={length} + logits and masks")
     if path == "concat":
         n = new_cache_length(length, block)
         grown = f", {length} positions in whole blocks of {block} (BlockGrowth)" if block else ""
-        text += f" + the new cache KV({n}) {analytic.kv_cache_bytes(shape, batch, n, s)} next to the old one{grown}"
+        quantized = isinstance(layout, QuantizedKV)
+        text += (f" + the new {'quantized ' if quantized else ''}cache {'' if quantized else f'KV({n}) '}"
+                 f"{new_cache_bytes(cfg, batch, length, s, block, layout)} next to the old one{grown}")
     return text
+
+
+def quantized_layout(session) -> QuantizedKV | None:
+    """The session's declared QuantizedKV without its tensors (what it declares, for the bounds), else
+    None: a reference to the codes kept across the next step would be measured as part of the cache."""
+    layout = layout_of(session)
+    return dataclasses.replace(layout, codes=(), scale_tensors=()) if isinstance(layout, QuantizedKV) else None
 
 
 def check_memory(runner, c: Context) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpt_kv.errors import (AliasedComparison, Crash, Finding, InputError, PropertyFailure,  # noqa: F401  (their home
+from mpt_kv.errors import (AdapterError, AliasedComparison, Crash, Finding, InputError, PropertyFailure,  # noqa: F401  (their home
                            TargetRaised, Unsupported, describe)                               # was here)
 
 
@@ -81,7 +81,7 @@ def tolerance(dtype: torch.dtype, quantity: str) -> Tolerance:
 
 
 # never a crash of the target: mpt-kv's own verdicts, its skips and its input checks pass through
-NOT_CRASHES = (PropertyFailure, Unsupported, InputError)
+NOT_CRASHES = (PropertyFailure, Unsupported, InputError, AdapterError)
 
 
 def crash_of(what: str, who: str, operation: str, error: BaseException, ctx: dict, at: str = "") -> Crash:

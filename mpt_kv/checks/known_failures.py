@@ -131,8 +131,25 @@ def _entry(raw, index: int, file: str) -> Entry:
     when = parse_when(raw.get("when", {}), bad)
     if "check" in raw and raw["check"].split("/", 1)[0] != raw["property"]:
         raise bad(f"'check' {raw['check']!r} is not a check of property {raw['property']!r}")
+    if "repro" in raw:
+        check_repro(raw["repro"], bad)
     return Entry(index, raw["target"], raw["property"], raw["reason"], pattern, raw.get("path"), raw.get("bucket"),
                  when, file, raw.get("check"))
+
+
+def check_repro(name: str, bad) -> None:
+    """'repro' names a folder `python -m mpt_kv findings --repro DIR` writes (mpt_kv.families.repros:
+    a kept MPT script or a family finding's repro): a name of none is refused, not kept as a dead link."""
+    import difflib
+
+    from mpt_kv.families.repros import repro_names  # lazy: the families import torch (the loader runs in hooks)
+
+    names = repro_names()
+    if name not in names:
+        close = difflib.get_close_matches(name, sorted(names), n=3, cutoff=0.6)
+        raise bad(f"'repro' {name!r} names no repro of `python -m mpt_kv findings --repro DIR` "
+                  + (f"(closest: {', '.join(close)})" if close else f"({len(names)} exist; the list: docs/findings.md)")
+                  + ": name one, or drop the field while the finding has none")
 
 
 # --- what every known-failures file checks (mpt_kv.families.known_failures too) ----------------------------

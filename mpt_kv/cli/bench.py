@@ -43,7 +43,7 @@ import torch
 
 from mpt_kv import devices, versions
 from mpt_kv.errors import BuildError  # noqa: F401  (raised here; its home is errors.py)
-from mpt_kv.outputs import dir_problem
+from mpt_kv.outputs import dir_problem, mark_output, path_arg
 from mpt_kv.memory import analytic
 from mpt_kv.model.config import DTYPES, ModelConfig, random_state_dict
 from mpt_kv.errors import TargetUnavailable
@@ -540,7 +540,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per row first")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1 steadies cpu timings)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
-    p.add_argument("--out", default="reports/bench", help="folder for bench.json, bench.md, bench_memory.png")
+    p.add_argument("--out", type=path_arg, default=Path("reports/bench"), help="folder for bench.json, bench.md, bench_memory.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -572,7 +572,7 @@ def check_args(p: argparse.ArgumentParser, a) -> tuple[ModelConfig, list[BenchCo
     for spec in a.target or []:
         if spec not in BUILTIN and ":" not in spec:
             p.error(f"--target {spec!r}: neither built in ({', '.join(BUILTIN)}) nor package.module:factory")
-    problem = dir_problem(a.out)
+    problem = dir_problem(a.out, "bench")
     if problem:
         p.error(f"--out {a.out}: {problem}")
     return cfg, list(dict.fromkeys(configs))
@@ -660,5 +660,6 @@ def main(argv: list[str] | None = None) -> int:
     for s in report.skipped:
         print(f"skipped {s['target']}/{s['path']}: {s['reason']}")
     files = write(report, Path(a.out))
+    mark_output(a.out, "bench")
     print("wrote " + ", ".join(str(f) for f in files.values()))
     return 0

@@ -52,6 +52,7 @@ from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import random_state_dict
 from mpt_kv.checks import known_failures
 from mpt_kv.targets import resolve_target
+from mpt_kv.outputs import dir_problem, mark_output, path_arg
 
 PATHS = (("concat", None), ("static", None), ("static", 4))
 DTYPES = (torch.float32, torch.bfloat16)
@@ -169,12 +170,17 @@ def label(target: str, vers: dict) -> str:
 
 
 def run(args) -> int:
+    problem = dir_problem(args.out, "calibrate run")  # before any case: never into a folder of other files
+    if problem:
+        print(f"python -m mpt_kv calibrate run: error: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     k, n = (int(x) for x in args.shard.split("/"))
     torch.set_num_threads(1)
     vers = versions(conditions(args))
     where = "" if args.device == "cpu" else f"-{args.device}-tf32{args.tf32}-sdpa{args.sdpa_backend}"
     out = Path(args.out) / f"{file_safe(args.target)}-tf{vers['transformers']}{where}-{k}of{n}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
+    mark_output(out.parent, "calibrate run")  # a resumed run appends here
     done = set()
     if out.exists():
         done = {json.loads(line)["index"] for line in out.read_text().splitlines() if line.strip()}
@@ -414,7 +420,7 @@ def main(argv=None) -> int:
                         "required there; default: torch chooses)")
     r.add_argument("--cases", type=int, default=5000)
     r.add_argument("--shard", default="0/1", help="k/n: this process runs case indices k, k + n, ...")
-    r.add_argument("--out", default="calibration")
+    r.add_argument("--out", type=path_arg, default=Path("calibration"))
     r.add_argument("-v", "--verbose", action="store_true")
     s = sub.add_parser("report", help="merge result files and print the tables")
     s.add_argument("files", nargs="+")

@@ -20,7 +20,7 @@ from pathlib import Path
 from mpt_kv import package_data
 from mpt_kv.checks import index
 from mpt_kv.cli import docblocks
-from mpt_kv.outputs import file_problem
+from mpt_kv.outputs import file_problem, path_arg
 
 DOC = package_data.CHECKS_DOC
 COMMAND = "python -m mpt_kv checks --update-docs"
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--ids", action="store_true", help="every check id of the registry")
     mode.add_argument("--update-docs", dest="update", action="store_true", help="rewrite README.md's table")
     mode.add_argument("--check", action="store_true", help="exit 1 if README.md's table is stale")
-    p.add_argument("--doc", type=Path, default=None, help=f"the doc (default {DOC})")
+    p.add_argument("--doc", type=path_arg, default=None, help=f"the doc (default {DOC})")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.doc is not None and not (args.update or args.check):
         usage_error("--doc is only read with --update-docs or --check")

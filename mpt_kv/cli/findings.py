@@ -34,7 +34,7 @@ from mpt_kv.cli import docblocks
 from mpt_kv.families import repros, user_path
 from mpt_kv.families.costs import finding_cost, known_entries, real_configs, sizes_per_token
 from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, grouped, human, versions, what
-from mpt_kv.outputs import dir_problem, file_problem
+from mpt_kv.outputs import dir_problem, file_problem, mark_output, path_arg
 
 BEGIN, END = docblocks.markers("findings")
 DOC = package_data.FINDINGS_DOC
@@ -126,9 +126,13 @@ def readme_block(readme: str) -> tuple[int, int]:
     return docblocks.span(readme, "findings")
 
 
+REPRO_COMMAND = "findings --repro"
+
+
 def write_repros(directory: Path) -> int:
     """--repro DIR: the repro folders and their index; one line per folder and per finding without one."""
     written, missing = repros.write(directory, grouped(known_entries()))
+    mark_output(directory, REPRO_COMMAND)  # a rerun may write here again; nothing else may
     for r in written:
         print(f"{directory / r.slug}/repro.py")
     for entries in missing:
@@ -147,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                       help=f"rewrite the {BEGIN} block of docs/findings.md (or --doc)")
     mode.add_argument("--check", action="store_true", help="exit 1 if that block is stale")
     mode.add_argument("--configs", action="store_true", help="every real config's K/V and fused bytes per token")
-    mode.add_argument("--repro", type=Path, metavar="DIR", default=None,
+    mode.add_argument("--repro", type=path_arg, metavar="DIR", default=None,
                       help="write a standalone reproduction script per finding under DIR")
-    p.add_argument("--doc", "--readme", dest="doc", type=Path, default=None, help=f"the doc (default {DOC})")
+    p.add_argument("--doc", "--readme", dest="doc", type=path_arg, default=None, help=f"the doc (default {DOC})")
     args = p.parse_args(argv)
     readme_path = args.doc or DOC
     if args.doc is not None and not (args.update or args.check):
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             if problem:
                 usage_error(f"{readme_path}: {problem}")
     if args.repro is not None:
-        problem = dir_problem(args.repro)
+        problem = dir_problem(args.repro, REPRO_COMMAND)
         if problem:
             usage_error(f"--repro: {problem}")
         return write_repros(args.repro)

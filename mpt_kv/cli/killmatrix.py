@@ -83,7 +83,7 @@ def legend(matrix: dict) -> str:
     cases = "; ".join(f"{mc.case.describe()}, bucket {mc.bucket}"
                       + ("" if mc.columns == COLUMNS else f" ({', '.join(mc.columns)} only)") for mc in CASES)
     na = {c: cell.detail for cells in matrix["must_pass"].values() for c, cell in cells.items() if cell.result == "n/a"}
-    return (f"Cases (fp32): {cases}; paths concat, static, static with the case's cache_idx bucket. A kill is a "
+    return (f"Cases (fp32; a row whose entry says 'a bfloat16 row' runs in bfloat16): {cases}; paths concat, static, static with the case's cache_idx bucket. A kill is a "
             f"check that raises: PropertyFailure (killed / FAIL) or any other exception (killed / FAIL (error: type)); "
             f"(waits): the variant's killer is a check feature this build lacks."
             + "".join(f" {c} n/a: {why}." for c, why in na.items()))

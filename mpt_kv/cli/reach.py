@@ -19,7 +19,7 @@ from pathlib import Path
 from mpt_kv import package_data
 from mpt_kv.cli import docblocks
 from mpt_kv.checks import reach
-from mpt_kv.outputs import file_problem
+from mpt_kv.outputs import file_problem, path_arg
 
 DOC = package_data.REACH_DOC
 COMMAND = "python -m mpt_kv reach --update-docs"
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--draw", metavar="PROFILE", help="the draws of a hypothesis profile (ci, dev, thorough)")
     mode.add_argument("--update-docs", dest="update", action="store_true", help="rewrite docs/reach.md's table")
     mode.add_argument("--check", action="store_true", help="exit 1 if docs/reach.md's table is stale")
-    p.add_argument("--doc", type=Path, default=None, help=f"the doc (default {DOC})")
+    p.add_argument("--doc", type=path_arg, default=None, help=f"the doc (default {DOC})")
     p.add_argument("--reference-model", help="a real model's values (default mpt-7b)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     generated = args.update or args.check

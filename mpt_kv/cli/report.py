@@ -62,6 +62,8 @@ def load(path: Path) -> dict:
             usage_error(f"{path}: result {i} has outcome {r['outcome']!r}: expected one of {', '.join(OUTCOMES)}")
         if not isinstance(r.get("device", ""), str):
             usage_error(f"{path}: result {i} has device {r['device']!r} ({type(r['device']).__name__}): expected a str")
+        if not isinstance(r.get("cache", {}), dict):  # the evidence that a cache exists (gate.checked_cache)
+            usage_error(f"{path}: result {i} has cache {r['cache']!r:.60} ({type(r['cache']).__name__}): expected a dict")
     check_report_fields(path, data)
     return data
 

@@ -66,7 +66,7 @@ from packaging.version import Version
 
 from mpt_kv import package_data, versions
 from mpt_kv.errors import SweepError  # noqa: F401  (raised here; its home is errors.py)
-from mpt_kv.outputs import dir_problem
+from mpt_kv.outputs import dir_problem, mark_output, path_arg
 
 PACKAGES = dict(sorted((b.requires[0], name) for name, b in versions.BUILTIN.items() if b.requires))  # package -> target
 TORCH = "torch==2.13.0"  # the CPU build in the local store; never unpinned (a CUDA build is GBs)
@@ -726,9 +726,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--per-minor", action="store_true", help="in a range, only the newest patch of each minor")
     p.add_argument("-p", "--parallel", type=int, default=1, help="releases at once (at most the cores; default 1)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per release, install and run (default 1800)")
-    p.add_argument("--envs", type=Path, default=default_envs(),
+    p.add_argument("--envs", type=path_arg, default=default_envs(),
                    help="the environments' cache (default $MPT_KV_SWEEP_ENVS or ~/.cache/mpt-kv/sweep-envs)")
-    p.add_argument("--out", type=Path, default=Path("reports/sweep"), help="reports, logs and table.md (default reports/sweep)")
+    p.add_argument("--out", type=path_arg, default=Path("reports/sweep"), help="reports, logs and table.md (default reports/sweep)")
     p.add_argument("--dtype", action="append", choices=["fp32", "bf16"], help="dtypes to run (default fp32)")
     p.add_argument("-k", dest="keyword", default=None, help=f"pytest -k of the runs (default: {DEFAULT_K!r})")
     p.add_argument("--render", action="store_true",
@@ -752,18 +752,20 @@ def main(argv: list[str]) -> int:
         p.error(f"-p {args.parallel}: between 1 and the {cores} cores")
     if not math.isfinite(args.timeout) or args.timeout <= 0:  # nan <= 0 is False: nan would pass a bare <= 0
         p.error(f"--timeout {args.timeout}: give a positive number of seconds, a finite one")
-    for option, folder in (("--out", args.out), ("--envs", args.envs)):  # before any install or run
-        problem = dir_problem(folder)
+    for option, folder, command in (("--out", args.out, "sweep"), ("--envs", args.envs, None)):  # before any work
+        problem = dir_problem(folder, command)
         if problem:
             p.error(f"{option} {folder}: {problem}")
     releases = expand(args.specs, args.per_minor)
     if args.repros:
         args.envs.mkdir(parents=True, exist_ok=True)
         args.out.mkdir(parents=True, exist_ok=True)
+        mark_output(args.out, "sweep")
         return main_repros(args, argv, releases)
     run_args = [f"--dtype={d}" for d in (args.dtype or ["fp32"])] + (["-k", args.keyword] if args.keyword else [])
     args.envs.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    mark_output(args.out, "sweep")
     started = time.monotonic()
     print(f"mpt-kv sweep: {len(releases)} releases, -p {args.parallel}, --timeout {args.timeout:.0f} s, "
           f"envs {args.envs}", flush=True)

@@ -646,6 +646,31 @@ def storage_report(c: Case, kv, fused: dict[str, torch.Tensor], tokens: int) -> 
     return total, analytic, why
 
 
+def cache_evidence(implementation, family, variant: str, path: str = "concat", dtype=torch.float32) -> dict:
+    """What shows the implementation keeps a cache on this path (the green-run rule,
+    `mpt_kv.checks.running.cache_evidence`): after a prefill, the distinct storages of `kv()` hold at
+    least the family's analytic K/V of the tokens written, and a second `kv()` returns the same ones."""
+    c = case_of(implementation, family, variant, path, dtype, "cache-evidence")
+    ids, mask = prompt(c.config)
+    with torch.inference_mode():
+        session = c.session()
+        session.prefill(ids, mask)
+        first = named_kv(session.kv())
+        again = named_kv(session.kv())  # `first` still alive: a recomputed tensor cannot take its storage's address
+    storages = {storage_key(t): t.untyped_storage().nbytes() for _, _, t in first}
+    held, written = sum(storages.values()), session.written
+    analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * written
+    where = f"after a prefill of {c.batch} x {written} tokens on {path}, {str(c.dtype).replace('torch.', '')}:"
+    if held < analytic:
+        return {"shown": False, "why": f"{where} the cache's storages hold {held} bytes, less than the family's "
+                                       f"analytic K/V of the prefilled tokens ({analytic} bytes): no cache is kept"}
+    if set(storages) != {storage_key(t) for _, _, t in again}:
+        return {"shown": False, "why": f"{where} a second kv() returned other storages than the first: K/V made "
+                                       "at each read (recomputed from the tokens?), not kept"}
+    return {"shown": True, "why": f"{where} the cache's storages hold {held} bytes (analytic K/V {analytic}), the "
+                                  "same at a second kv()"}
+
+
 def warm_up(c: Case) -> None:
     """A prefill and a decode before measuring: state a model builds lazily once (rotary tables,
     cached masks, a cache pool) is made here, not counted as kept by the measured generation."""

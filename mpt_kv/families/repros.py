@@ -788,6 +788,22 @@ def target_readme(entries: list[dict], title: str, call: str, fix: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def repro_names() -> frozenset[str]:
+    """The name of every repro `write` makes: the kept MPT target scripts and the family findings'
+    folders (what a known-failures entry's "repro" may name)."""
+    global _NAMES
+    if _NAMES is None:
+        from mpt_kv.families.costs import known_entries
+        from mpt_kv.families.findings import grouped
+
+        kept = {p.stem for p in package_data.KEPT_REPROS.glob("*.py")}
+        _NAMES = frozenset(kept | {s for s in (slug_of(g) for g in grouped(known_entries())) if s})
+    return _NAMES
+
+
+_NAMES: frozenset[str] | None = None
+
+
 def target_plan(entries: list[dict]) -> tuple[list[Repro], list[dict], dict[str, list[dict]]]:
     """(the kept MPT target repros, the entries without a repro, {family repro slug: the entries
     that name it}), in the file's order."""

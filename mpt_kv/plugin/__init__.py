@@ -37,6 +37,7 @@ def pytest_load_initial_conftests(early_config, parser, args):
     """The earliest hook a plugin gets in an xdist worker, before conftest files (which may
     import torch): the card the controller gave this worker is still in place."""
     cards.check_pinned_in_worker()
+    options.keep_rootdir(early_config, parser, args)  # before any conftest or node id: --ceilings-dir DIR is no path
 
 
 def pytest_configure(config):

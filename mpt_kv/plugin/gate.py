@@ -131,15 +131,33 @@ def device_requirements(config) -> dict[str, str]:
     return dict(sorted(why.items()))
 
 
+# The opt-outs for exploring locally, and what each lets a run skip: a gate (CI=true) must not use them.
+OPT_OUTS = {"--allow-missing-device": "allow_missing_device", "--allow-no-cache-check": "allow_no_cache_check"}
+OPT_OUT_LETS = {
+    "--allow-missing-device": "a run whose selected devices are absent, or whose conformance cases all skipped, to "
+                              "pass having checked nothing there",
+    "--allow-no-cache-check": "a target of which no cache property passed to pass having checked no cache",
+}
+
+
+def refused_under_ci(flag: str) -> str:
+    return (f"{flag} is refused under CI (CI={os.environ.get('CI', '')}): it lets {OPT_OUT_LETS[flag]}, and a gate "
+            f"must not be able to do that. It is for exploring locally: run without CI=true (e.g. `CI= python -m "
+            f"pytest ... {flag}`), and gate with a run that does not need it")
+
+
 def configure(config) -> None:
-    """What the gate refuses before collection: --update-ceilings under CI, an unwritable report
-    path. Sets the run's required devices (RunState.required)."""
+    """What the gate refuses before collection: --update-ceilings and the opt-outs (OPT_OUTS) under CI,
+    an unwritable report path. Sets the run's required devices (RunState.required)."""
     if config.getoption("update_ceilings") and in_ci():
         raise pytest.UsageError("--update-ceilings is refused under CI: recording a baseline is a local step whose "
                                 "diff a reviewer reads; run it locally, review the diff and commit the file")
+    for flag, name in OPT_OUTS.items():
+        if config.getoption(name) and in_ci():
+            raise pytest.UsageError(refused_under_ci(flag))
     for flag, name in (("--mpt-kv-report", "mpt_kv_report"), ("--mpt-kv-markdown", "mpt_kv_markdown")):
         path = config.getoption(name)
-        if path:
+        if path is not None:  # '' too: an empty path is a usage error, never "not given"
             problem = file_problem(path)
             if problem:
                 raise pytest.UsageError(f"{flag} {path}: {problem}")
@@ -190,14 +208,35 @@ def check_required_devices(config) -> None:
 
 # --- the end-of-run verdict -------------------------------------------------------------------------------------
 
+# outcomes that make a run red by themselves (pytest reports each): a gate line about such a run says
+# what failed, not that the run checked nothing
+RED = ("failed", "error", "XPASS")
+
+
+def what_failed(records: list[dict]) -> str:
+    """`P3 failed 1 on concat; ops-P3 error 1 on static` for conformance cases, else the first node ids."""
+    cases = [r for r in records if "property" in r]
+    if cases:
+        return _what_ran(cases)
+    ids = [r.get("nodeid", "?") for r in records]
+    return ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+
+
 def gate_failures(config) -> list[str]:
-    """One line per required kind of which no case passed."""
+    """One line per required kind of which no case passed: that the gate ran nothing, only where that
+    is the verdict; where cases of the kind failed, which (they make the run red on their own)."""
     out = []
     state = run_state(config)
     for kind, why in state.required.items():
         ran = [r for r in state.results if kind in r["kinds"]]
         passed = [r for r in ran if r["outcome"] in ("passed", "xfail")]
-        if not passed:
+        red = [r for r in ran if r["outcome"] in RED]
+        if passed:
+            continue
+        if red:
+            out.append(f"{why}: no {kind} case passed: {len(red)} of the {len(ran)} {kind} cases failed "
+                       f"({what_failed(red)}); their failures above say what is wrong.")
+        else:
             out.append(f"{why}: no {kind} case passed ({len(ran)} {kind} cases reported). "
                        f"A gate that ran nothing must not look green.")
     return out
@@ -223,10 +262,21 @@ def nothing_ran(results: list[dict], allowed: bool = False) -> str | None:
 # neither (a project's own) never counts as a cache check: fail closed.
 CACHE_PROPERTIES = index.CACHE
 NOT_CACHE_PROPERTIES = index.NOT_CACHE
-# A cache case checked its target when it passed, or when it was a known failure (xfail): a strict xfail
-# of only the PropertyFailure an entry names, so the cache ran and the check found that very finding
-# (a port whose every cache check is a shipped upstream bug is checked, and fails the day it changes).
+# A cache case checked its target when it passed on a cache that exists (its record's `cache`: the run
+# layer's evidence, mpt_kv.checks.running.cache_evidence: after a prefill the cache's storages hold the
+# analytic K/V and a second read returns the same ones), or when it was a known failure (xfail): a
+# strict xfail of only the PropertyFailure an entry names, so the cache ran and the check found that
+# very finding (a port whose every cache check is a shipped upstream bug is checked, and fails the day
+# it changes). A pass without that evidence checked values a target may recompute without any cache.
 CHECKED = ("passed", "xfail")
+
+
+def checked_cache(r: dict) -> bool:
+    """Whether a result checked its target's cache: a cache property on a cache path, a known failure,
+    or a pass whose record shows the cache exists. The one rule every check's pass goes through."""
+    if not is_cache_check(r) or r.get("outcome") not in CHECKED:
+        return False
+    return r.get("outcome") == "xfail" or bool((r.get("cache") or {}).get("shown"))
 
 
 def gate_target(r: dict) -> str:
@@ -266,8 +316,18 @@ def unchecked_targets(results: list[dict], allow_missing_device: bool = False) -
             by_target.setdefault(gate_target(r), []).append(r)
     out = []
     for target, cases in by_target.items():
-        if all(r.get("outcome") in waived for r in cases) or \
-                any(is_cache_check(r) and r.get("outcome") in CHECKED for r in cases):
+        if all(r.get("outcome") in waived for r in cases) or any(checked_cache(r) for r in cases):
+            continue
+        unshown = [r for r in cases if is_cache_check(r) and r.get("outcome") == "passed"]
+        if unshown:  # values right, and nothing shows a cache was kept: it checked no cache
+            why = (unshown[0].get("cache") or {}).get("why") or "the record carries no evidence that a cache exists"
+            out.append(f"target {target}: its cache properties passed ({_what_ran(unshown)}) but show no cache: "
+                       f"{why}. A run that checked no cache of a target must not look green")
+            continue
+        red = [r for r in cases if is_cache_check(r) and r.get("outcome") in RED]
+        if red:  # the cache was checked and found broken (or crashed): say that, not "checked no cache"
+            out.append(f"target {target}: no cache property passed: {what_failed(red)}; their failures above "
+                       "say what is wrong")
             continue
         out.append(f"target {target}: no cache property passed ({_what_ran(cases)}): a run that checked no "
                    "cache of a target must not look green (pytest -rs says why; --allow-no-cache-check to "

@@ -39,10 +39,10 @@ def add_options(parser) -> None:
                 help=f"fail unless this device is present and at least one of its cases passed (repeatable; "
                      f"also ${ENV_REQUIRE}=hpu,cuda). -m and --device imply it for the kinds they select")
     g.addoption("--allow-missing-device", action="store_true",
-                help="local exploration only, never in CI: a device selected by -m or --device may be absent "
+                help="local exploration only (refused under CI=true): a device selected by -m or --device may be absent "
                      "(its cases skip, and a run that ran none of them can pass); --require-device still holds")
     g.addoption("--allow-no-cache-check", action="store_true",
-                help="local exploration only, never in CI: a run (e.g. -k P0) may pass although a target of it had "
+                help="local exploration only (refused under CI=true): a run (e.g. -k P0) may pass although a target of it had "
                      "no cache property pass (P1-P3, memory, static-shape, graph-capture, ops-*, family-P1-P3, family-memory, "
                      "family-ops); the report records it")
     g.addoption("--target", action="append", default=[], metavar="SPEC",
@@ -203,6 +203,43 @@ def ceilings_dir_and_source(config) -> tuple[Path, str | None]:
     if ini:
         return ini_relative(config, ini), f"ini option mpt_kv_ceilings_dir = {ini}"
     return config.rootpath / CEILINGS_FOLDER, None
+
+
+def keep_rootdir(config, parser, args) -> None:
+    """Put pytest's rootdir (and ini file) back where they would be without mpt-kv's option values.
+
+    pytest finds its rootdir before a plugin's options are known: in `--ceilings-dir DIR` it reads
+    DIR as a test path, so the rootdir (and the ini file searched from it) became DIR's, and every node
+    id moved (`FAILED ../../tmp/DIR::test_memory_ceilings[...]`, the project's ini options lost).
+    Called from the plugin's earliest hook, before any conftest or collection: it redoes pytest's own
+    `determine_setup` over the arguments as parsed now and, where the rootdir differs, restores it. The
+    only use of pytest's private setup state (`_rootpath`, `_inipath`, `_inicfg`, `_inicache`);
+    tests/test_plugin_options.py runs it on the locked pytest."""
+    import copy
+
+    try:
+        from _pytest.config.findpaths import determine_setup
+
+        ns = parser.parse_known_args(list(args), namespace=copy.copy(config.option))
+        if not getattr(ns, "ceilings_dir", None):
+            return
+        rootpath, inipath, inicfg, ignored = determine_setup(
+            inifile=ns.inifilename, override_ini=ns.override_ini, args=ns.file_or_dir,
+            rootdir_cmd_arg=ns.rootdir or None, invocation_dir=config.invocation_params.dir)
+        if rootpath == config.rootpath:
+            return
+        old = (str(config.inipath.parent) if config.inipath else str(config.rootpath))
+        config._rootpath, config._inipath, config._inicfg = rootpath, inipath, inicfg
+        config._ignored_config_files = ignored
+        config._inicache.clear()
+        parser.extra_info["rootdir"], parser.extra_info["inifile"] = str(rootpath), str(inipath)
+        if config.known_args_namespace.confcutdir == old:  # derived from the wrong rootdir: derive it again
+            config.known_args_namespace.confcutdir = str(inipath.parent if inipath else rootpath)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise pytest.UsageError(f"--ceilings-dir: mpt-kv keeps pytest's rootdir with pytest's private setup API, which "
+                                f"pytest {pytest.__version__} does not provide as expected ({type(e).__name__}: {e}); "
+                                "write --ceilings-dir=DIR (pytest then does not read DIR as a test path), or install "
+                                "the pytest of mpt-kv's locks") from None
 
 
 def ceilings_dir(config) -> Path:

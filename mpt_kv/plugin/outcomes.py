@@ -190,6 +190,8 @@ def collect(state, report) -> None:
         message = message_of(report)
         if "mpt_kv_upstream" in props:  # a known failure's upstream file and line, for the lines under the matrix
             record["upstream"] = props["mpt_kv_upstream"]
+        if "mpt_kv_cache" in props:  # what showed a cache exists (gate: a cache case counts only with it)
+            record["cache"] = props["mpt_kv_cache"]
         results.append({**record, "message": message} if message else record)
     else:  # any other case: its call, or its setup where that failed (a placeholder says it has no target)
         results.append({"outcome": report.outcome, "nodeid": report.nodeid, "kinds": kinds,

@@ -29,7 +29,7 @@ from torch import nn
 from mpt_kv import versions
 from mpt_kv.devices import as_device
 from mpt_kv.model.config import ModelConfig, as_dtype, check_state_dict, random_state_dict
-from mpt_kv.errors import DeviceUnavailable, InputError, TargetBroken, TargetUnavailable, Unsupported
+from mpt_kv.errors import AdapterError, DeviceUnavailable, InputError, TargetBroken, TargetUnavailable, Unsupported
 from mpt_kv.model.session import Session
 
 PATHS = ("concat", "static")
@@ -272,7 +272,7 @@ class ResolvedTarget:
         device, dtype = as_device(device), as_dtype(dtype)
         try:
             runner = self.factory(cfg, state_dict, device, dtype)
-        except (InputError, TargetUnavailable, DeviceUnavailable, Unsupported):
+        except (InputError, TargetUnavailable, DeviceUnavailable, Unsupported, AdapterError):
             raise  # mpt-kv's own: they already say what is wrong (or why it is skipped)
         except Exception as e:  # one message for every caller (checks, plugin, CLIs), the factory's error named
             raise TargetBroken(f"target {self.name} does not build on {device}: {type(e).__name__}: {e}") from e

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from mpt_kv.errors import AdapterError
 from mpt_kv.model.session import Session, check_prompt, pad_right
 from mpt_kv.targets import Capabilities, Runner
 from mpt_kv.targets.wrappers import device_sync, model_limits, with_declared
@@ -61,6 +62,10 @@ class CallableSession(Session):
     def _prefill(self, input_ids, attention_mask):
         B, S = input_ids.shape
         self.cache = self.runner.new_cache(self.path, B, self.max_len)
+        if self.cache is None:  # step() would run with no cache: wrong logits, read as a value finding
+            raise AdapterError(f"{self.runner.name}: the adapter's new_cache({self.path!r}, {B}, {self.max_len}) returned "
+                            "None: it must return the fresh cache that step() fills (CallableRunner's protocol, "
+                            "docs/targets.md); this is the adapter's error, not a finding about the model")
         # static: the mask over the whole preallocated cache, off past the prompt
         self.mask = attention_mask if self.path == "concat" else pad_right(attention_mask, self.max_len, 0)
         return self._step(input_ids, 0)
@@ -90,6 +95,15 @@ class CallableSession(Session):
         return [(k, v) for k, v in self.runner.kv_fn(self.cache)]
 
 
+# the callables every CallableRunner needs, and what each is (the module doc's protocol)
+REQUIRED = {
+    "logits": "logits(input_ids, attention_mask) -> (B, T, V), the uncached forward",
+    "new_cache": "new_cache(path, batch, max_len) -> a fresh cache, once per generation",
+    "step": "step(cache, input_ids, attention_mask, position) -> (logits, cache)",
+    "kv": "kv(cache) -> [(key, value) per layer], the stored tensors",
+}
+
+
 class CallableRunner(Runner):
     """A target from callables (the module docstring has the protocol).
 
@@ -110,8 +124,12 @@ class CallableRunner(Runner):
                  capabilities: Capabilities | None = None, sync: Callable[[], None] | None = None):
         for what, fn in (("logits", logits), ("new_cache", new_cache), ("step", step), ("kv", kv),
                          ("crop", crop), ("reorder", reorder)):
+            if fn is None and what in REQUIRED:  # at construction: not a failure at the first check that calls it
+                raise AdapterError(f"CallableRunner {what}=None: expected a callable, {REQUIRED[what]}; logits, "
+                                "new_cache, step and kv are required (crop and reorder may be None: unsupported)")
             if fn is not None and not callable(fn):
-                raise TypeError(f"CallableRunner {what}={fn!r} ({type(fn).__name__}): expected a callable")
+                raise AdapterError(f"CallableRunner {what}={fn!r} ({type(fn).__name__}): expected a callable"
+                                + (f", {REQUIRED[what]}" if what in REQUIRED else ""))
         self.model, self.name = model, name or self.name
         self.logits_fn, self.new_cache, self.step_fn, self.kv_fn = logits, new_cache, step, kv
         self.crop_fn, self.reorder_fn = crop, reorder

@@ -136,6 +136,15 @@ class QuantizedKV:
                 or self.scale_dtype.itemsize < 2:
             raise ValueError(f"QuantizedKV(scale_dtype={self.scale_dtype!r}): expected a floating torch.dtype of "
                              "2 bytes or more (float32, bfloat16, float16)")
+        for name in ("codes", "scale_tensors"):  # before len(): codes=5 is the adapter's error, named as such
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or any(not isinstance(pair, (list, tuple)) or len(pair) != 2
+                                                           for pair in value):
+                shown = (f"a {type(value).__name__} of {', '.join(type(x).__name__ for x in list(value)[:3])}"
+                         if isinstance(value, (list, tuple)) else repr(value))
+                raise TypeError(f"QuantizedKV({name}={shown}): expected a list of per-layer (key, value) pairs of "
+                                f"tensors, the cache's own {'codes' if name == 'codes' else 'scales'} (B, H, T, "
+                                f"{'hd' if name == 'codes' else '1'}), e.g. [(k_{name[:5]}, v_{name[:5]}) per layer]")
         if len(self.codes) != len(self.scale_tensors):
             raise ValueError(f"QuantizedKV: {len(self.codes)} layers of codes, {len(self.scale_tensors)} of scales")
         for layer, (codes, scales) in enumerate(zip(self.codes, self.scale_tensors)):

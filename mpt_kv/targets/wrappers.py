@@ -32,7 +32,7 @@ from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
 from mpt_kv.devices import sync
 from mpt_kv.targets.gaudi_generation import assisted_crop
 from mpt_kv.targets.gaudi_generation import temporary_reorder_cache
-from mpt_kv.errors import Unsupported
+from mpt_kv.errors import AdapterError, Unsupported
 
 __all__ = ["GaudiStyleRunner", "GaudiStyleSession", "TransformersRunner", "TransformersSession",
            "ReferenceRunner", "ReferenceSession", "forward_accepts"]
@@ -66,9 +66,10 @@ def model_limits(model: nn.Module, cfg) -> tuple[int, int]:
     source = cfg if cfg is not None else getattr(model, "config", None)
     try:
         return int(source.max_seq_len), int(source.vocab_size)
-    except AttributeError as e:
-        raise AttributeError(f"{type(model).__name__}: pass cfg= (the factory's ModelConfig) to the runner, or give the "
-                             f"model a .config with max_seq_len and vocab_size ({e})") from e
+    except AttributeError as e:  # one sentence, no chain: the fix is the adapter's, at the runner's construction
+        missing = "no cfg= and the model has no .config" if source is None else f"{e}"
+        raise AdapterError(f"{type(model).__name__}: pass cfg= (the factory's ModelConfig) to the runner, or give the "
+                           f"model a .config with max_seq_len and vocab_size ({missing})") from None
 
 
 class ModelRunner(Runner):
