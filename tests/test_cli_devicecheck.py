@@ -84,6 +84,16 @@ def test_a_spent_budget_leaves_the_rest_not_run_and_fails(tmp_path):
     out = tmp_path / "budget"
     assert D.main(["--out", str(out), *TINY, "--step", "bench", "--budget", "1"]) == 1
     assert statuses(out)["bench"] == "not run: the 1 s budget was spent"
+    # its own earlier output: a rerun writes there again (a folder of other files is refused: below)
+    assert D.main(["--out", str(out), *TINY, "--step", "bench", "--budget", "1"]) == 1
+
+
+def test_a_folder_of_other_files_is_refused(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        D.main(["--out", str(tmp_path), *TINY])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.parametrize("args,message", [

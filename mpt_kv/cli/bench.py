@@ -650,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             report.rows += run(cfg, [bc], runners, pairs, a.device, dtype, a.repeat, a.warmup, a.seed, progress)
             if bc != configs[-1]:
                 write(report, Path(a.out), plot_memory=False)
+                mark_output(a.out, "bench")  # its own output already: a rerun after a time limit may replace it
     finally:
         progress.close()
     report.meta["complete"] = True

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mpt_kv import devices, versions
-from mpt_kv.outputs import dir_problem
+from mpt_kv.outputs import dir_problem, mark_output, path_arg
 
 # the seed PR's rows at MPT-7B's shapes (the batch-128 row first: the headline), and rows of the same
 # form that fit the small presets' max_seq_len (a dry run)
@@ -293,7 +293,8 @@ def parse_timeout(text: str) -> tuple[str, int]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mpt_kv devicecheck", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the output folder (created; must not be a file)")
+    p.add_argument("--out", required=True, type=path_arg,
+                   help="the output folder: new, empty, or an earlier device check's (created)")
     p.add_argument("--device", default="cuda", choices=[k for k in devices.KINDS if k != "hpu"],
                    help="the device to check (default cuda); cpu with --model tiny is the dry run")
     p.add_argument("--model", default="mpt-7b", help="the bench's model preset (default mpt-7b; tiny for a dry run)")
@@ -325,13 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--model {a.model!r}: expected one of {', '.join(PRESETS)}")
     if a.budget < 1:
         p.error(f"--budget {a.budget}: must be >= 1")
-    problem = dir_problem(a.out)
+    problem = dir_problem(a.out, "devicecheck")
     if problem:
         p.error(f"--out {a.out}: {problem}")
     if a.legacy_transformers is not None and not Path(a.legacy_transformers).is_dir():
         p.error(f"--legacy-transformers {a.legacy_transformers}: not a folder")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    mark_output(out, "devicecheck")  # a rerun may write here again (its steps' folders are marked by their own commands)
     t0 = time.monotonic()
     env = environment(a)
     steps = plan(a, out)
