@@ -53,7 +53,7 @@ def test_the_dry_run_on_cpu_from_the_wheel(wheel_venv, tmp_path):
         {"transformers/static"} if versions.transformers_major() < 5 else set()), labels
     md = (out / "summary.md").read_text()
     assert "PASSED in" in md and "| graphs | passed |" in md and "## The seed table on this device" in md
-    assert (out / "graphs" / "log.txt").read_text().startswith("$ ")  # each step's command heads its log
+    assert (out / "graphs.log").read_text().startswith("$ ")  # each step's command heads its log
 
 
 def test_on_the_fake_gpu_the_graph_step_replays_cuda_graphs(tmp_path):
@@ -133,6 +133,19 @@ def test_the_plan_at_mpt_7b_on_a_gpu():
     suite = " ".join(steps["suite-reference"].command)
     assert "run --device cuda -m cuda --target reference --only-targets -k not graph-capture" in suite
     assert steps["bench-legacy"].status.startswith("not installed: no --legacy-transformers DIR")
+
+
+def test_graph_capture_runs_on_the_targets_that_declare_static_shapes(monkeypatch):
+    """A target without a static path has no static decode step to capture: listed with its own reason (not a
+    failure), left out of the graphs run, whose gate then needs no opt-out (refused under CI=true anyway)."""
+    monkeypatch.setattr(D, "static_path_missing", lambda spec, device: "no StaticCache for MPT" if spec ==
+                        "transformers" else None)
+    steps = {s.name: s for s in plan_of()}
+    graphs = " ".join(steps["graphs"].command)
+    assert "--target reference --only-targets" in graphs and "transformers" not in graphs
+    assert "--allow-no-cache-check" not in graphs
+    assert steps["graphs-transformers"].status == "not applicable: no static path: no StaticCache for MPT"
+    assert steps["graphs-transformers"].ok
 
 
 def test_llm_foundry_is_picked_up_where_it_is_a_builtin_and_installed(monkeypatch):

@@ -7,10 +7,10 @@ device, and the static decode step captured as a graph (docs/bench.md, "The devi
 
 Steps, in this order, each a subprocess with its own time limit, its output under OUT/<step>/:
 
-  graphs        graph-capture on every target (one with no static path: unsupported, its reason): the static
-                decode step compiled by torch.compile(fullgraph=True, backend="aot_eager") and, on cuda, captured
-                as a torch.cuda.CUDAGraph and replayed, each step equal to eager
-                (`python -m mpt_kv run --device D -m D -k graph-capture`)
+  graphs        graph-capture on every target that declares static shapes (a static path; the others are listed
+                with their reason): the static decode step compiled by torch.compile(fullgraph=True,
+                backend="aot_eager") and, on cuda, captured as a torch.cuda.CUDAGraph and replayed, each step equal
+                to eager (`python -m mpt_kv run --device D -m D -k graph-capture`)
   bench         `bench --model M` on the seed PR's rows (MPT-7B: batch 128, 128 in, 128 new, and batch 2, 1024 in,
                 1024 new): the reference's concat and static paths, transformers (the installed 5.x) concat and
                 static, and the catalogue's kv_views_of_mixed_qkv on its concat path (the seed bug), each with
@@ -30,7 +30,8 @@ killed with its subprocesses and reported so; the bench writes its rows as each 
 stopped late keeps the configs it finished.
 
 Writes OUT/summary.md and OUT/summary.json (what is here, each step's status, time and command, the bench
-rows beside the seed PR's Gaudi figures), and each step's log, report and tables in OUT/<step>/.
+rows beside the seed PR's Gaudi figures), each step's log as OUT/<step>.log, and its report and tables in
+OUT/<step>/ (the folder its own command writes).
 
 Exit status: 0 every step that applies here ran and passed; 1 a step failed, crashed, ran out of time or
 was left without budget (its log says why); 2 a usage error (the device is not here, a bad value), before
@@ -65,6 +66,7 @@ TIMEOUTS = {"graphs": 45, "bench": 230, "suite": 55, "bench-legacy": 80}
 BUDGET = 470
 LEGACY = "4.55.4"
 NOT_SELECTED = "not run: not among --step"
+NO_STATIC = "not applicable: no static path"
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Step:
     @property
     def ok(self) -> bool:
         """Passed, or it does not apply here (what it needs is not installed, or --step left it out)."""
-        return self.status == "passed" or self.status.startswith(("not installed", NOT_SELECTED))
+        return self.status == "passed" or self.status.startswith(("not installed", NOT_SELECTED, NO_STATIC))
 
 
 def builtin_installed(name: str) -> str | None:
@@ -109,6 +111,19 @@ def targets_here() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
             [(label, spec, why) for label, spec, why in wanted if why is not None])
 
 
+def static_path_missing(spec: str, device: str) -> str | None:
+    """The target's own reason where it declares no static path (graph-capture has nothing to capture
+    there), read from a tiny runner; None where it has one, or where the probe fails (its step says why)."""
+    import torch
+
+    from mpt_kv.targets import resolve_target
+
+    try:
+        return resolve_target(spec).capabilities(devices.torch_device(device), torch.float32).reason("static")
+    except Exception:  # noqa: BLE001  a target that does not build: its graphs case reports the error
+        return None
+
+
 def mpt_kv(*args: str) -> list[str]:
     return [sys.executable, "-m", "mpt_kv", *args]
 
@@ -117,12 +132,14 @@ def plan(a, out: Path) -> list[Step]:
     run_targets, absent = targets_here()
     device = a.device
     steps = []
-    target_args = [x for _, spec in run_targets for x in ("--target", spec)]
+    # the static decode step of every target that declares static shapes (a static path); the others say why
+    no_static = {label: static_path_missing(spec, device) for label, spec in run_targets}
+    target_args = [x for label, spec in run_targets if not no_static[label] for x in ("--target", spec)]
     graphs = out / "graphs"
     steps.append(Step("graphs", mpt_kv("run", "--device", device, "-m", device, *target_args, "--only-targets",
-                                       "-k", "graph-capture", "--allow-no-cache-check", "--report",
-                                       str(graphs / "report.json"), "--mpt-kv-markdown", str(graphs / "summary.md")),
-                      a.timeouts["graphs"]))
+                                       "-k", "graph-capture", "--report", str(graphs / "report.json"),
+                                       "--mpt-kv-markdown", str(graphs / "summary.md")), a.timeouts["graphs"]))
+    steps += [Step(f"graphs-{label}", [], 0, status=f"{NO_STATIC}: {why}") for label, why in no_static.items() if why]
     rows = a.config or SEED_ROWS.get(a.model, SMALL_ROWS)
     bench_args = ["bench", "--device", device, "--model", a.model, "--repeat", "1", "--warmup", "0", "--quiet",
                   *[x for row in rows for x in ("--config", row)]]
@@ -269,7 +286,7 @@ def summarize(a, out: Path, env: dict, steps: list[Step], seconds: float, comman
         if lines or (s.detail and not s.ok):
             md += ["", f"## {s.name}", ""] + [f"- {line}" for line in lines]
             if s.detail and not s.ok:
-                md.append(f"- last lines of {s.name}/log.txt: `{s.detail}`")
+                md.append(f"- last lines of {s.name}.log: `{s.detail}`")
     if rows:
         md += ["", "## The seed table on this device", "",
                "The seed PR's rows (Gaudi, optimum-habana's MPT before and after the fix) beside this run's "
@@ -346,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         limit = min(step.limit, left)
         print(f"devicecheck: {step.name} (limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
-        run_step(step, out / step.name / "log.txt", limit)
+        run_step(step, out / f"{step.name}.log", limit)  # beside, not in, the folder its command writes
         print(f"devicecheck: {step.name}: {step.status} in {step.seconds:.0f} s", file=sys.stderr, flush=True)
     code = summarize(a, out, env, steps, time.monotonic() - t0, ["python", "-m", "mpt_kv", "devicecheck", *argv])
     print((out / "summary.md").read_text())
