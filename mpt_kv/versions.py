@@ -28,13 +28,11 @@ BUILTIN = {
     "reference": Builtin("mpt_kv.targets.reference:build"),
     "transformers": Builtin("mpt_kv.targets.hf:build", ("transformers",), ("transformers",)),
     "optimum-habana": Builtin("mpt_kv.targets.gaudi:build", ("optimum-habana",), ("optimum-habana", "transformers")),
-    # MosaicML's own MPT (what the Hub's mosaicml/mpt-* run with trust_remote_code), attn_impl torch and flash
+    # MosaicML's own MPT (what the Hub's mosaicml/mpt-* run with trust_remote_code), attn_impl torch (flash: the
+    # factory mpt_kv.targets.foundry:build_flash, CUDA with flash_attn only)
     "llm-foundry": Builtin("mpt_kv.targets.foundry:build", ("llm-foundry",), ("llm-foundry", "transformers"),
                            "pip install --no-deps llm-foundry einops catalogue tabulate, with its pinned transformers; "
                            "or tox -e foundry"),
-    "llm-foundry-flash": Builtin("mpt_kv.targets.foundry:build_flash", ("llm-foundry",), ("llm-foundry", "transformers"),
-                                 "pip install --no-deps llm-foundry einops catalogue tabulate, with its pinned "
-                                 "transformers; or tox -e foundry"),
 }
 # the family implementations (mpt_kv.families.implementations) are built-in targets of the same names
 

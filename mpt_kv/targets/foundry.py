@@ -106,6 +106,9 @@ def release() -> str:
 def package_root() -> Path:
     """The installed `llmfoundry` folder; TargetUnavailable "llm-foundry is not installed" (naming the
     install command) where there is none."""
+    loaded = sys.modules.get("llmfoundry")  # registered bare by an earlier load: it has no __spec__
+    if loaded is not None and getattr(loaded, "__path__", None):
+        return Path(list(loaded.__path__)[0])
     spec = importlib.util.find_spec("llmfoundry")
     if spec is None or not spec.submodule_search_locations:
         raise TargetUnavailable(f"llm-foundry is not installed ({INSTALL})")
@@ -497,5 +500,5 @@ def build_flash(cfg, state_dict, device, dtype):
     load()
     why = flash_unavailable()
     if why is not None:
-        return _NoModelRunner("llm-foundry-flash", why, cfg)
+        return _NoModelRunner("mpt_kv.targets.foundry:build_flash", why, cfg)
     return factory("flash")(cfg, state_dict, device, dtype)
