@@ -170,14 +170,23 @@ class StandInError(TargetBroken):
     """llm-foundry's model code used the training stack's stand-in: it must never run any of it."""
 
 
+class _AbsentType(type):
+    """The stand-in's classes: reading any attribute of the class itself (`dist.get_local_rank`) raises too."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        cls.__init__(None)
+
+
 def _absent(qualname: str):
     def refuse(*args, **kwargs):
         raise StandInError(f"{qualname} is mpt-kv's stand-in for llm-foundry's training stack (not installed), "
                            "which its model code must not use: this code path cannot be checked here")
 
-    return type(qualname.rsplit(".", 1)[-1], (), {"__init__": refuse, "__call__": refuse, "__getattr__":
-                                                  classmethod(lambda cls, name: refuse()),
-                                                  "__mpt_kv_standin__": True, "__module__": qualname.rsplit(".", 1)[0]})
+    return _AbsentType(qualname.rsplit(".", 1)[-1], (), {"__init__": refuse, "__call__": refuse,
+                                                         "__mpt_kv_standin__": True,
+                                                         "__module__": qualname.rsplit(".", 1)[0]})
 
 
 class StandInModule(types.ModuleType):
@@ -331,6 +340,8 @@ def mpt_config(configuration, cfg, attn_impl: str = "torch", **fields):
     for name, value in fields.items():
         if name == "kv_n_heads" and value is not None:
             attn_config.setdefault("attn_type", "grouped_query_attention")
+        if name == "attn_type" and value == "grouped_query_attention":
+            attn_config.setdefault("kv_n_heads", cfg.n_heads)
         if name not in top:
             attn_config[name] = value
     params = configuration.MPTConfig.__init__.__code__.co_varnames
