@@ -34,6 +34,8 @@ CALL = ("AutoModelForCausalLM.from_pretrained('mosaicml/mpt-7b', trust_remote_co
 FIX = ("in prepare_inputs_for_generation keep the tokens the cache does not hold yet, "
        "input_ids[:, past_key_values[0][1].shape[2]:] (the value's sequence dimension on attn_impl torch), not "
        "input_ids[:, -1:]")
+UPSTREAM = 'llm-foundry 0.22.0 llmfoundry/models/mpt/modeling_mpt.py:1387-1388 (prepare_inputs_for_generation: input_ids[:, -1] once a cache exists); the forward raises at llmfoundry/models/layers/attention.py:196-199 or :181-184'
+WHAT = "`the target's extend raised RuntimeError: shape '[...]' is invalid for input of size N` (only the last candidate is fed)"
 CONFIG = {"vocab_size": 64, "n_layers": 2, "d_model": 32, "n_heads": 4, "max_seq_len": 32}
 
 

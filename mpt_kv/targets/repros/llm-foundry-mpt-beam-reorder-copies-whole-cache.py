@@ -31,6 +31,8 @@ except ImportError as e:  # fail closed: an experiment that did not run must not
 CALL = "AutoModelForCausalLM.from_pretrained('mosaicml/mpt-7b', trust_remote_code=True).generate(..., num_beams=N): every beam step"
 FIX = ("reorder in place, one layer at a time (for each layer: k.copy_(k.index_select(0, beam_idx)), or replace the "
        "caller's list entry by entry), never building a second whole cache while the first lives")
+UPSTREAM = 'llm-foundry 0.22.0 llmfoundry/models/mpt/modeling_mpt.py:1405-1421 (_reorder_cache: a new list of index_select copies), called by transformers 4.51.3 GenerationMixin._temporary_reorder_cache'
+WHAT = 'a second whole KV cache at every beam step'
 CONFIG = {"vocab_size": 64, "n_layers": 2, "d_model": 32, "n_heads": 4, "max_seq_len": 32}
 
 

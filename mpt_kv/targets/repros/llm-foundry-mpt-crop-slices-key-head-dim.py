@@ -33,6 +33,8 @@ CALL = ("AutoModelForCausalLM.from_pretrained('mosaicml/mpt-7b', trust_remote_co
 FIX = ("llm-foundry: define the crop for its layout (or return a Cache whose crop slices the key's last dimension); "
        "transformers: slice each tensor along the model's sequence dimension, not dimension 2, or refuse a legacy "
        "cache whose layout it does not know")
+UPSTREAM = "transformers 4.51.3 generation/candidate_generator.py:1095-1106 (_crop_past_key_values slices [:, :, :n, :]) on llm-foundry 0.22.0's (b, h, d, s) key, llmfoundry/models/layers/attention.py:137"
+WHAT = "the crop cuts the transposed key's head_dim and keeps every position; the value's cropped tail stays allocated"
 CONFIG = {"vocab_size": 64, "n_layers": 2, "d_model": 64, "n_heads": 4, "max_seq_len": 32}
 
 

@@ -31,6 +31,8 @@ CALL = ("AutoModelForCausalLM.from_pretrained('mosaicml/mpt-7b', trust_remote_co
         "use_cache=True): from the prefill until the first decode step")
 FIX = ("copy the first K/V into the cache (k.contiguous() / v.contiguous() of the rearranged views, or clone()) in "
        "scaled_multihead_dot_product_attention when past_key_value is empty")
+UPSTREAM = 'llm-foundry 0.22.0 llmfoundry/models/layers/attention.py:136-151 (scaled_multihead_dot_product_attention stores the rearranged views as the first cache entry) and :781-789 (get_qkv: qkv.split of the Wqkv output)'
+WHAT = "K and V view `Wqkv`'s output"
 CONFIG = {"vocab_size": 64, "n_layers": 2, "d_model": 32, "n_heads": 4, "max_seq_len": 32}
 
 
