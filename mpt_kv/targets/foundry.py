@@ -10,7 +10,8 @@ What is loaded, and what stands in (docs/targets.md, "llm-foundry"):
   (composer, streaming, mlflow, ...). The parents are registered as bare packages (their folder as
   `__path__`), as the optimum-habana loader does (`mpt_kv/targets/gaudi.py`).
 - `modeling_mpt.py` imports `composer` (`HuggingFaceModel`, `dist`; older releases also
-  `composer.metrics` and `omegaconf`) at module level for its training wrapper `ComposerMPTCausalLM`.
+  `composer.metrics`, `omegaconf` and, through llmfoundry.metrics, `torchmetrics`) at module level for its
+  training wrapper `ComposerMPTCausalLM`.
   Where composer (or omegaconf) is not installed, a stand-in is in `sys.modules` while that file is
   imported, and removed after: every name of it is a class or module that raises `TargetBroken` when
   it is called, instantiated or read further, so the model code cannot run any of it unnoticed (the
@@ -87,7 +88,7 @@ CONFIGURATION = "llmfoundry.models.mpt.configuration_mpt"
 REGISTRY_MODULES = ("llmfoundry.models.layers.fc", "llmfoundry.models.layers.norm",
                     "llmfoundry.models.layers.ffn", "llmfoundry.models.utils.param_init_fns")
 # packages of the training stack modeling_mpt.py imports at module level for ComposerMPTCausalLM
-STANDIN_PACKAGES = ("composer", "omegaconf")
+STANDIN_PACKAGES = ("composer", "omegaconf", "torchmetrics")
 
 # where the cache is made and grown, for messages and docs (llm-foundry 0.22.0's line numbers)
 CACHE_SOURCE = ("llmfoundry/models/layers/attention.py:136-151 (scaled_multihead_dot_product_attention: "
@@ -379,7 +380,10 @@ def foundry_state_dict(state_dict: dict, cfg, fused_qkv: bool = True) -> dict:
 def crop_as_assisted_decoding(model, past, n: int):
     """What the installed transformers' `_assisted_decoding` does to a legacy tuple cache after
     rejected candidates: `_crop_past_key_values(model, past_key_values, n)`."""
-    from transformers.generation.candidate_generator import _crop_past_key_values
+    try:
+        from transformers.generation.candidate_generator import _crop_past_key_values
+    except ImportError:  # before 4.35 it lived beside _assisted_decoding
+        from transformers.generation.utils import _crop_past_key_values
 
     return _crop_past_key_values(model, past, n)
 

@@ -53,8 +53,11 @@ def versions() -> str:
 def main() -> int:
     try:
         from transformers.generation.candidate_generator import _crop_past_key_values
-    except ImportError as e:
-        raise CannotRun(f"this transformers has no _crop_past_key_values: {e}")
+    except ImportError:
+        try:  # before 4.35 it lived beside _assisted_decoding
+            from transformers.generation.utils import _crop_past_key_values
+        except ImportError as e:
+            raise CannotRun(f"this transformers has no _crop_past_key_values: {e}")
     modeling, configuration = load_foundry()
     model = tiny_mpt(modeling, configuration)
     print(versions())
