@@ -61,6 +61,47 @@ def test_every_llm_foundry_entry_names_a_kept_repro_and_a_measured_range():
         assert "llmfoundry/" in e["reason"] or "transformers 4.51" in e["reason"], e  # the upstream file and line
 
 
+def fake_release(root, modeling: str):
+    """A folder holding an llm-foundry "release" (its distribution metadata and an MPT modeling file)."""
+    info = root / "llm_foundry-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llm-foundry\nVersion: 0.0.1\n")
+    mpt = root / "llmfoundry" / "models" / "mpt"
+    mpt.mkdir(parents=True)
+    (root / "llmfoundry" / "__init__.py").write_text("raise ImportError('the package __init__ must never run')\n")
+    (mpt / "configuration_mpt.py").write_text("class MPTConfig:\n    pass\n")
+    (mpt / "modeling_mpt.py").write_text(modeling)
+    return root
+
+
+@pytest.fixture
+def broken_release(tmp_path):
+    if versions.installed("llm-foundry"):
+        pytest.skip("llm-foundry is installed here: the fake release would not be the one found")
+    return fake_release(tmp_path / "site", "import math\nfrom composer.models import HuggingFaceModel\n"
+                                           "import no_such_module_of_the_release\n")
+
+
+def test_a_release_whose_files_do_not_load_names_the_file_and_the_import(broken_release):
+    code = ("from mpt_kv.targets import foundry\n"
+            "try:\n    foundry.load()\nexcept foundry.TargetUnavailable as e:\n    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(broken_release)})
+    assert "llm-foundry 0.0.1: llmfoundry.models.mpt.modeling_mpt does not load: llmfoundry/models/mpt/modeling_mpt.py:3 " \
+           "(import no_such_module_of_the_release) raised ModuleNotFoundError" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_gating_run_fails_where_the_installed_llm_foundry_does_not_load(broken_release, tmp_path):
+    """Fail closed: named with --target, a release that does not load is an error of every case, never a skip."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "--target", "llm-foundry",
+                          "--only-targets", "-p", "no:cacheprovider", "-q", "-k", "P0 and fp32", "--device", "cpu"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(broken_release), "MPT_KV_HYPOTHESIS_PROFILE": "ci"})
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "target llm-foundry cannot be built here (named with --target: an error, not a skip)" in run.stdout
+    assert "no_such_module_of_the_release" in run.stdout and " passed" not in run.stdout.splitlines()[-1]
+
+
 # --- where llm-foundry is installed (tox -e foundry) ---------------------------------------------------------
 
 @pytest.mark.llm_foundry

@@ -124,7 +124,11 @@ def transformers_pin() -> str | None:
     """The installed llm-foundry's `Requires-Dist` on transformers ('<4.52,>=4.51.0'), None if none."""
     from packaging.requirements import InvalidRequirement, Requirement
 
-    for line in importlib.metadata.requires(DIST) or []:
+    try:
+        requirements = importlib.metadata.requires(DIST) or []
+    except importlib.metadata.PackageNotFoundError:  # its files without distribution metadata: no pin to hold it to
+        return None
+    for line in requirements:
         try:
             req = Requirement(line)
         except InvalidRequirement:
