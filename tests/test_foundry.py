@@ -229,3 +229,33 @@ def test_its_repros_exit_1_where_their_finding_holds(tmp_path):
         result = report["results"][str(tmp_path / r.slug / "repro.py")]
         holds = any(versions.versions_match(parse_when(e["when"], ValueError)) for e in r.entries)
         assert result["code"] == (1 if holds else 0), f"{r.slug}: {result['output'][-2000:]}"
+
+
+@pytest.mark.llm_foundry
+@pytest.mark.parametrize("fields", [{"fused_qkv": False}, {"kv_n_heads": "n_heads"},
+                                    {"sliding_window_size": "max_seq_len"}])
+def test_p1_holds_on_the_fields_the_oracle_follows(fields):
+    """The drawn P1 cases (hypothesis, the ci profile here) on llm-foundry's own code paths for these fields:
+    separate Wq/Wk/Wv, the grouped-query class with as many K/V heads, the sliding-window branch."""
+    import mpt_kv
+    from mpt_kv.targets import foundry
+
+    per_case = {"n_heads": lambda cfg: cfg.n_heads, "max_seq_len": lambda cfg: cfg.max_seq_len}
+
+    def build(cfg, state_dict, device, dtype):  # a value that depends on the drawn config: read from it per case
+        values = {k: per_case[v](cfg) if isinstance(v, str) else v for k, v in fields.items()}
+        return foundry.factory(**values)(cfg, state_dict, device, dtype)
+    mpt_kv.CHECKS["P1/concat"](build, "cpu", "fp32")
+
+
+@pytest.mark.llm_foundry
+def test_p3_reads_the_unfused_projections_as_their_own_storage():
+    """With fused_qkv off there is no fused buffer to pin: the cached key is all of Wk's output, and P3
+    passes; with it on (mpt-7b's), P3 names the views of mixed_qkv (the known failure)."""
+    import mpt_kv
+    from mpt_kv.errors import PropertyFailure
+    from mpt_kv.targets import foundry
+
+    mpt_kv.CHECKS["P3/concat"](foundry.factory(fused_qkv=False), "cpu", "fp32")
+    with pytest.raises(PropertyFailure, match=r"are views of layer \d+'s mixed_qkv"):
+        mpt_kv.CHECKS["P3/concat"](foundry.build, "cpu", "fp32")

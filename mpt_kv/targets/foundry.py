@@ -458,10 +458,10 @@ class FoundryRunner(ModelRunner):
         return FoundrySession(self, path, max_len)
 
     def wqkv_modules(self):
-        """Each layer's fused projection; with fused_qkv off, its Wk (the key's own projection: P3 then
-        sees whether the cached key pins it)."""
-        blocks = self.model.transformer.blocks
-        return [b.attn.Wqkv if hasattr(b.attn, "Wqkv") else b.attn.Wk for b in blocks]
+        """Each layer's fused projection. With fused_qkv off there is none (Wq, Wk, Wv each own their
+        output, and a key that is all of Wk's output pins nothing): nothing to hook, and P3's other rule
+        (no view of a per-step temporary beyond the cache) still judges every cached tensor."""
+        return [b.attn.Wqkv for b in self.model.transformer.blocks if hasattr(b.attn, "Wqkv")]
 
 
 def factory(attn_impl: str = "torch", **fields):
