@@ -1,5 +1,5 @@
 """`python -m mpt_kv sweep SPEC [SPEC ...]`: the conformance run over published releases of
-optimum-habana and/or transformers, one environment per release, merged into one table
+optimum-habana, transformers and/or llm-foundry, one environment per release, merged into one table
 (release x check: property/path), with the first and last release of each finding.
 
 SPEC: `optimum-habana==1.12.1`, `transformers==4.55.4`, or a range (`optimum-habana>=1.7,<=1.21.2`):
