@@ -68,6 +68,12 @@ def target_version(spec: str) -> str:
     return ", ".join(out)
 
 
+def mpt_kv() -> str:
+    """This mpt-kv's version, from its distribution's metadata ('0.1.0'): what a report names as the
+    mpt-kv that judged a run. A folder imported without ever being installed has none: said so."""
+    return installed("mpt-kv") or "unknown (mpt_kv imported without its distribution metadata: pip install it)"
+
+
 def transformers_version() -> str:
     return installed("transformers") or "0"
 

@@ -42,9 +42,12 @@ def clean_env(**more: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class WheelVenv:
-    wheel: Path    # mpt_kv-<version>-py3-none-any.whl, built from a clean copy of this checkout
+    sdist: Path    # mpt_kv-<version>.tar.gz, built by `python -m build` from a clean copy of this checkout
+    wheel: Path    # mpt_kv-<version>-py3-none-any.whl, built by the same command from that sdist
     python: Path   # the venv's python: mpt-kv from the wheel, everything else from this environment
     purelib: Path  # the venv's site-packages, where the wheel's mpt_kv is
+    build_log: Path  # what `python -m build` printed ("* Building wheel from sdist")
+    build_seconds: float  # what it took (tests/test_release.py prints it)
 
     @staticmethod
     def env(**more: str) -> dict[str, str]:
@@ -59,16 +62,55 @@ def _sh(*cmd, **kw) -> subprocess.CompletedProcess:
     return done
 
 
+def readme_install_commands() -> list[str]:
+    """The README's "Into another project" commands, in order: the build in a clone (`python -m pip
+    install build && python -m build`), the wheel's install, the index's install (not yet published)."""
+    import re
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    start = text.index("**Into another project.**")
+    section = text[start:text.index("\n## ", start)]
+    return [line.strip() for block in re.findall(r"^```bash\n(.*?)^```", section, flags=re.S | re.M)
+            for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+@pytest.fixture(scope="session")
+def readme_install() -> list[str]:
+    """readme_install_commands(), for the test that checks them (tests/test_readme_commands.py)."""
+    return readme_install_commands()
+
+
+def _tracked_files() -> list[str]:
+    """The checkout's files as a fresh clone of it would have them once committed: tracked, or new and
+    not ignored (their working-tree content)."""
+    try:
+        listed = _sh("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=REPO).stdout.split("\0")
+    except (OSError, RuntimeError) as e:
+        raise RuntimeError(f"the wheel is built from a clean copy of the tracked files, listed by git ls-files: {e}")
+    return [name for name in listed if name and (REPO / name).is_file()]
+
+
 def _build_wheel_venv(root: Path) -> dict:
-    source = root / "mpt-kv"  # a clean copy: building in the checkout would leave build/ there
-    shutil.copytree(REPO / "mpt_kv", source / "mpt_kv", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
-    _sh(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", root / "wheels", source)
-    (wheel,) = (root / "wheels").glob("mpt_kv-*.whl")
+    import time
+
+    # a clean copy, as a fresh clone has it: building in the checkout would leave build/ and dist/ there
+    source = root / "mpt-kv"
+    for name in _tracked_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    # the README's build command, run as it says, in the clone's folder: the sdist, then the wheel from it
+    build = readme_install_commands()[0].split("&&")[-1].split()
+    if build[:3] != ["python", "-m", "build"]:
+        raise RuntimeError(f"the README's build command is {build}: expected `python -m build`")
+    t0 = time.monotonic()
+    done = _sh(sys.executable, *build[1:], cwd=source)
+    seconds = time.monotonic() - t0
+    (root / "build.log").write_text(done.stdout + done.stderr)
+    (sdist,) = (source / "dist").glob("mpt_kv-*.tar.gz")
+    (wheel,) = (source / "dist").glob("mpt_kv-*.whl")
     # made without pip; it reuses this environment's packages (torch, pytest, hypothesis, transformers)
     # through a .pth file after its own, so nothing is downloaded and torch is not reinstalled (as on a
-    # Gaudi image)
+    # Gaudi image: the README's install command with --no-deps)
     venv = root / "venv"
     _sh(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
@@ -78,13 +120,15 @@ def _build_wheel_venv(root: Path) -> dict:
     where = _sh(python, "-c", "import mpt_kv.plugin as p; print(p.__file__)", cwd=root, env=clean_env()).stdout.strip()
     if not where.startswith(str(purelib)):
         raise RuntimeError(f"mpt_kv imports from {where}, not from the installed wheel in {purelib}")
-    return {"wheel": str(wheel), "python": str(python), "purelib": str(purelib)}
+    return {"sdist": str(sdist), "wheel": str(wheel), "python": str(python), "purelib": str(purelib),
+            "build_log": str(root / "build.log"), "build_seconds": round(seconds, 1)}
 
 
 @pytest.fixture(scope="session")
 def wheel_venv(tmp_path_factory) -> WheelVenv:
-    """mpt-kv built as a wheel from a clean copy of this checkout and installed into a fresh virtual
-    environment, once per test run: under pytest-xdist the first worker that asks builds it in the
+    """mpt-kv's sdist and wheel built by the README's command (`python -m build`, docs/releasing.md's
+    too) from a clean copy of this checkout, the wheel installed into a fresh virtual environment, once
+    per test run: under pytest-xdist the first worker that asks builds it in the
     run's shared temporary folder under a file lock, the others wait and reuse it (a failed build is
     reported to each, not retried). Read-only for the tests: copy the projects they run elsewhere."""
     from filelock import FileLock
@@ -103,7 +147,7 @@ def wheel_venv(tmp_path_factory) -> WheelVenv:
                 failed.write_text(f"{type(e).__name__}: {e}")
     if failed.is_file():
         pytest.fail(f"building mpt-kv's wheel and its venv failed: {failed.read_text()}", pytrace=False)
-    return WheelVenv(**{k: Path(v) for k, v in json.loads(built.read_text()).items()})
+    return WheelVenv(**{k: v if k == "build_seconds" else Path(v) for k, v in json.loads(built.read_text()).items()})
 
 
 # --- tests that need optimum-habana: deselected where it is not installed, in one line -------------------------------

@@ -4,6 +4,7 @@ environments (the main job runs the default env and the optimum-habana env)."""
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import pytest
 
@@ -45,6 +46,9 @@ def test_one_matrix_with_every_target_from_the_environment_that_ran_it(two_envs,
     assert report.main([*map(str, two_envs), "--json", str(merged)]) == 0
     out = capsys.readouterr().out
     assert out.count("mpt-kv conformance") == 1
+    mine = version("mpt-kv")  # the mpt-kv that judged the merge, in the title and the merged report
+    assert f" mpt-kv conformance (mpt-kv {mine}) " in out.splitlines()[0], out
+    assert json.loads(merged.read_text())["mpt_kv_version"] == mine
     assert rows(out) == [
         ["reference", "cpu", "float32", "concat", "-", "passed", "-", "-", "-", "-", "-"],
         ["optimum-habana", "1.21", "(transformers", "4.55)", "cpu", "float32", "concat", "-", "passed", "-", "-", "-", "-", "-"],

@@ -4,7 +4,11 @@ failures collapsed, the matrix collapsed below."""
 
 from __future__ import annotations
 
-from mpt_kv.plugin.markdown import render
+from importlib.metadata import version
+
+from mpt_kv.plugin.markdown import judged_by, render
+
+MPT_KV = version("mpt-kv")  # this checkout's, as installed (pip install -e)
 
 NODE = "test_properties.py::test_property[cpu-{t}-fp32-{c}]"
 
@@ -29,6 +33,7 @@ def test_the_verdict_comes_first_then_each_failure_with_its_message_and_rerun_co
     md = render(RESULTS, [])
     lines = md.splitlines()
     assert lines[0] == "## mpt-kv: FAILED" and lines[2] == "1 error, 1 failed, 1 passed, 1 xfail"
+    assert lines[4] == f"Judged by mpt-kv {MPT_KV}."  # a CI log says which mpt-kv judged the run
     (p3,) = [line for line in lines if "| P3/concat |" in line]
     assert "layer 0 key (2, 2, 5, 8) and layer 0 value (2, 2, 5, 8) are views of layer 0's mixed_qkv \\| x" in p3
     assert "PropertyFailure" not in p3  # the message, not the exception's class path
@@ -53,6 +58,13 @@ def test_a_gate_failure_fails_a_run_without_failed_cells_and_a_change_is_listed(
     assert "| xfail (was passed) |" in row and "### What broke or changed" in md
 
 
+def test_merged_reports_written_by_another_mpt_kv_say_so():
+    """`report --markdown` judges with this mpt-kv; a run written by another version is named, with its file."""
+    assert judged_by({"cpu.json": MPT_KV, "oh.json": MPT_KV}) == f"Judged by mpt-kv {MPT_KV}."
+    assert judged_by({"cpu.json": MPT_KV, "old.json": "0.0.9"}) == \
+        f"Judged by mpt-kv {MPT_KV}. The runs: cpu.json by mpt-kv {MPT_KV}, old.json by mpt-kv 0.0.9."
+
+
 def test_the_plugin_and_report_write_the_summary_with_every_failure(tmp_path):
     """A run of a target that caches views of mixed_qkv: `--mpt-kv-markdown` names each failed case with
     its message and rerun command, and `python -m mpt_kv report --markdown` of its JSON says the same."""
@@ -70,6 +82,8 @@ def test_the_plugin_and_report_write_the_summary_with_every_failure(tmp_path):
                           "-p", "no:cacheprovider", "--mpt-kv-report", "r.json", "--mpt-kv-markdown", "reports/summary.md"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert run.returncode == 1, run.stdout[-2000:]
+    assert f" mpt-kv conformance (mpt-kv {MPT_KV}) " in run.stdout, run.stdout[-2000:]  # the matrix's title
+    assert json.loads((tmp_path / "r.json").read_text())["mpt_kv_version"] == MPT_KV
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert sorted(r["check"] for r in results) == ["P1/concat", "P3/concat"], results  # the drawn cases alone
     failed = [r for r in results if r["outcome"] == "failed"]
@@ -79,7 +93,7 @@ def test_the_plugin_and_report_write_the_summary_with_every_failure(tmp_path):
     assert merged.returncode == 1, merged.stderr
     for name in ("reports/summary.md", "merged/merged.md"):  # their folders made, as --junitxml makes its own
         md = (tmp_path / name).read_text()
-        assert md.startswith("## mpt-kv: FAILED"), md[:200]
+        assert md.startswith("## mpt-kv: FAILED") and f"\nJudged by mpt-kv {MPT_KV}.\n" in md, md[:200]
         for r in failed:
             (row,) = [line for line in md.splitlines() if f"-k \"[{r['nodeid'].split('[')[1]}\"" in line]
             assert "views of layer 0's mixed_qkv" in row or "mixed_qkv" in row, row

@@ -102,6 +102,26 @@ def test_a_readme_command_runs_from_a_fresh_folder(wheel_venv, project, comment,
         assert failed and all("P3/concat" in f or "memory/concat" in f for f in failed), failed
 
 
+def test_the_install_commands_build_and_install_this_version(readme_install, wheel_venv):
+    """The README's "Into another project" commands: the build tests/conftest.py::wheel_venv runs as
+    written, in a clean copy of this checkout; the install of the wheel that build made; the package
+    index's install, said to be not yet published, admitting this version."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    build, install, from_index = readme_install
+    assert build == "python -m pip install build && python -m build", build
+    assert install == f"python -m pip install dist/{wheel_venv.wheel.name}", \
+        f"the README installs {install.split()[-1]}, but the build made dist/{wheel_venv.wheel.name}"
+    assert from_index.startswith("python -m pip install "), from_index
+    wanted = Requirement(shlex.split(from_index)[-1])
+    assert wanted.name == "mpt-kv" and wanted.specifier.contains(version("mpt-kv")), wanted
+    readme = (REPO / "README.md").read_text()
+    said = readme[readme.index("**Into another project.**"):readme.index(from_index)]
+    assert "**not yet**" in said, "the README must say that the index has no mpt-kv yet"
+
+
 def test_nothing_in_the_repository_points_outside_a_clone():
     """No link to or mention of the seeds folder or the facts file of the workspace this was
     built in: neither exists in a clone or a wheel (the seeds are named by their public titles)."""

@@ -34,11 +34,11 @@ from pathlib import Path
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-from mpt_kv import versions
+from mpt_kv import package_data, versions
 from mpt_kv.checks import index
 from mpt_kv.errors import KnownFailuresError, PropertyFailure
 
-FILE = Path(__file__).resolve().parent.parent / "targets" / "known_failures.json"
+FILE = package_data.MPT_KNOWN_FAILURES
 PROPERTIES = tuple(p.name for p in index.PROPERTIES if not p.family)  # what an MPT entry may name
 PATHS = ("concat", "static")
 REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}

@@ -28,9 +28,10 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from mpt_kv import package_data
 from mpt_kv.checks import index
 
-DEFAULT_REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "data" / "mpt-7b.json"
+DEFAULT_REFERENCE_MODEL = package_data.MPT_7B_CONFIG
 MAX_VALUES = 8
 
 # The knobs, in table order, with what a real model's config calls them (None: not a config field;

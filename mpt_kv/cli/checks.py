@@ -17,11 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from mpt_kv import package_data
 from mpt_kv.checks import index
 from mpt_kv.cli import docblocks
 from mpt_kv.outputs import file_problem
 
-DOC = Path(__file__).resolve().parents[2] / "README.md"
+DOC = package_data.CHECKS_DOC
 COMMAND = "python -m mpt_kv checks --update-docs"
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from mpt_kv import package_data
 from mpt_kv.cli import docblocks
 from mpt_kv.families import repros, user_path
 from mpt_kv.families.costs import finding_cost, known_entries, real_configs, sizes_per_token
@@ -36,7 +37,7 @@ from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, grouped, h
 from mpt_kv.outputs import dir_problem, file_problem
 
 BEGIN, END = docblocks.markers("findings")
-DOC = Path(__file__).resolve().parents[2] / "docs" / "findings.md"
+DOC = package_data.FINDINGS_DOC
 COMMAND = "python -m mpt_kv findings --update-docs"
 def usage_error(message: str):
     """Exit 2, as the help says, with one line naming what is wrong."""

@@ -9,18 +9,17 @@ import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from mpt_kv import devices
+from mpt_kv import devices, package_data
 from mpt_kv.catalogue.killmatrix import CASES, Cell, must_pass, problems, run_matrix_in, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 from mpt_kv.cli import docblocks
 from mpt_kv.outputs import file_problem
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "catalogues.md"  # its block <!-- killmatrix:begin -->
+DOC = package_data.KILLMATRIX_DOC  # its block <!-- killmatrix:begin -->
 
 
 def mark(variant: Variant | None, col: str, cell: Cell) -> str:

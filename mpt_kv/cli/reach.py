@@ -16,11 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from mpt_kv import package_data
 from mpt_kv.cli import docblocks
 from mpt_kv.checks import reach
 from mpt_kv.outputs import file_problem
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "reach.md"
+DOC = package_data.REACH_DOC
 COMMAND = "python -m mpt_kv reach --update-docs"
 DOC_PROFILE = "ci"  # the default CI run's draws: derandomized, so the table is the same on every machine
 

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from mpt_kv.outputs import file_problem, write_text
 from mpt_kv.plugin.gate import run_problems
-from mpt_kv.plugin.report import matrix_lines, project_lines
+from mpt_kv import versions
+from mpt_kv.plugin.report import header, matrix_lines, project_lines
 from mpt_kv.checks import reach
 from mpt_kv.plugin.report import reach_summary
 from mpt_kv.plugin.markdown import render
@@ -92,7 +93,8 @@ def merge(reports: list[dict]) -> dict:
     capabilities = {t: u for rep in reports for t, u in rep.get("capabilities", {}).items()}
     unrecorded = {f"{u['target']}|{u['device']}|{u['file']}": u for rep in reports for u in rep.get("unrecorded", [])}
     profiles = sorted({rep.get("hypothesis_profile") for rep in reports if rep.get("hypothesis_profile")})
-    return {"results": results, "memory": memory, "absent_devices": absent, "capabilities": capabilities,
+    return {"mpt_kv_version": versions.mpt_kv(),  # the mpt-kv that merged and judged them; each run's: "environments"
+            "results": results, "memory": memory, "absent_devices": absent, "capabilities": capabilities,
             "unrecorded": unrecorded, "hypothesis_profile": "/".join(profiles) or None,
             "reach": [r for rep in reports for r in rep.get("reach", [])],
             "allow_missing_device": all(rep.get("allow_missing_device", False) for rep in reports),
@@ -121,7 +123,7 @@ def main(argv: list[str]) -> int:
     previous = load(args.previous)["results"] if args.previous is not None else None
 
     merged = merge([load(path) for path in args.reports])
-    print("=" * 30 + " mpt-kv conformance " + "=" * 30)
+    print(f" {header()} ".center(80, "="))
     for path, env in zip(args.reports, merged["environments"]):
         print(f"{path}: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     for line in matrix_lines(merged["results"], merged["absent_devices"], merged["hypothesis_profile"]):
@@ -146,8 +148,9 @@ def main(argv: list[str]) -> int:
 
         verdict = (["no results in the reports: nothing ran, which is not a pass"] if not merged["results"]
                    else problems)
+        runs = {str(path): env.get("mpt-kv", "unknown") for path, env in zip(args.reports, merged["environments"])}
         write_text(args.markdown, render(merged["results"], verdict, merged["absent_devices"],
-                                         merged["hypothesis_profile"], previous))
+                                         merged["hypothesis_profile"], previous, runs))
     if not merged["results"]:
         print("no results in the reports: nothing ran, which is not a pass", file=sys.stderr)
         return 1

@@ -64,7 +64,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from mpt_kv import versions
+from mpt_kv import package_data, versions
 from mpt_kv.errors import SweepError  # noqa: F401  (raised here; its home is errors.py)
 from mpt_kv.outputs import dir_problem
 
@@ -74,7 +74,7 @@ TORCH = "torch==2.13.0"  # the CPU build in the local store; never unpinned (a C
 DEFAULT_K = "not max-seq-len and not long-generation and not bucket-128 and not head-dim and not graphs"
 ORDER = ["error", "failed", "XPASS", "xfail", "unsupported", "passed", "skipped"]  # a cell shows its worst
 FINDINGS = ("error", "failed", "XPASS")
-SOURCE = Path(__file__).resolve().parents[2]  # the checkout whose mpt-kv every env runs
+SOURCE = package_data.CHECKOUT_ROOT  # the checkout whose mpt-kv every env runs
 
 
 
@@ -255,7 +255,7 @@ def pip(venv: Path, args: list[str], timeout: float, what: str) -> str:
 
 def constraints_file(envs: Path) -> Path:
     """torch==2.13.0 and the test tools' pins (constraints/hpu.txt of this checkout)."""
-    tools = SOURCE / "constraints" / "hpu.txt"
+    tools = package_data.TEST_TOOLS_LOCK
     if not tools.is_file():
         raise SystemExit(f"mpt-kv sweep: {tools} is missing: the sweep runs from an mpt-kv checkout")
     path = envs / "constraints.txt"

@@ -29,15 +29,15 @@ from pathlib import Path
 
 import torch
 
+from mpt_kv import package_data
 from mpt_kv.families import FAMILIES
 from mpt_kv.families.base import Family
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-REAL_CONFIGS = DATA / "families"
-KNOWN_FAILURES = Path(__file__).with_name("known_failures.json")
+REAL_CONFIGS = package_data.REAL_CONFIGS
+KNOWN_FAILURES = package_data.FAMILY_KNOWN_FAILURES
 # MPT-7B's config is the seed PR's data file (mpt_kv/data/mpt-7b.json, flat "values"): the fields
 # of config.json it holds, by MptConfig's names
-MPT_7B = DATA / "mpt-7b.json"
+MPT_7B = package_data.MPT_7B_CONFIG
 MPT_7B_FIELDS = ("d_model", "n_heads", "n_layers", "max_seq_len", "vocab_size")
 # the names config.json files give the context length, in the order looked up
 CONTEXT_FIELDS = ("n_positions", "max_position_embeddings", "max_seq_len")

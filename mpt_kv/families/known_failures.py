@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mpt_kv import package_data
 from mpt_kv.checks.known_failures import Entry, check_fields, compile_pattern, parse_when
 from mpt_kv.checks.index import FAMILY_PATHS, NAMES
 from mpt_kv.errors import KnownFailuresError
@@ -37,8 +38,8 @@ from mpt_kv.checks.registry import CHECKS, applies
 from mpt_kv.families.implementations import PATHS
 from mpt_kv.targets import FamilyTarget
 
-FILE = Path(__file__).with_name("known_failures.json")
-COST_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "families"
+FILE = package_data.FAMILY_KNOWN_FAILURES
+COST_CONFIGS = package_data.REAL_CONFIGS
 REQUIRED = {"family": str, "variant": str, "property": str, "pattern": str, "reason": str, "upstream": str,
             "when": dict}
 OPTIONAL = {"implementation": str, "path": str, "views": list, "cost_config": str}
@@ -52,7 +53,7 @@ def cost_configs() -> set[str]:
     """The names of the real configs kept as data: mpt_kv/data/families/<name>.json, and the seed's
     MPT config mpt_kv/data/mpt-7b.json."""
     names = {p.stem for p in COST_CONFIGS.glob("*.json")} if COST_CONFIGS.is_dir() else set()
-    return names | ({"mpt-7b"} if (COST_CONFIGS.parent / "mpt-7b.json").is_file() else set())
+    return names | ({"mpt-7b"} if package_data.MPT_7B_CONFIG.is_file() else set())
 
 
 def _entry(raw, i: int, path, first_index: int = 0) -> Entry:

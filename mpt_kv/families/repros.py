@@ -21,9 +21,9 @@ import pprint
 import re
 import textwrap
 from dataclasses import dataclass
-from importlib import resources
 from string import Template
 
+from mpt_kv import package_data
 from mpt_kv.families import FAMILIES, user_path
 from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, human, versions, what
 
@@ -55,7 +55,7 @@ imported = sorted(m for m in sys.modules if m == "mpt_kv" or m.startswith("mpt_k
 print(json.dumps({"results": results, "mpt_kv_modules": imported}))
 """
 
-TEMPLATES = "repro_templates"
+TEMPLATES = package_data.REPRO_TEMPLATES
 
 # Why a view finding costs memory, and how transformers 4.56 stopped it (DynamicLayer.update's
 # first store goes through lazy_initialization + torch.cat, which copies)
@@ -404,7 +404,7 @@ def class_names(family_name: str) -> tuple[str, str]:
 
 
 def template(name: str) -> Template:
-    return Template(resources.files(__package__).joinpath(TEMPLATES, name).read_text(encoding="utf-8"))
+    return Template((TEMPLATES / name).read_text(encoding="utf-8"))
 
 
 def view_repro(entries: list[dict]) -> Repro:
@@ -731,14 +731,13 @@ def index_text(repros: list[Repro], missing: list[list[dict]], shared: dict | No
 # (<slug>.py: standalone as the generated ones; its docstring's first line is its title, and its
 # CALL and FIX say what reaches it and the suggested fix, for its README), or the folder of a family
 # finding that is the same bug (the family checks see it in MPT too).
-TARGET_SCRIPTS = ("mpt_kv.targets", "repros")
 
 
 def target_entries() -> list[dict]:
     """The MPT targets' known failures, as raw entries (every key kept)."""
     import json
 
-    return json.loads(resources.files(TARGET_SCRIPTS[0]).joinpath("known_failures.json").read_text(encoding="utf-8"))
+    return json.loads(package_data.MPT_KNOWN_FAILURES.read_text(encoding="utf-8"))
 
 
 # A kept script's line "# mpt-kv: NAME.part" is replaced by mpt_kv/targets/repros/NAME.part (its
@@ -748,13 +747,13 @@ PART = re.compile(r"^# mpt-kv: ([\w-]+\.part)\n", re.M)
 
 def target_script(slug: str) -> str | None:
     """The text of mpt_kv/targets/repros/<slug>.py with its parts filled in, None where there is none."""
-    folder = resources.files(TARGET_SCRIPTS[0]).joinpath(TARGET_SCRIPTS[1])
-    path = folder.joinpath(f"{slug}.py")
+    folder = package_data.KEPT_REPROS
+    path = folder / f"{slug}.py"
     if not path.is_file():
         return None
 
     def part(found: re.Match) -> str:
-        text = folder.joinpath(found.group(1)).read_text(encoding="utf-8")
+        text = (folder / found.group(1)).read_text(encoding="utf-8")
         return re.sub(r"\A(#[^\n]*\n)+\n*", "", text)
 
     return PART.sub(part, path.read_text(encoding="utf-8"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from mpt_kv import versions
 from mpt_kv.outputs import write_text
 from mpt_kv.plugin.report import absent_devices, matrix_lines, with_versions
 from mpt_kv.plugin.state import run_state
@@ -51,10 +52,20 @@ def changed(results: list[dict], previous: list[dict] | None) -> list[tuple[dict
             if r.get("nodeid") in before and before[r.get("nodeid")] != r.get("outcome")]
 
 
+def judged_by(runs: dict[str, str] | None = None) -> str:
+    """'Judged by mpt-kv 0.1.0.': this mpt-kv, whose rules gave the verdict; `runs` ({report: the
+    mpt-kv version that wrote it}, for merged reports) named too where one differs from it."""
+    mine = versions.mpt_kv()
+    other = {name: v for name, v in (runs or {}).items() if v != mine}
+    return f"Judged by mpt-kv {mine}." + (
+        " The runs: " + ", ".join(f"{name} by mpt-kv {v}" for name, v in runs.items()) + "." if other else "")
+
+
 def render(results: list[dict], verdict: list[str], absent: dict | None = None, profile: str | None = None,
-           previous: list[dict] | None = None) -> str:
+           previous: list[dict] | None = None, runs: dict[str, str] | None = None) -> str:
     """The summary of a run's conformance records (`results` of the JSON report); `verdict`: the gate's
-    reasons for failing it (empty: none); `previous`: a stored run's records to compare with."""
+    reasons for failing it (empty: none); `previous`: a stored run's records to compare with; `runs`:
+    for merged reports, the mpt-kv version of each (judged_by)."""
     cases = [r for r in results if "property" in r]
     counts: dict[str, int] = {}
     for r in cases:
@@ -62,7 +73,8 @@ def render(results: list[dict], verdict: list[str], absent: dict | None = None, 
     broke = [r for r in cases if r.get("outcome") in BROKE]
     ok = not broke and not verdict
     out = [f"## mpt-kv: {'passed' if ok else 'FAILED'}", "",
-           ", ".join(f"{n} {word}" for word, n in sorted(counts.items())) or "no conformance case ran", ""]
+           ", ".join(f"{n} {word}" for word, n in sorted(counts.items())) or "no conformance case ran", "",
+           judged_by(runs), ""]
     out += [f"- **gate:** {cell_text(line)}" for line in verdict]
     if verdict:
         out.append("")

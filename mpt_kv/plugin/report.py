@@ -138,6 +138,11 @@ def known_failure_lines(results: list[dict], absent: dict[str, str]) -> list[str
     return ["  known failures, by what the xfail cells found:", *lines] if lines else []
 
 
+def header() -> str:
+    """The matrix's title line, naming the mpt-kv that judged the run (a CI log says which)."""
+    return f"mpt-kv conformance (mpt-kv {versions.mpt_kv()})"
+
+
 def project_lines(extras: dict, config=None) -> list[str]:
     """What targets declared unsupported, and which memory cases had no stored ceiling (one line each)."""
 
@@ -189,10 +194,11 @@ def clear_stale_report(config) -> None:
 
 
 def write_report(config, path, results: list[dict], memory: list[dict], extras: dict) -> str | None:
-    """The run as JSON: results, memory measurements, absent devices, capabilities, reach,
-    environment. Returns why it could not be written (None: written)."""
+    """The run as JSON: the mpt-kv version that judged it, results, memory measurements, absent
+    devices, capabilities, reach, environment. Returns why it could not be written (None: written)."""
     results = with_versions([r for r in results if "property" in r])
-    data = {"results": results, "memory": memory, "absent_devices": absent_devices(config, results),
+    data = {"mpt_kv_version": versions.mpt_kv(),  # which mpt-kv judged this run (docs/releasing.md)
+            "results": results, "memory": memory, "absent_devices": absent_devices(config, results),
             "hypothesis_profile": run_state(config).profile, "environment": environment(),
             "written": time.strftime("%Y-%m-%d %H:%M:%S"),
             "allow_missing_device": bool(config.getoption("allow_missing_device")),
@@ -241,7 +247,7 @@ def summary(tw, config, results: list[dict], extras: dict) -> None:
     results = with_versions([r for r in results if "property" in r])
     lines = matrix_lines(results, absent_devices(config, results), run_state(config).profile)
     if lines:
-        tw.write_sep("=", "mpt-kv conformance")
+        tw.write_sep("=", header())
     for line in lines + project_lines(extras, config):
         tw.write_line(line)
     cost = cost_lines(results)

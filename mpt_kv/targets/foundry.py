@@ -90,10 +90,6 @@ REGISTRY_MODULES = ("llmfoundry.models.layers.fc", "llmfoundry.models.layers.nor
 # packages of the training stack modeling_mpt.py imports at module level for ComposerMPTCausalLM
 STANDIN_PACKAGES = ("composer", "omegaconf", "torchmetrics")
 
-# where the cache is made and grown, for messages and docs (llm-foundry 0.22.0's line numbers)
-CACHE_SOURCE = ("llmfoundry/models/layers/attention.py:136-151 (scaled_multihead_dot_product_attention: "
-                "K rearranged to (b, h, d, s), V to (b, h, s, d), views of the Wqkv output's split; "
-                "torch.cat on dims 3 and 2)")
 NO_STATIC = ("llm-foundry's MPT has one cache, a tuple of (key, value) per layer grown by torch.cat "
              "(llmfoundry/models/layers/attention.py:147-151): no preallocated static cache")
 NO_BUCKET = "llm-foundry's MPT has no static cache, so no cache_idx buckets"
