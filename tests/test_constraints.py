@@ -51,11 +51,13 @@ def test_tox_envs_install_from_the_locks_and_latest_is_not_default():
 
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(ROOT / "tox.ini")
-    assert [e.strip() for e in tox["tox"]["env_list"].split(",")] == ["cpu", "ohabana"]
-    for env, name in (("testenv", "cpu"), ("testenv:ohabana", "ohabana"), ("testenv:hpu", "hpu")):
+    assert [e.strip() for e in tox["tox"]["env_list"].split(",")] == ["cpu", "ohabana", "foundry"]
+    for env, name in (("testenv", "cpu"), ("testenv:ohabana", "ohabana"), ("testenv:hpu", "hpu"),
+                      ("testenv:foundry", "foundry")):
         assert f"PIP_CONSTRAINT = {{tox_root}}{{/}}constraints{{/}}{name}.txt" in tox[env]["set_env"]
     assert "--strict-known-failures" in tox["testenv"]["commands"]
     assert "--target optimum-habana" in tox["testenv:ohabana"]["commands"]
+    assert "--target llm-foundry" in tox["testenv:foundry"]["commands"]  # fail closed: it must load there
     assert "torch" not in tox["testenv:hpu"]["deps"]
     assert "constraints{/}latest.txt" in tox["testenv:latest"]["set_env"]  # only torch: the rest at its newest
     assert "diff.py" in tox["testenv:latest"]["commands_pre"]
