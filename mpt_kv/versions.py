@@ -21,12 +21,18 @@ class Builtin:
     factory: str
     requires: tuple[str, ...] = ()
     versions: tuple[str, ...] = ()
+    install: str = ""  # how to install what it requires (named where it is missing)
 
 
 BUILTIN = {
     "reference": Builtin("mpt_kv.targets.reference:build"),
     "transformers": Builtin("mpt_kv.targets.hf:build", ("transformers",), ("transformers",)),
     "optimum-habana": Builtin("mpt_kv.targets.gaudi:build", ("optimum-habana",), ("optimum-habana", "transformers")),
+    # MosaicML's own MPT (what the Hub's mosaicml/mpt-* run with trust_remote_code), attn_impl torch (flash: the
+    # factory mpt_kv.targets.foundry:build_flash, CUDA with flash_attn only)
+    "llm-foundry": Builtin("mpt_kv.targets.foundry:build", ("llm-foundry",), ("llm-foundry", "transformers"),
+                           "pip install --no-deps llm-foundry einops catalogue tabulate, with its pinned transformers; "
+                           "or tox -e foundry"),
 }
 # the family implementations (mpt_kv.families.implementations) are built-in targets of the same names
 
@@ -47,7 +53,7 @@ def missing(spec: str) -> str | None:
     builtin = BUILTIN.get(spec.split("/", 1)[0])
     for dist in builtin.requires if builtin else ():
         if installed(dist) is None:
-            return f"{dist} is not installed"
+            return f"{dist} is not installed" + (f" ({builtin.install})" if builtin.install else "")
     return None
 
 

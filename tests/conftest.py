@@ -167,6 +167,13 @@ def pytest_collection_modifyitems(config, items):
     sweep (marked sweep) goes first: one long subprocess, mostly waiting on pip, that the other xdist
     worker's tests overlap (last, it would add its whole minute to the run)."""
     items.sort(key=lambda item: item.get_closest_marker("sweep") is None)  # stable: the rest keep their order
+    import importlib.util
+
+    if importlib.util.find_spec("llmfoundry") is None:  # tox -e foundry runs them (tests/test_foundry.py)
+        foundry = [item for item in items if item.get_closest_marker("llm_foundry")]
+        if foundry:
+            items[:] = [item for item in items if not item.get_closest_marker("llm_foundry")]
+            config.hook.pytest_deselected(items=foundry)
     if optimum_habana_installed():
         return
     dropped = [item for item in items if item.get_closest_marker("optimum_habana")]

@@ -634,7 +634,7 @@ SPEC = "transformers==4.55.4"
     pytest.param(lambda t: sweep(SPEC, "--timeout", "nan"), SystemExit, r"--timeout nan: give a positive number of seconds, a finite one",
                  id="sweep-timeout-nan"),
     pytest.param(lambda t: sweep("optimum-habana=1.2"), SystemExit,
-                 r"'optimum-habana=1.2' is not a requirement \(.*\): give optimum-habana==X or transformers==X",
+                 r"'optimum-habana=1.2' is not a requirement \(.*\): give llm-foundry==X or optimum-habana==X or transformers==X",
                  id="sweep-spec-single-="),
     pytest.param(lambda t: render_rows(t, [{"package": "transformers", "version": "4.55.4"}]), SystemExit,
                  r"rows.json: row 0 has no 'pins', 'problem', 'seconds'", id="sweep-render-row-fields"),

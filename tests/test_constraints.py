@@ -52,12 +52,13 @@ def test_tox_envs_install_from_the_locks_and_latest_is_not_default():
 
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(ROOT / "tox.ini")
-    assert [e.strip() for e in tox["tox"]["env_list"].split(",")] == ["cpu", "ohabana"]
+    assert [e.strip() for e in tox["tox"]["env_list"].split(",")] == ["cpu", "ohabana", "foundry"]
     for env, name in (("testenv", "cpu"), ("testenv:ohabana", "ohabana"), ("testenv:hpu", "hpu"),
-                      ("testenv:cuda", "cuda")):
+                      ("testenv:foundry", "foundry"), ("testenv:cuda", "cuda")):
         assert f"PIP_CONSTRAINT = {{tox_root}}{{/}}constraints{{/}}{name}.txt" in tox[env]["set_env"]
     assert "--strict-known-failures" in tox["testenv"]["commands"]
     assert "--target optimum-habana" in tox["testenv:ohabana"]["commands"]
+    assert "--target llm-foundry" in tox["testenv:foundry"]["commands"]  # fail closed: it must load there
     for env, kind in (("testenv:hpu", "hpu"), ("testenv:cuda", "cuda")):  # an accelerator image's own torch, untouched
         assert "torch" not in tox[env]["deps"] and tox[env]["skip_install"] == "true"
         assert tox[env]["system_site_packages"] == "true"

@@ -275,6 +275,12 @@ def test_the_packaged_known_failures_name_the_operations_findings():
         ("transformers", "ops-P3", "static", None, "==5.12.1"),
         ("transformers", "ops-retained", "static", None, "==5.12.1"),
         ("optimum-habana", "ops-static-storage", "static", None, since_1_7),  # _reorder_cache: new buffers
+        # llm-foundry (its own env, transformers 4.51), measured by its repros over every minor
+        ("llm-foundry", "ops-P3", "concat", None, "<=0.22.0,>=0.3.0"),          # the prefill's views of Wqkv
+        ("llm-foundry", "ops-memory", "concat", None, "<=0.22.0,>=0.3.0"),      # its _reorder_cache: a whole copy
+        ("llm-foundry", "ops-memory", "concat", None, "<=0.22.0,>=0.5.0"),      # assisted extend raises
+        ("llm-foundry", "ops-P1", "concat", None, "<=0.22.0,>=0.3.0"),          # ... and feeds the last token only
+        ("llm-foundry", "ops-retained", "concat", None, "<=0.22.0,>=0.3.0"),    # the crop cuts the key's head_dim
     ], ops
 
 

@@ -76,7 +76,7 @@ def test_required_ceilings_must_name_a_target(config, names, ok):
     else:
         with pytest.raises(pytest.UsageError, match=f"ini option mpt_kv_require_ceilings: '{names}' is not a target: "
                                                     "expected '\\*', a target of this run or a built-in one "
-                                                    "\\(reference, transformers, optimum-habana, mine:build\\)"):
+                                                    "\\(reference, transformers, optimum-habana, llm-foundry, mine:build\\)"):
             options.check(cfg)
 
 

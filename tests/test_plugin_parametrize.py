@@ -132,7 +132,8 @@ def test_only_what_can_run_here_is_generated_and_one_line_says_what_was_not(run)
     """Plain `pytest` on a CPU machine: the device cases are the cpu ones only (no cuda or hpu case to
     skip), the targets the built-ins whose package is installed; one summary line says what was left
     out and why."""
-    oh_missing = parametrize.missing_package("optimum-habana")
+    missing = [f"no target {spec} ({why})" for spec in ("optimum-habana", "llm-foundry")
+               if (why := parametrize.missing_package(spec))]
     # TARGET_CASE claims P1 and checks no cache (no evidence that one exists): the green-run rule would fail the
     # run (tests/test_green_run.py), which is not what this test is about
     result = run(ONE_CASE_PER_DEVICE + TARGET_CASE, "-k", "not transformers", "-rs", "--allow-no-cache-check")
@@ -143,7 +144,7 @@ def test_only_what_can_run_here_is_generated_and_one_line_says_what_was_not(run)
     (line,) = [line for line in result.outlines if line.startswith("mpt-kv generated no ")]
     assert line.startswith(f"mpt-kv generated no cuda cases (not available here: {devices.unavailable_reason('cuda')}); "
                            f"no hpu cases (not available here: "), line
-    assert line.endswith(f"; no target optimum-habana ({oh_missing})") if oh_missing else "target" not in line, line
+    assert line.endswith("; " + "; ".join(missing)) if missing else "target" not in line, line
 
 
 @NO_ACCELERATOR
@@ -200,10 +201,10 @@ def test_a_builtin_target_not_installed_is_not_generated_unless_named(monkeypatc
     monkeypatch.setattr(parametrize, "missing_package",
                         lambda spec: "optimum-habana is not installed" if spec == "optimum-habana" else None)
     config = gen_config(monkeypatch)
-    assert parametrize.generated_targets(config) == ["reference", "transformers"]
+    assert parametrize.generated_targets(config) == ["reference", "transformers", "llm-foundry"]
     assert parametrize.absent_targets(config) == {"optimum-habana": "optimum-habana is not installed"}
     named = gen_config(monkeypatch, target=["optimum-habana"])  # named: generated, and it fails (never skips)
-    assert parametrize.generated_targets(named) == ["reference", "transformers", "optimum-habana"]
+    assert parametrize.generated_targets(named) == ["reference", "transformers", "optimum-habana", "llm-foundry"]
 
 
 class Lines:

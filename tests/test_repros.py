@@ -94,10 +94,22 @@ WITH_REPROS = {
     "optimum-habana-mpt-alibi-bias-max-ignored", "optimum-habana-mpt-bucket-decode-reads-unwritten-slots",
     "optimum-habana-mpt-prefill-kv-views-of-mixed-qkv", "optimum-habana-mpt-crop-keeps-cropped-positions",
     "optimum-habana-mpt-beam-reorder-copies-whole-cache", "optimum-habana-mpt-static-reorder-moves-buffers",
+    # llm-foundry's MPT (run where llm-foundry is installed: tox -e foundry, tests/test_foundry.py too)
+    "llm-foundry-mpt-prefill-kv-views-of-mixed-qkv", "llm-foundry-mpt-assisted-extend-feeds-last-token",
+    "llm-foundry-mpt-crop-slices-key-head-dim", "llm-foundry-mpt-beam-reorder-copies-whole-cache",
 }
 
 def is_optimum_habana(entries) -> bool:
     return repros.implementation(entries[0]) == "optimum-habana"
+
+
+def is_llm_foundry(entries) -> bool:
+    return repros.implementation(entries[0]) == "llm-foundry"
+
+
+def marks(entries) -> list:
+    return [pytest.mark.optimum_habana] if is_optimum_habana(entries) else \
+        [pytest.mark.llm_foundry] if is_llm_foundry(entries) else []
 
 
 def expected_status(entries) -> int:
@@ -124,7 +136,8 @@ def driven(written):
     first: optimum-habana's ones patch transformers' classes in place, as its
     adapt_transformers_to_gaudi does."""
     directory, made, _ = written
-    runnable = [r for r in made if not is_optimum_habana(r.entries) or installed("optimum-habana")]
+    runnable = [r for r in made if (not is_optimum_habana(r.entries) or installed("optimum-habana"))
+                and (not is_llm_foundry(r.entries) or installed("llm-foundry"))]
     runnable.sort(key=lambda r: is_optimum_habana(r.entries))
     paths = [str(directory / r.slug / "repro.py") for r in runnable]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -136,7 +149,7 @@ def driven(written):
 
 
 @pytest.mark.parametrize("slug, entries", [
-    pytest.param(s, e, id=s, marks=[pytest.mark.optimum_habana] if is_optimum_habana(e) else [])
+    pytest.param(s, e, id=s, marks=marks(e))
     for s, e in PLANNED])
 def test_a_repro_exits_1_where_its_finding_holds_else_0(driven, slug, entries):
     results, _ = driven

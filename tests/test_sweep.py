@@ -113,7 +113,7 @@ def test_a_release_without_a_transformers_requirement_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["numpy==2.0"], "the sweep knows optimum-habana, transformers, not 'numpy'"),
+    (["numpy==2.0"], "the sweep knows llm-foundry, optimum-habana, transformers, not 'numpy'"),
     (["transformers"], "give a release or a range"),
     (["transformers==5.24.0", "-p", "0"], "-p 0: between 1 and the"),
     (["transformers==5.24.0", "--timeout", "0"], "--timeout 0.0: give a positive number of seconds"),
@@ -307,3 +307,26 @@ def test_a_repros_cannot_run_note_names_the_exception_not_the_pointer_to_it():
 ])
 def test_an_optimum_habana_env_gets_its_own_optimum_and_accelerate_requirements(tmp_path, requires, wanted):
     assert sweep.runtime_requirements(wheel(tmp_path, requires)) == wanted
+
+
+def test_an_llm_foundry_env_is_its_transformers_pin_its_model_imports_and_the_release_without_deps(tmp_path, monkeypatch):
+    """llm-foundry's requirements pin the training stack (composer, torch 2.7): the env holds only the transformers
+    its wheel pins (0.18 on write it 'v4.49.0'), the three packages its model files import, and the wheel with --no-deps."""
+    artifact = wheel(tmp_path, ["mosaicml[gcs,mlflow]<0.33,>=0.32.1", "transformers<4.52,>=v4.51.0", "torch<2.7.1,>=2.7.0"])
+    monkeypatch.setattr(sweep, "download", lambda rel, folder: artifact)
+    seen, calls = {}, []
+
+    def ensure_venv(folder, lock, install, timeout):
+        seen.update(lock)
+        (tmp_path / "venv" / "lib" / "python3" / "site-packages").mkdir(parents=True, exist_ok=True)
+        install(tmp_path / "venv", timeout)
+        return {"installed": ["transformers==4.51.3"]}
+
+    monkeypatch.setattr(sweep, "ensure_venv", ensure_venv)
+    monkeypatch.setattr(sweep, "pip", lambda venv, args, timeout, what: calls.append(args) or "")
+    monkeypatch.setattr(sweep, "site_packages", lambda venv: tmp_path / "venv" / "lib" / "python3" / "site-packages")
+    listing = lambda p: [Version(v) for v in ("4.49.0", "4.51.0", "4.51.3", "4.52.0")]  # noqa: E731
+    _, pins = sweep.release_env(release("llm-foundry", "0.22.0"), tmp_path, (tmp_path / "base", "d"), 1e12, listing)
+    assert seen["requirements"] == ["transformers==4.51.3", *sweep.FOUNDRY_MODEL_IMPORTS] and pins == "transformers 4.51.3"
+    assert ["install", "-q", "--no-compile", "--no-deps", str(artifact)] in calls
+    assert not [a for a in calls if any("mosaicml" in x or x.startswith("torch") for x in a)]

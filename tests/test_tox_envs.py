@@ -33,19 +33,20 @@ def tox_config(envs: str) -> dict[str, dict[str, list[str]]]:
 @pytest.fixture(scope="module")
 def envs():
     pytest.importorskip("tox")
-    return tox_config("cpu,ohabana,conformance-cpu,conformance-ohabana")
+    return tox_config("cpu,ohabana,foundry,conformance-cpu,conformance-ohabana,conformance-foundry")
 
 
 def test_tox_runs_the_main_jobs_commands_as_tox_m_conformance_does(envs):
-    assert envs["conformance-cpu"]["commands"] and envs["conformance-ohabana"]["commands"]
-    assert set(envs["conformance-cpu"]["commands"]) <= set(envs["cpu"]["commands"])
-    assert set(envs["conformance-ohabana"]["commands"]) <= set(envs["ohabana"]["commands"])
-    # the main job ends with one matrix of both runs
-    assert [c for c in envs["conformance-ohabana"]["commands_post"] if "mpt_kv report" in c and
-            "conformance-cpu.json" in c and "conformance-ohabana.json" in c]
+    for env in ("cpu", "ohabana", "foundry"):
+        assert envs[f"conformance-{env}"]["commands"]
+        assert set(envs[f"conformance-{env}"]["commands"]) <= set(envs[env]["commands"])
+    # the main job ends with one matrix of the three runs
+    assert [c for c in envs["conformance-foundry"]["commands_post"] if "mpt_kv report" in c and
+            "conformance-cpu.json" in c and "conformance-ohabana.json" in c and "conformance-foundry.json" in c]
 
 
-@pytest.mark.parametrize("env, other", [("cpu", "ohabana"), ("ohabana", "cpu")])
+@pytest.mark.parametrize("env, other", [("cpu", "ohabana"), ("ohabana", "cpu"), ("foundry", "cpu"), ("cpu", "foundry"),
+                                        ("foundry", "ohabana"), ("ohabana", "foundry")])
 def test_a_test_env_reads_and_removes_only_its_own_report(envs, env, other):
     """`tox run-parallel` runs the two test envs side by side: an env that removed or read the
     other's report could delete a fresh one or print a stale one."""
@@ -53,14 +54,14 @@ def test_a_test_env_reads_and_removes_only_its_own_report(envs, env, other):
     assert any("mpt_kv report" in c and f"conformance-{env}.json" in c for c in envs[env]["commands_post"])
     assert not [c for c in commands if f"conformance-{other}" in c], commands
     removals = [c for c in commands if "unlink" in c]
-    assert removals and all(f"conformance-{env}.json" in c and other not in c for c in removals), removals
+    assert removals and all(f"conformance-{env}.json" in c and f"conformance-{other}" not in c for c in removals), removals
 
 
 def test_the_conformance_suite_runs_once_per_env(envs):
     """The tests' pytest collects tests/ only; the shipped suite is the conformance run's, strict about
     known failures."""
-    for env in ("cpu", "ohabana"):
+    for env in ("cpu", "ohabana", "foundry"):
         tests = [c for c in envs[env]["commands"] if c.startswith("pytest") and "-m sweep" not in c]
-        assert len(tests) == 1 and " tests " in f"{tests[0]} " and "mpt_kv/conformance" not in tests[0], tests
+        assert len(tests) == 1 and "tests" in tests[0] and "mpt_kv/conformance" not in tests[0], tests
         runs = [c for c in envs[env]["commands"] if "mpt_kv run" in c]
         assert len(runs) == 1 and "--strict-known-failures" in runs[0], runs

@@ -20,7 +20,7 @@ import torch
 
 from mpt_kv.catalogue.assembly import StaticOutputMPT, attention_forward, attention_with, model_with, runner_factory
 from mpt_kv.errors import InputError
-from mpt_kv.model.cache import ConcatCache, StaticCache, check_size, write_slots
+from mpt_kv.model.cache import ConcatCache, StaticCache, check_crop, check_reorder, check_size, write_slots
 from mpt_kv.model.reference import Attention, ReferenceMPT
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets.layouts import BlockGrowth, PagedLayout, QuantizedKV
@@ -210,6 +210,48 @@ contiguous_copies = design(
     "the `.transpose(1, 2).contiguous()` idiom of many attention modules; (B, T, H, hd) is the layout "
     "flash-attention style kernels read",
     model_with(concat=TokenMajorConcatCache))
+
+class TransposedKeyConcatCache(ConcatCache):
+    """Keeps K transposed, (B, H, hd, T), grown by torch.cat on its last dimension, V as (B, H, T, hd);
+    attention and kv() get a (B, H, T, hd) view of the stored key (`q @ k.transpose(-1, -2)` then reads
+    the stored (hd, T) matrix as it is)."""
+
+    def _store(self, layer, key_t, v):
+        self.kv[layer] = (key_t.transpose(2, 3), v)  # the only reference to the stored key: its view
+        return self.kv[layer]
+
+    def key_t(self, layer):
+        """The stored (B, H, hd, T) key (the view's transpose is the stored tensor itself)."""
+        return self.kv[layer][0].transpose(2, 3)
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.kv[layer] is None:  # copies: k and v are views of mixed_qkv
+            return self._store(layer, k.transpose(2, 3).clone(memory_format=torch.contiguous_format), v.clone())
+        return self._store(layer, torch.cat([self.key_t(layer), k.transpose(2, 3)], dim=3),
+                           torch.cat([self.kv[layer][1], v], dim=2))
+
+    def crop(self, n):
+        n = check_crop(n, self.length(), "TransposedKeyConcatCache.crop")
+        for layer, pair in enumerate(self.kv):
+            if pair is not None:  # the key along its positions, its last dimension
+                self._store(layer, self.key_t(layer)[..., :n].clone(memory_format=torch.contiguous_format),
+                            pair[1][:, :, :n].clone())
+
+    def reorder(self, index):
+        if self.kv[0] is not None:
+            check_reorder(index, self.kv[0][0].shape[0], self.kv[0][0].device, "TransposedKeyConcatCache.reorder")
+        for layer, pair in enumerate(self.kv):
+            if pair is not None:  # one layer at a time
+                self._store(layer, self.key_t(layer).index_select(0, index), pair[1].index_select(0, index))
+
+
+transposed_key_cache = design(
+    "transposed_key_cache",
+    "the concat path stores K transposed, (B, H, hd, T), grown by torch.cat on its last dimension (V as "
+    "(B, H, T, hd)); attention reads the stored key as it is and kv() hands the checks a (B, H, T, hd) view of it",
+    "llm-foundry's attn_impl='torch' (llmfoundry/models/layers/attention.py, scaled_multihead_dot_product_attention: "
+    "the key kept as (b, h, d, s) so q @ k needs no transpose), what the Hub's mosaicml/mpt-* remote code runs",
+    model_with(concat=TransposedKeyConcatCache))
 
 alibi_sliced_from_the_front = design(
     "alibi_sliced_from_the_front",

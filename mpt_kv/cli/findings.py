@@ -33,7 +33,7 @@ from mpt_kv import package_data
 from mpt_kv.cli import docblocks
 from mpt_kv.families import repros, user_path
 from mpt_kv.families.costs import finding_cost, known_entries, real_configs, sizes_per_token
-from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, grouped, human, versions, what
+from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, grouped, human, versions, what  # noqa: F401
 from mpt_kv.outputs import dir_problem, file_problem, mark_output, path_arg
 
 BEGIN, END = docblocks.markers("findings")
@@ -76,6 +76,39 @@ def rows() -> list[list[str]]:
     return out
 
 
+# MPT targets whose findings have rows too: the MPT implementations the family checks do not build
+# (llm-foundry's MPTForCausalLM, what the Hub's mosaicml/mpt-* run with trust_remote_code), one row per kept
+# repro of mpt_kv/targets/known_failures.json, its cost at mosaicml/mpt-7b where it is the views of Wqkv
+TARGET_ROWS = ("llm-foundry",)
+
+
+def target_rows() -> list[list[str]]:
+    kept, _, _ = repros.target_plan(repros.target_entries())
+    out = []
+    for r in kept:
+        entry = r.entries[0]
+        if entry["target"] not in TARGET_ROWS:
+            continue
+        constants = repros.script_constants(r.script)
+        views = ["key", "value"] if any(e["property"] == "P3" for e in r.entries) else []
+        cost = finding_cost({"family": "mpt", "variant": "alibi", "views": views, "cost_config": "mpt-7b"},
+                            POINTS, getattr(torch, DTYPE_NAME))
+        if cost.pinned is None:
+            config, pinned, kv = "-", [f"- ({cost.why_none})"] + ["-"] * (len(POINTS) - 1), "-"
+        else:
+            config = cost.config.checkpoint
+            pinned = [human(cost.pinned[(b, t)]) + ("" if t else f" ({cost.config.context()} tokens)")
+                      for b, t in POINTS]
+            kv = human(cost.kv[POINTS[0]])
+        checks = ", ".join(dict.fromkeys(e.get("check") or (e["property"] + (f" ({e['path']})" if e.get("path") else ""))
+                                         for e in r.entries))
+        out.append(["mpt/alibi (MPTForCausalLM)", entry["target"], versions(entry), checks,
+                    # every one an option: mpt-7b's config.json has use_cache false, which generate follows
+                    f"option: {constants['CALL']}",
+                    constants["WHAT"], config, *pinned, kv, constants["UPSTREAM"]])
+    return out
+
+
 def header() -> list[str]:
     (b0, t0), (b1, _) = POINTS
     return ["finding", "implementation", "versions", "checks that see it", "how a user reaches it",
@@ -98,12 +131,12 @@ def markdown() -> str:
     def cell(s: str) -> str:
         return s.replace("|", "\\|")
     lines = [intro(), "", "| " + " | ".join(header()) + " |", "|" + "---|" * len(header())]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows()]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows() + target_rows()]
     return "\n".join(lines) + "\n"
 
 
 def text() -> str:
-    table = [header()] + rows()
+    table = [header()] + rows() + target_rows()
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines = [intro(), ""] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
     return "\n".join(lines) + "\n"

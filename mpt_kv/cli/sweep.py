@@ -1,5 +1,5 @@
 """`python -m mpt_kv sweep SPEC [SPEC ...]`: the conformance run over published releases of
-optimum-habana and/or transformers, one environment per release, merged into one table
+optimum-habana, transformers and/or llm-foundry, one environment per release, merged into one table
 (release x check: property/path), with the first and last release of each finding.
 
 SPEC: `optimum-habana==1.12.1`, `transformers==4.55.4`, or a range (`optimum-habana>=1.7,<=1.21.2`):
@@ -194,7 +194,7 @@ def download(release: Release, folder: Path) -> Path:
 
 
 def transformers_pin(release: Release, artifact: Path, listing=published) -> str:
-    """The transformers an optimum-habana release runs with, from its Requires-Dist."""
+    """The transformers an optimum-habana or llm-foundry release runs with, from its Requires-Dist."""
     req = requirement_of(metadata_text(artifact), "transformers")
     if req is None:
         raise SweepError(f"{artifact.name} has no Requires-Dist on transformers")
@@ -210,6 +210,8 @@ def transformers_pin(release: Release, artifact: Path, listing=published) -> str
     return f"transformers=={max(matching)}"
 
 
+# what llm-foundry's model files import besides torch and transformers (the lock of tox -e foundry)
+FOUNDRY_MODEL_IMPORTS = ("einops==0.8.2", "catalogue==2.0.10", "tabulate==0.10.0")
 RUNTIME = ("optimum", "accelerate")  # what the ports import besides transformers (optimum.utils, accelerate)
 
 
@@ -308,6 +310,11 @@ def release_env(release: Release, envs: Path, base: tuple[Path, str], deadline: 
     if release.package == "optimum-habana":
         artifact = download(release, envs / "_downloads")
         requirements = [transformers_pin(release, artifact, listing), *runtime_requirements(artifact)]
+    elif release.package == "llm-foundry":
+        # its model code alone (mpt_kv/targets/foundry.py): the transformers it pins, the three small packages
+        # its files import, and the release itself with --no-deps (not composer, streaming, mlflow, its torch)
+        artifact = download(release, envs / "_downloads")
+        requirements = [transformers_pin(release, artifact, listing), *FOUNDRY_MODEL_IMPORTS]
     else:
         requirements = [f"transformers=={release.version}"]
     lock = {"python": sys.version, "requirements": requirements, "artifact": artifact.name if artifact else None,

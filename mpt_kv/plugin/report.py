@@ -171,7 +171,7 @@ def environment() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "optimum-habana", "mpt-kv"):
+    for package in ("torch", "transformers", "optimum-habana", "llm-foundry", "mpt-kv"):
         try:
             out[package] = version(package)
         except PackageNotFoundError:
