@@ -16,7 +16,9 @@ What it simulates, and how far:
   CUDA does ("operation not permitted when stream is capturing"); `replay()` runs the recorded ops again
   on the captured tensors, copying each new result into the captured output. Python code is not run
   again: a Python value the capture used stays baked in, as on a GPU;
-- streams: one stream, every stream call a no-op; `synchronize()` counts its calls (`SYNCS`).
+- streams: one stream, every stream call a no-op; `synchronize()` counts its calls (`SYNCS`);
+- cuBLAS's workspace: 32 MiB allocated at the first matmul and kept until
+  `torch._C._cuda_clearCublasWorkspaces()`, as on an H200.
 
 Environment: MPT_KV_FAKE_CUDA=cpu (default) or broken (claims a GPU, every op given the cuda device
 raises); MPT_KV_FAKE_CUDA_DEVICES=N (default 1).
@@ -86,6 +88,16 @@ class Allocator:
 
 ALLOCATOR = Allocator()
 
+# cuBLAS's workspace: allocated through the caching allocator at the first matmul and kept until
+# torch._C._cuda_clearCublasWorkspaces() (32 MiB on an H200, measured there)
+WORKSPACE_BYTES = 32 << 20
+MATMULS = {torch.matmul, torch.mm, torch.bmm, torch.nn.functional.linear, torch.Tensor.__matmul__, torch.Tensor.matmul}
+_workspace: list = []
+
+
+def _clear_cublas_workspaces():
+    _workspace.clear()
+
 
 class CudaOnCpu(TorchFunctionMode):
     """Every `cuda` device argument becomes `cpu` (broken mode: raises); `Tensor.cuda()` is the tensor
@@ -103,6 +115,9 @@ class CudaOnCpu(TorchFunctionMode):
                 raise RuntimeError(f"CUDA error: unspecified launch failure (fake broken CUDA: {func.__name__})")
             args = tuple(_cpu(a) for a in args)
             kwargs = {k: _cpu(v) for k, v in kwargs.items()}
+        if func in MATMULS and not _workspace:  # its first matmul since the workspace was freed
+            _workspace.append(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8))
+            ALLOCATOR.track(_workspace[0])
         out = func(*args, **kwargs)
         ALLOCATOR.track(out)
         return out
@@ -256,6 +271,8 @@ def install() -> None:
     for name, value in PATCHES.items():
         _saved[name] = getattr(torch.cuda, name, None)
         setattr(torch.cuda, name, value)
+    _saved["_C._cuda_clearCublasWorkspaces"] = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    torch._C._cuda_clearCublasWorkspaces = _clear_cublas_workspaces
     mode = CudaOnCpu()
     mode.__enter__()  # stays on the mode stack of this thread
     _mode_on.append(mode)
@@ -265,9 +282,15 @@ def uninstall() -> None:
     if not _mode_on:
         return
     _mode_on.pop().__exit__(None, None, None)
+    clear = _saved.pop("_C._cuda_clearCublasWorkspaces")
+    if clear is None:
+        del torch._C._cuda_clearCublasWorkspaces
+    else:
+        torch._C._cuda_clearCublasWorkspaces = clear
     for name, value in _saved.items():
         setattr(torch.cuda, name, value)
     _saved.clear()
+    _workspace.clear()
 
 
 install()
