@@ -13,7 +13,7 @@ import torch
 
 from mpt_kv.catalogue.assembly import runner_factory
 from mpt_kv.catalogue.variants import VARIANTS
-from mpt_kv.checks import programs
+from mpt_kv.checks import operations, programs
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.properties import Case, Context
 from mpt_kv.checks.registry import CHECKS
@@ -92,10 +92,10 @@ def test_extend_crop_and_reorder_follow_the_history(runner, path, bucket):
     program = programs.Program(case, (programs.Op("extend", 4), programs.Op("crop", 2), programs.Op("reorder", index=(1, 1)),
                                       programs.Op("extend", 3), programs.Op("decode")))
     c = Context("reference", "cpu", torch.float32, case, path, bucket)
-    programs.check_program_cached(runner, c, program)
-    programs.check_program_aliasing(runner, c, program)
+    operations.check_program_cached(runner, c, program)
+    operations.check_program_aliasing(runner, c, program)
     if path == "static":
-        programs.check_program_static_concat(runner, c, program)
+        operations.check_program_static_concat(runner, c, program)
 
 
 def test_programs_refuse_to_crop_into_the_prompt():

@@ -76,7 +76,7 @@ def test_a_known_failure_xfails_only_the_failure_its_pattern_names(run, known_fi
 def test_strict_known_failures_makes_an_entry_that_matched_nothing_an_error(known_file, monkeypatch):
     config = FakeConfig(strict_known_failures=False)
     run = run_state(config)
-    run.required, run.profile = {}, "dev"
+    run.required = {}
     run.known, run.known_cases = KF.load(known_file), True
     run.known_covered = {run.known[0].key}  # entry 1 (the typo) covered no collected case
     session = type("Session", (), {"config": config, "exitstatus": pytest.ExitCode.OK})()

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mpt_kv.checks import programs
+from mpt_kv.checks import operations, programs
 from mpt_kv.checks.index import by_name
 from mpt_kv.checks.running import function_of
 from mpt_kv.checks.compare import PropertyFailure
@@ -168,7 +168,7 @@ def test_mpt_ops_a_reorder_crash_names_the_steps_judged_before_it(check):
 
 def test_mpt_ops_p1_a_wrong_decode_before_a_crashing_reorder_fails_naming_the_decode():
     with pytest.raises(PropertyFailure) as failure:
-        programs.check_program_cached(reference_target(True, "reorder"), context(), BEAM)
+        operations.check_program_cached(reference_target(True, "reorder"), context(), BEAM)
     message = str(failure.value)
     assert message.startswith("ops-P1 decode logits"), message
     assert "step=0" in message and "reorder raised" not in message, message

@@ -106,21 +106,21 @@ PROPERTIES: tuple[Property, ...] = (
              "mpt_kv.checks.static_shape:check_static_shape", "fixed", STATIC_PATHS, column="static-shape"),
     Property("ops-P1", "P1 over programs of decode/extend/crop/reorder", "after a k-token extend, a crop or a beam "
              "reorder, the logits differ from an uncached forward over each row's surviving history",
-             "docs/operations.md", "mpt_kv.checks.programs:check_program_cached", "program", oracle="twin", column="ops"),
+             "docs/operations.md", "mpt_kv.checks.operations:check_program_cached", "program", oracle="twin", column="ops"),
     Property("ops-P2", "P2 over programs", "static and concat disagree after the same program of operations",
-             "docs/operations.md", "mpt_kv.checks.programs:check_program_static_concat", "program", STATIC_PATHS,
+             "docs/operations.md", "mpt_kv.checks.operations:check_program_static_concat", "program", STATIC_PATHS,
              oracle="twin", column="ops"),
     Property("ops-P3", "P3 over programs", "after a crop or a reorder a cached tensor pins storage beyond the cache",
-             "docs/operations.md", "mpt_kv.checks.programs:check_program_aliasing", "program", column="ops"),
+             "docs/operations.md", "mpt_kv.checks.operations:check_program_aliasing", "program", column="ops"),
     Property("ops-static-storage", "static buffers stay through operations", "on the static path a crop, reorder "
              "or extend moves a cache buffer (a captured graph replays into the old address)", "docs/operations.md",
-             "mpt_kv.checks.programs:check_program_static_storage", "program", STATIC_PATHS, column="ops"),
+             "mpt_kv.checks.operations:check_program_static_storage", "program", STATIC_PATHS, column="ops"),
     Property("ops-memory", "reorder and extend transients", "a reorder or an extend's transient is a whole-cache "
-             "copy, not bounded per layer", "docs/operations.md", "mpt_kv.checks.programs:check_operation_memory",
+             "copy, not bounded per layer", "docs/operations.md", "mpt_kv.checks.operations:check_operation_memory",
              "operation", column="ops", operations=("reorder", "extend")),
     Property("ops-retained", "what a reorder and a crop retain", "after a reorder or a crop, bytes still allocated "
              "beyond the analytic cache of the surviving positions (an old cache kept referenced, a cropped tail "
-             "kept)", "docs/operations.md", "mpt_kv.checks.programs:check_operation_retained", "operation",
+             "kept)", "docs/operations.md", "mpt_kv.checks.operations:check_operation_retained", "operation",
              column="ops", operations=("reorder", "crop")),
     _family("family-P0", "a family's uncached logits = transformers'", "another family's uncached logits differ from "
             "transformers' model of the same weights", "check_uncached", paths=("concat",), cache=False),

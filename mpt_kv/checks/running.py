@@ -53,16 +53,21 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+from hypothesis import Phase, given, settings
 
-from mpt_kv.checks import index, programs, reach
+from mpt_kv.checks import index, profiles, programs, reach
+from mpt_kv.checks.accounting import expected_kv_bytes, itemsize
 from mpt_kv.checks.cases import Case, Context, fp32_twin, reference_oracle
 from mpt_kv.checks.graphs import graphed
-from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_cases, load_profile
+from mpt_kv.checks.profiles import SHRINKING_PROFILES
+from mpt_kv.checks.storages import storage_key
+from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_cases
 from mpt_kv.devices import as_device
 from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.model.config import as_dtype, random_state_dict
 from mpt_kv.targets import (Capabilities, ResolvedTarget, Runner, Target, family_target, required_features,
                             resolve_target)
+from mpt_kv.targets.layouts import QuantizedKV, layout_of, storage_tensors
 
 # --- what a run under pytest plugs in -------------------------------------------------------------------------
 
@@ -117,32 +122,17 @@ def one_thread(device: torch.device):
 
 # --- the one hypothesis driver ------------------------------------------------------------------------------
 
-# Shrinking reruns a failing check on ever smaller cases: about 20 s of CPU for one failure of
-# these tiny models, and on HPU every new shape is a graph compilation. Under the ci profile
-# (CI=true) a failure is reported as found: derandomized, so it reproduces, and its message names
-# the whole case (`run_one` reruns it). Locally (dev, thorough) hypothesis shrinks it to a
-# minimal case. An expected failure (xfail) is never shrunk: it only has to fail.
-SHRINKING_PROFILES = ("dev", "thorough")
-_profile_name: str | None = None
-
-
 def hypothesis_profile():
     """(settings, name) of mpt-kv's hypothesis profile (dev; ci under CI=true;
-    MPT_KV_HYPOTHESIS_PROFILE), loaded once per process (under pytest the plugin loads it too)."""
-    global _profile_name
-    from hypothesis import settings
-
-    if _profile_name is None:
-        _profile_name = load_profile()
-    return settings.default, _profile_name
+    MPT_KV_HYPOTHESIS_PROFILE): `mpt_kv.checks.profiles`, loaded once per process (under pytest the
+    plugin loads it)."""
+    return settings.default, profiles.current()
 
 
 def drive(key: str, strategy, one: Callable, argname: str = "case", fraction: int = 1) -> None:
     """Run `one(example)` on hypothesis's examples of `strategy` under mpt-kv's profile (`fraction`:
     a share of its examples, at least 2), the first failure only, never shrunk for an expected
     failure; `key` names the example database's entry (check, target, device, dtype)."""
-    from hypothesis import Phase, given, settings
-
     test = given(**{argname: strategy})(lambda **kw: one(kw[argname]))
     test.__name__ = f"one_{argname}"  # hypothesis prints "Falsifying example: one_case(case=...)"
     profile, name = hypothesis_profile()
@@ -291,10 +281,6 @@ def cache_evidence(r: Run) -> dict:
 
 
 def mpt_cache_evidence(r: Run) -> dict:
-    from mpt_kv.checks.ceilings import expected_kv_bytes, itemsize
-    from mpt_kv.checks.storages import storage_key
-    from mpt_kv.targets.layouts import QuantizedKV, layout_of, storage_tensors
-
     case = r.without_clip(STATIC_SHAPE_CASE)  # a shape the static-shape check compiles anyway (HPU)
     runner = r.runner(case, r.features(case))
     ids, mask = case.inputs(r.device)
@@ -467,8 +453,6 @@ def drawn_records(checks, profile: str = "ci", device: str = "cpu", dtypes=(torc
     strategy as its driver draws it (its property, dtype, the profile's examples; the program checks'
     fixed programs and a third of the examples, every operation the built-in targets implement),
     each fixed case (edge cases, static-shape, graphs, memory configs, ops-memory's case) once."""
-    from hypothesis import given, settings
-
     out = []
     for check in checks:
         runs = index.by_name(check.property).runs

@@ -61,7 +61,7 @@ from mpt_kv.model.config import as_dtype
 from mpt_kv.families.implementations import IMPLEMENTATIONS
 from mpt_kv.checks.programs import Op
 from mpt_kv.checks.programs import History
-from mpt_kv.checks.ceilings import model_state_tensors
+from mpt_kv.checks.accounting import model_state_tensors
 
 BATCH, PROMPT, PAD, STEPS, EXTEND = 2, 6, 2, 2, 3  # row 0 has PAD left-padding tokens
 MAX_LEN = 16          # every session's cache length: prompt + steps + extend + decode fit

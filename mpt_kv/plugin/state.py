@@ -17,8 +17,7 @@ import pytest
 
 @dataclass
 class RunState:
-    # options: the hypothesis profile this process loaded, the reach table's real model (read once)
-    profile: str | None = None
+    # options: the reach table's real model (read once; the hypothesis profile: mpt_kv.checks.profiles)
     reference_model: dict | None = None
     # gate: device kind -> why the run requires it; the accelerator kinds probed (reason, cards)
     required: dict[str, str] = field(default_factory=dict)
