@@ -16,7 +16,11 @@ import torch
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.families import FAMILIES, variants
 from mpt_kv.families import known_failures as kf
-from mpt_kv.families.checks import check_cached, check_memory, check_no_pinned_storage, pinning_problems
+from mpt_kv.checks.family import CHECKS
+from mpt_kv.checks.family_driver import pinning_problems
+
+# the family checks by property: (implementation, family, variant, path) -> notes
+check_cached, check_memory, check_no_pinned_storage = CHECKS["family-P1"], CHECKS["family-memory"], CHECKS["family-P3"]
 
 transformers = pytest.importorskip("transformers")
 cache_utils = pytest.importorskip("transformers.cache_utils")

@@ -16,7 +16,9 @@ import torch
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.cli import findings
 from mpt_kv.families import FAMILIES, costs
-from mpt_kv.families.checks import BATCH, PROMPT, build, check_no_pinned_storage
+from mpt_kv.checks.family import CHECKS
+from mpt_kv.checks.family_driver import BATCH, PROMPT
+from mpt_kv.families.models import build
 
 transformers = pytest.importorskip("transformers")
 from packaging.version import Version  # noqa: E402
@@ -75,7 +77,7 @@ def test_fused_width_is_the_fused_modules_output(name):
 def measured_pins(entry) -> list[tuple[int, int, int]]:
     """(storage bytes, cached bytes, pinned bytes) per storage, as family-P3's failure names them."""
     with pytest.raises(PropertyFailure) as info:
-        check_no_pinned_storage("transformers", entry["family"], entry["variant"], entry.get("path", "concat"))
+        CHECKS["family-P3"]("transformers", entry["family"], entry["variant"], entry.get("path", "concat"))
     return [tuple(map(int, m)) for m in MEASURED.findall(str(info.value))]
 
 

@@ -87,7 +87,7 @@ def crash_of_run_op():
 
 
 def crash_of_family_call():
-    from mpt_kv.families.checks import call
+    from mpt_kv.checks.family_driver import call
 
     def prefill():
         raise KeyError("boom")

@@ -255,7 +255,7 @@ def literal_run(value: str) -> int:
 def generic_failures() -> tuple[str, ...]:
     """What the suite's checks print for a failure that names no finding, filled with neutral
     values: the crash wrappers with a generic error (mpt_kv/checks/programs.py run_op,
-    mpt_kv/families/checks.py call), the headers of the aliasing and memory checks, an
+    mpt_kv/checks/family_driver.py call), the headers of the aliasing and memory checks, an
     assert_close (mpt_kv/checks/compare.py) of neutral tensors, and bare words. A pattern that
     matches one of them would xfail a different failure than the one it was written for."""
     global _GENERIC

@@ -22,7 +22,9 @@ each (`DRIVERS`):
                another decoder family) on one path, cpu (family-P0 ... family-memory)
 
 The property's function, named in the index, checks one case: `fn(runner, c)`, where `c` is a
-`mpt_kv.checks.cases.Context` (a family check: `fn(implementation, family, variant, path, dtype)`). The rules every check shares are here: the one hypothesis driver
+`mpt_kv.checks.cases.Context` (a family check's: a `mpt_kv.checks.family_driver.FamilyContext`, its
+runner the implementation's, built once per process by `family_driver.runner_for`). The rules every
+check shares are here: the one hypothesis driver
 (`drive`: mpt-kv's profile, shrinking, the example database's key), the fp32-twin rule
 (`oracles`: a lower precision is compared with the same target in float32 from the rounded
 weights, the reference where the target declares no float32) and what a run under pytest plugs in
@@ -55,7 +57,7 @@ from typing import Callable, Iterable
 import torch
 from hypothesis import Phase, given, settings
 
-from mpt_kv.checks import index, profiles, programs, reach
+from mpt_kv.checks import family_driver, index, profiles, programs, reach
 from mpt_kv.checks.accounting import expected_kv_bytes, itemsize
 from mpt_kv.checks.cases import Case, Context, fp32_twin, reference_oracle
 from mpt_kv.checks.graphs import graphed
@@ -65,8 +67,8 @@ from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_
 from mpt_kv.devices import as_device
 from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.model.config import as_dtype, random_state_dict
-from mpt_kv.targets import (Capabilities, ResolvedTarget, Runner, Target, family_target, required_features,
-                            resolve_target)
+from mpt_kv.targets import (Capabilities, FamilyTarget, ResolvedTarget, Runner, Target, family_target,
+                            required_features, resolve_target)
 from mpt_kv.targets.layouts import QuantizedKV, layout_of, storage_tensors
 
 # --- what a run under pytest plugs in -------------------------------------------------------------------------
@@ -217,7 +219,17 @@ class Run:
                        ceilings=stored, record=record, **inputs,
                        **oracles(self.target, self.caps, case.cfg, case.seed, self.device, self.dtype, self.prop.oracle))
 
-    def check_case(self, runner, c: Context) -> list[str]:
+    def family_case(self, check: str) -> tuple[Runner, family_driver.FamilyContext]:
+        """A family check's runner and context: the family target's implementation of its variant on
+        this path (`family_driver.runner_for`: built once per process for a named implementation and
+        this Family object) and what the check reads (`family_driver.context_of`); `check` names the
+        check in a failed call's message."""
+        t = self.target
+        c = family_driver.context_of(t.implementation, t.family, t.variant, self.check.path, self.dtype, check)
+        return family_driver.runner_for(t.implementation, c.family, c.variant, c.dtype, c.options), c
+
+    def check_case(self, runner, c) -> list[str]:
+        """The property's function on one case: `fn(runner, c)`, its notes (or the context's)."""
         return list(function_of(self.prop)(runner, c) or c.notes)
 
     def without_clip(self, case: Case) -> Case:
@@ -258,7 +270,7 @@ def cache_evidence(r: Run) -> dict:
     K/V bytes of the prefilled tokens, and a second read returns the same storages. A target whose
     "cache" keeps only the token ids and recomputes K and V at every call gives right values: the value
     checks pass it, and only this says it checked no cache. A family target: the family's analytic K/V
-    (`mpt_kv.families.checks.cache_evidence`)."""
+    (`mpt_kv.checks.family_driver.cache_evidence`)."""
     key = (r.target, str(r.device), r.dtype, r.check.path, r.check.bucket)
     try:
         if key in _evidence:
@@ -267,10 +279,7 @@ def cache_evidence(r: Run) -> dict:
         key = None
     try:
         if r.prop.family:
-            from mpt_kv.families.checks import cache_evidence as family_evidence
-
-            t = r.target
-            evidence = family_evidence(t.implementation, t.family, t.variant, r.check.path, r.dtype)
+            evidence = family_driver.cache_evidence(*r.family_case("cache-evidence"))
         else:
             evidence = mpt_cache_evidence(r)
     except (Exception, Unsupported) as e:  # noqa: BLE001  no evidence: the gate says why, the check's verdict stands
@@ -435,11 +444,32 @@ def by_family(r: Run) -> list[str]:
     """One family check on one family target: the family's tiny model, fp32 by default, cpu."""
     if r.device.type != "cpu":
         raise Unsupported(f"{r.name}: the family checks run on cpu (tiny models of transformers' configs)")
-    t = r.target
     try:
-        return list(function_of(r.prop)(t.implementation, t.family, t.variant, r.check.path, r.dtype) or [])
+        return r.check_case(*r.family_case(r.prop.name))
     except TargetUnavailable as e:  # the implementation has no port of the family here: unsupported, its reason
-        raise Unsupported(f"{t.name}: {e}") from e
+        raise Unsupported(f"{r.name}: {e}") from e
+
+
+@dataclass(frozen=True)
+class ByProperty:
+    """A family check called by its property and path (`call_family`), named as the registry's
+    check of that property and path would be."""
+
+    property: str
+    path: str
+    bucket: None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.property}/{self.path}"
+
+
+def call_family(prop: str, implementation, family, variant: str, path: str, dtype=torch.float32) -> list[str]:
+    """One family check called by property (`mpt_kv.checks.family.CHECKS`): the runner, context and
+    function `run` uses for a FamilyTarget, on cpu, without the report's records and on any path the
+    caller names (its check says what it takes); a builder's TargetUnavailable is raised as is."""
+    r = Run(ByProperty(prop, path), FamilyTarget(implementation, family, variant), torch.device("cpu"), as_dtype(dtype))
+    return r.check_case(*r.family_case(prop))
 
 
 DRIVERS: dict[str, Callable[[Run], list[str]]] = {

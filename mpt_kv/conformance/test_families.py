@@ -1,4 +1,4 @@
-"""The family checks (family-P0 ... family-memory of the index, `mpt_kv.families.checks`) on every
+"""The family checks (family-P0 ... family-memory of the index, `mpt_kv.checks.family`) on every
 implementation of every family variant of the registry, on every path the implementation has: tiny
 configs, fp32, CPU.
 

@@ -10,7 +10,7 @@ of the family target the conformance run checks (`mpt_kv.targets.FamilyTarget`).
      "upstream": "transformers/cache_utils.py:NNN", "reason": "..."}
 
 required  family, variant (a variant of the registry), property (a check id of
-          `mpt_kv.families.checks.CHECKS`), when ({distribution: specifier}), pattern (a regular
+          `mpt_kv.checks.family.CHECKS`), when ({distribution: specifier}), pattern (a regular
           expression of the PropertyFailure message), upstream (file and line), reason
 optional  implementation ("transformers", the default, or "optimum-habana"); path ("concat",
           "static", "static+reuse"; absent: every path); views (a list of "key", "value",
