@@ -243,7 +243,7 @@ def test_ops_checks_record_their_reach_and_the_shapes_fed():
 def test_the_packaged_known_failures_name_the_operations_findings():
     """Each pattern is checked against the real failure in the ohabana env (transformers 4.55.4,
     optimum-habana 1.21.2) and the cpu env (transformers 5.24), where the shipped test xfails it."""
-    from mpt_kv.checks import known_failures as KF
+    from mpt_kv.findings import entries as KF
 
     ops = [(e.target, e.property, e.path, e.bucket, str(e.when.get(e.target, "")))
            for e in KF.load() if e.property.startswith("ops-")]

@@ -14,7 +14,7 @@ import mpt_kv.plugin
 from mpt_kv.plugin import known_failures
 from mpt_kv.plugin.state import run_state
 from mpt_kv.checks.compare import PropertyFailure
-from mpt_kv.checks import known_failures as KF
+from mpt_kv.findings import entries as KF
 
 from plugin_testing import FakeConfig, output, subprocess_runner
 
@@ -160,7 +160,7 @@ def test_the_configured_gate_turns_a_malformed_file_into_a_usage_error(tmp_path,
 
 
 def test_entry_explains_only_its_property_failure():
-    entry = KF._entry(ENTRY, 0, "f.json")
+    entry = KF.mpt_entry(ENTRY, 0, "f.json")
     known = PropertyFailure("layer 0 cached key (1, 4) is a view of mixed_qkv (1, 12)")
     assert entry.explains(known)
     assert not entry.explains(PropertyFailure("layer 0 cached key shares storage with layer 1"))

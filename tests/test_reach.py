@@ -11,7 +11,7 @@ from mpt_kv.checks import accounting as A
 from mpt_kv.checks import reach, registry
 from mpt_kv.checks.strategies import EDGE_CASES
 from mpt_kv.model.config import random_state_dict
-from mpt_kv.checks import known_failures
+from mpt_kv.findings import entries as known_failures
 from mpt_kv.targets import build
 
 

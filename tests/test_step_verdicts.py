@@ -22,7 +22,7 @@ from mpt_kv.checks.running import function_of
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.properties import Context
 from mpt_kv.families import FAMILIES
-from mpt_kv.families import known_failures as family_known
+from mpt_kv.findings import entries as family_known
 from mpt_kv.families.implementations import transformers_runner
 from mpt_kv.model.config import random_state_dict
 from mpt_kv.targets.reference import build as reference_build
@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 
 FAMILY, VARIANT = "llama", "gqa"
 # the port's shipped k-token extend crash (optimum-habana <= 1.21.2): the known failure a fork inherits
-EXTEND_CRASH = next(k for k in family_known.load()
+EXTEND_CRASH = next(k for k in family_known.load_families()
                     if k.property == "family-P1" and "extend raised" in k.pattern.pattern)
 CRASH = "The expanded size of the tensor (9) must match the existing size (6) at non-singleton dimension 3"
 

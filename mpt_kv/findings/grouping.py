@@ -1,12 +1,14 @@
-"""A finding of the family checks: the known-failures entries of one upstream bug, seen by several
-checks, grouped and worded once for the findings table (`python -m mpt_kv findings`), the standalone
-repros (`mpt_kv.families.repros`) and their READMEs."""
+"""A finding: the known-failures entries of one upstream bug, seen by several checks, grouped and
+worded once for the findings table (`python -m mpt_kv findings`), the standalone repros
+(`mpt_kv.findings.repros`) and their READMEs. The entries are raw, as the file has them
+(`mpt_kv.findings.entries.raw_entries`)."""
 
 from __future__ import annotations
 
 import re
 
 from mpt_kv.families import FAMILIES
+from mpt_kv.findings.entries import target_of
 
 DTYPE_NAME = "bfloat16"  # 2 bytes per element: the dtype these checkpoints are served in on Gaudi
 # (batch, tokens); tokens None: the checkpoint's own context length, from its config.json
@@ -28,7 +30,7 @@ def what(entry: dict) -> str:
     """What pins (the views) or the error the finding's pattern names."""
     views = entry.get("views")
     if views:
-        fused = FAMILIES[entry["family"]].fused
+        fused = FAMILIES[target_of(entry)[1]].fused
         verb = VIEW_NAMES.get(tuple(views), " and ".join(views) + " view")
         if "no fused projection's output" in entry["pattern"]:  # e.g. DBRX: a clamp of the output, same size
             return f"{verb} a new buffer of `{fused}`'s output size"
@@ -51,7 +53,7 @@ def grouped(entries: list[dict]) -> list[list[dict]]:
     is a row (the file keeps an entry per check: each xfails its own cases)."""
     groups: dict[tuple, list[dict]] = {}
     for entry in entries:
-        key = (entry["family"], entry["variant"], entry.get("implementation", "transformers"), versions(entry),
-               what(entry), entry["upstream"])
+        implementation, family, variant = target_of(entry)
+        key = (family, variant, implementation, versions(entry), what(entry), entry["upstream"])
         groups.setdefault(key, []).append(entry)
     return list(groups.values())

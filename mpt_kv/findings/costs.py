@@ -1,4 +1,4 @@
-"""What a family finding costs at a real config: bytes pinned beyond the K/V cache.
+"""What a finding costs at a real config: bytes pinned beyond the K/V cache.
 
 Real configs are data, kept in the repo (no hub download): `mpt_kv/data/families/<name>.json`,
 one public checkpoint each, with the config.json fields the analytic size needs, the checkpoint
@@ -32,9 +32,9 @@ import torch
 from mpt_kv import package_data
 from mpt_kv.families import FAMILIES
 from mpt_kv.families.base import Family
+from mpt_kv.findings.entries import target_of
 
 REAL_CONFIGS = package_data.REAL_CONFIGS
-KNOWN_FAILURES = package_data.FAMILY_KNOWN_FAILURES
 # MPT-7B's config is the seed PR's data file (mpt_kv/data/mpt-7b.json, flat "values"): the fields
 # of config.json it holds, by MptConfig's names
 MPT_7B = package_data.MPT_7B_CONFIG
@@ -174,13 +174,6 @@ def variant_mismatches(family: Family, variant: str, config) -> list[str]:
             for k, v in family.variants[variant].items() if isinstance(v, bool) and getattr(config, k, None) != v]
 
 
-def known_entries(path: Path | None = None) -> list[dict]:
-    """The family known failures (default: KNOWN_FAILURES) as raw entries, every key kept
-    ("views", "cost_config", "implementation", "path"). Read with json.load until the loader
-    (mpt_kv.families.known_failures) keeps the optional keys."""
-    return json.loads(Path(path or KNOWN_FAILURES).read_text())
-
-
 @dataclass(frozen=True)
 class Cost:
     """A finding's cost at a real config, or why there is none (pinned None)."""
@@ -201,14 +194,14 @@ def finding_cost(entry: dict, points: list[tuple[int, int | None]], dtype: torch
     if "cost_config" not in entry:
         return Cost(None, None, None, "no real config of this variant in mpt_kv/data/families")
     real = real_config(entry["cost_config"])
-    family = FAMILIES[entry["family"]]
+    _, family_name, variant = target_of(entry)
+    family = FAMILIES[family_name]
     if real.family != family.name:
-        raise ValueError(f"finding {entry['family']}/{entry['variant']}: cost_config {real.name!r} is a "
-                         f"{real.family} config")
+        raise ValueError(f"finding {family_name}/{variant}: cost_config {real.name!r} is a {real.family} config")
     config = real.build()
-    mismatch = variant_mismatches(family, entry["variant"], config)
+    mismatch = variant_mismatches(family, variant, config)
     if mismatch:
-        raise ValueError(f"finding {entry['family']}/{entry['variant']}: cost_config {real.name!r} is not of that "
+        raise ValueError(f"finding {family_name}/{variant}: cost_config {real.name!r} is not of that "
                          f"variant: {'; '.join(mismatch)}")
     pinned, kv = {}, {}
     for batch, tokens in points:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import re
 
+from mpt_kv.findings.entries import target_of
+
 DEFAULT, OPTION, NON_STANDARD = "default", "option", "non-standard"
 KINDS = (DEFAULT, OPTION, NON_STANDARD)  # from the most reachable
 # families whose transformers config defaults use_cache to False (MptConfig; mpt-7b's config.json too)
@@ -68,13 +70,12 @@ def path_call(implementation: str, family: str, path: str | None) -> tuple[str, 
 
 def user_path(entry: dict) -> tuple[str, str]:
     """(kind, the call) for one entry: kind is one of KINDS."""
-    implementation = entry.get("implementation", "transformers")
+    where = target_of(entry)  # (implementation, family, variant)
     for (impl, family, variant, prefix), fixed in OVERRIDES.items():
-        if (impl, family, variant) == (implementation, entry["family"], entry["variant"]) \
-                and entry["pattern"].startswith(prefix):
+        if (impl, family, variant) == where and entry["pattern"].startswith(prefix):
             return fixed
-    kind, call = operation_route(entry, implementation)
-    option = VARIANT_OPTIONS.get((implementation, entry["family"], entry["variant"]))
+    kind, call = operation_route(entry, where[0])
+    option = VARIANT_OPTIONS.get(where)
     if option is None:
         return kind, call
     return (OPTION if kind == DEFAULT else kind), f"{option}, then {call}"
@@ -83,7 +84,7 @@ def user_path(entry: dict) -> tuple[str, str]:
 def operation_route(entry: dict, implementation: str) -> tuple[str, str]:
     """The path's call, with what the operation the pattern names adds to it."""
     op = operation(entry["pattern"])
-    kind, call = path_call(implementation, entry["family"], entry.get("path"))
+    kind, call = path_call(implementation, target_of(entry)[1], entry.get("path"))
     if op == "reorder":
         return OPTION, call.replace("...", "..., num_beams=2", 1)
     if op == "crop":
