@@ -198,3 +198,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if n and not hasattr(config, "workerinput"):
         terminalreporter.write_line(f"tests/: {n} tests need optimum-habana, which is not installed here: deselected "
                                     "(tox -e ohabana runs them)")
+
+
+# --- a simulated GPU in this process ---------------------------------------------------------------------------------
+
+FAKE_CUDA = REPO / "tests" / "fakes" / "cuda"
+
+
+@pytest.fixture
+def fake_cuda():
+    """tests/fakes/cuda installed in this process for one test: torch.cuda on this CPU build of torch
+    (allocator statistics, CUDA graphs that record and replay aten ops), every cuda device argument
+    mapped onto cpu. Yields the fake module (its ALLOCATOR, SYNCS). mpt-kv's cached device probe is
+    cleared before and after, so `cuda` is available inside the test only."""
+    from mpt_kv import devices
+
+    if str(FAKE_CUDA) not in sys.path:
+        sys.path.insert(0, str(FAKE_CUDA))
+    import fake_cuda as fake
+
+    fake.install()
+    fake.SYNCS.clear()
+    devices._probe.cache_clear()
+    try:
+        yield fake
+    finally:
+        fake.uninstall()
+        devices._probe.cache_clear()

@@ -42,7 +42,8 @@ def subprocess_runner(pytester, monkeypatch):
     (none of this run's device, card, profile or known-failures variables)."""
     for var in ("CI", "MPT_KV_REQUIRE_DEVICE", "MPT_KV_HYPOTHESIS_PROFILE", "MPT_KV_KNOWN_FAILURES",
                 devices.ENV_CARDS, "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS", "HABANA_VISIBLE_MODULES",
-                "MPT_KV_FAKE_HPU", "MPT_KV_FAKE_HPU_MODULES", "MPT_KV_FAKE_HPU_LOG"):
+                "MPT_KV_FAKE_HPU", "MPT_KV_FAKE_HPU_MODULES", "MPT_KV_FAKE_HPU_LOG", "MPT_KV_FAKE_CUDA",
+                "MPT_KV_FAKE_CUDA_DEVICES", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
 
     def _run(source, *args, fakes=(), files=None, **env):

@@ -467,3 +467,21 @@ def test_the_memory_table_shows_the_prefill_excess_that_memory_allocated_hides()
     (ref_row,) = [r for r in rows[1:] if r.startswith("reference")]
     assert f"+{S.kib(q_third)} |" in bug_row and " 0.0 |" in ref_row, rows
     assert S.table([{**asdict(fixed), "prefill_excess": None}])[1].count(" - |") == 1  # an older report: "-"
+
+
+def test_the_cublas_workspace_is_no_state_of_the_target(fake_cuda, monkeypatch):
+    """Found by the device check on an H200 (torch 2.11): cuBLAS allocates its 32 MiB workspace through
+    the caching allocator at a first matmul and keeps it, and the memory check read it as "per-generation
+    state kept on the model" of the reference and of transformers. The meter frees it before the readings
+    it compares (`Meter.release_library_caches`, as PyTorch's own leak check does); the simulated GPU
+    (tests/fakes/cuda) allocates it the same way, so without that the check fails as it did there."""
+    from mpt_kv.checks.registry import CHECKS
+    from mpt_kv.memory.meter import CudaMeter
+
+    check = CHECKS["memory/concat/B16-in8-new8"]
+    check("reference", "cuda", torch.float32)
+    fake_cuda._workspace.clear()  # freed, as a fresh process starts: the next first matmul allocates it
+    monkeypatch.setattr(CudaMeter, "release_library_caches", lambda self: None)
+    with pytest.raises(PropertyFailure, match=r"the model and runner hold 33554432 bytes above the level before "
+                                              r"the warm-up generation: 33554432 bytes of per-generation state"):
+        check("reference", "cuda", torch.float32)

@@ -40,10 +40,11 @@ def test_the_latest_env_pins_only_torch(constraints_diff):
     assert constraints_diff.read_lock(ROOT / "constraints" / "latest.txt") == {"torch": "2.13.0"}
 
 
-def test_the_hpu_lock_never_installs_the_images_own_packages(constraints_diff):
-    hpu = constraints_diff.read_lock(ROOT / "constraints" / "hpu.txt")
-    assert not {"torch", "transformers", "habana-frameworks", "optimum-habana"} & set(hpu)
-    assert {"pytest", "hypothesis", "pytest-xdist"} <= set(hpu)
+@pytest.mark.parametrize("env", ["hpu", "cuda"])
+def test_an_accelerator_lock_never_installs_the_images_own_packages(constraints_diff, env):
+    lock = constraints_diff.read_lock(ROOT / "constraints" / f"{env}.txt")
+    assert not {"torch", "transformers", "habana-frameworks", "optimum-habana"} & set(lock)
+    assert {"pytest", "hypothesis", "pytest-xdist"} <= set(lock)
 
 
 def test_tox_envs_install_from_the_locks_and_latest_is_not_default():
@@ -53,12 +54,16 @@ def test_tox_envs_install_from_the_locks_and_latest_is_not_default():
     tox.read(ROOT / "tox.ini")
     assert [e.strip() for e in tox["tox"]["env_list"].split(",")] == ["cpu", "ohabana", "foundry"]
     for env, name in (("testenv", "cpu"), ("testenv:ohabana", "ohabana"), ("testenv:hpu", "hpu"),
-                      ("testenv:foundry", "foundry")):
+                      ("testenv:foundry", "foundry"), ("testenv:cuda", "cuda")):
         assert f"PIP_CONSTRAINT = {{tox_root}}{{/}}constraints{{/}}{name}.txt" in tox[env]["set_env"]
     assert "--strict-known-failures" in tox["testenv"]["commands"]
     assert "--target optimum-habana" in tox["testenv:ohabana"]["commands"]
     assert "--target llm-foundry" in tox["testenv:foundry"]["commands"]  # fail closed: it must load there
-    assert "torch" not in tox["testenv:hpu"]["deps"]
+    for env, kind in (("testenv:hpu", "hpu"), ("testenv:cuda", "cuda")):  # an accelerator image's own torch, untouched
+        assert "torch" not in tox[env]["deps"] and tox[env]["skip_install"] == "true"
+        assert tox[env]["system_site_packages"] == "true"
+        assert "pip install --no-deps -e {tox_root}" in tox[env]["commands_pre"]
+        assert f"pytest -m {kind} " in tox[env]["commands"]
     assert "constraints{/}latest.txt" in tox["testenv:latest"]["set_env"]  # only torch: the rest at its newest
     assert "diff.py" in tox["testenv:latest"]["commands_pre"]
 

@@ -160,6 +160,43 @@ def test_cuda_self_check():
     m.self_check("cuda")
 
 
+def test_cuda_meter_reads_the_caching_allocators_statistics_after_a_sync(fake_cuda, monkeypatch):
+    """The documented API (torch.cuda.memory_allocated, max_memory_allocated, reset_peak_memory_stats), each
+    read after torch.cuda.synchronize of the meter's device, on the simulated GPU (tests/fakes/cuda): an
+    allocation reads as its bytes rounded up to the allocator's 512-byte blocks, the peak holds until reset."""
+    m = meter_for("cuda:0")
+    assert (type(m).__name__, m.device_kind, m.exact) == ("CudaMeter", "cuda", False)
+    calls = []
+    for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
+        real = getattr(torch.cuda, name)
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, _real=real, _name=name:
+                            (calls.append((_name, device, len(fake_cuda.SYNCS))), _real(device))[1])
+    base = m.allocated()
+    m.reset_peak()
+    x = torch.empty(1000, dtype=torch.uint8, device="cuda")  # 1000 bytes: two 512-byte blocks
+    assert (m.allocated() - base, m.peak() - base) == (1024, 1024)
+    del x
+    assert (m.allocated() - base, m.peak() - base) == (0, 1024)
+    m.reset_peak()
+    assert m.peak() == m.allocated() == base
+    assert {name for name, _, _ in calls} == {"memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"}
+    assert all(device == torch.device("cuda", 0) for _, device, _ in calls), calls
+    # every read comes after a synchronize of that device: the count of syncs grows before each call
+    assert [n for _, _, n in calls] == sorted(n for _, _, n in calls) and calls[0][2] >= 1
+    assert all(d == torch.device("cuda", 0) for d in fake_cuda.SYNCS), fake_cuda.SYNCS
+
+
+def test_cuda_self_check_on_the_simulated_gpu(fake_cuda):
+    m = meter_for("cuda")
+    m.self_check("cuda")  # 1 MiB reads as 1 MiB (a multiple of 512), back to 0 after del
+
+
+def test_cuda_self_check_fails_a_meter_that_reads_nothing(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    with pytest.raises(MeterError, match=r"CudaMeter on cuda.*1048576 bytes read as \+0"):
+        meter_for("cuda").self_check("cuda")
+
+
 _HABANA = importlib.util.find_spec("habana_frameworks") is not None
 
 

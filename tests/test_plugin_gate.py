@@ -68,6 +68,33 @@ def test_selection_implies_requirement_unless_allowed_missing(monkeypatch):
     assert gate.device_requirements(config) == {"cpu": "--require-device cpu"}
 
 
+@pytest.mark.skipif(devices.unavailable_reason("cuda") is None, reason="this machine has a GPU: the gate would pass")
+@pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["single", "xdist"])
+def test_pytest_m_cuda_without_a_gpu_is_one_clear_usage_error(run, xdist):
+    """`tox -e cuda`'s command on a machine without a GPU: exit 4 in one line, as `-m hpu` is."""
+    result = run(ONE_CASE_PER_DEVICE, "-m", "cuda", *xdist)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, output(result)
+    errors = [line for line in result.errlines if line.startswith("ERROR:")]
+    assert len(errors) == 1 and errors[0].startswith("ERROR: -m 'cuda' selects cuda cases, but cuda is not available "
+                                                     "here: "), output(result)
+    assert "This runner cannot gate cuda changes" in errors[0]
+    assert "test_add" not in output(result), "no case may run once the gate refused"
+
+
+@pytest.mark.parametrize("mode,passed", [("cpu", True), ("broken", False)])
+def test_pytest_m_cuda_on_a_gpu_runs_exactly_its_cases(run, mode, passed):
+    """The same command on a (simulated: tests/fakes/cuda) GPU runs the cuda cases only; a GPU that fails
+    every op fails them and the gate."""
+    result = run(ONE_CASE_PER_DEVICE, "-m", "cuda", fakes=["cuda"], MPT_KV_FAKE_CUDA=mode)
+    if passed:
+        assert result.ret == pytest.ExitCode.OK, output(result)
+        result.assert_outcomes(passed=2, deselected=2)
+    else:
+        assert result.ret == pytest.ExitCode.TESTS_FAILED, output(result)
+        result.assert_outcomes(failed=2, deselected=2)
+        assert "no cuda case passed: 2 of the 2 cuda cases failed (test_gated.py::test_add[cuda], " in output(result)
+
+
 @pytest.mark.skipif(devices.unavailable_reason("hpu") is None, reason="this machine has an HPU: the gate would pass")
 @pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["single", "xdist"])
 def test_pytest_m_hpu_without_hpu_is_one_clear_usage_error(run, xdist):

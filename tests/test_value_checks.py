@@ -368,3 +368,48 @@ def test_calibration_file_names_are_safe_for_artifact_uploaders(tmp_path, capsys
     assert ":" not in file.name and file.name.startswith("mpt_kv.catalogue.designs_stacked_kv-")
     assert json.loads(file.read_text().splitlines()[0])["target"] == spec
     assert "1/1" in capsys.readouterr().err  # the progress of an hour-long run, on stderr
+
+
+def test_calibration_on_cuda_runs_under_its_tf32_and_sdpa_backend_and_records_them(fake_cuda, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """`calibrate run --device cuda` (here the fake GPU of tests/fakes/cuda): the cases run with TF32 and the
+    sdpa backend asked for, each record and the file name carry them, `report` keeps them apart, and the
+    process's settings are put back after."""
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
+
+    from mpt_kv.cli import calibrate
+
+    seen = []
+    real = calibrate.run_case
+
+    def watched(*args):
+        seen.append((torch.backends.cuda.matmul.allow_tf32, list(_cur_sdpa_kernel_backends()), args[3]))
+        return real(*args)
+
+    monkeypatch.setattr(calibrate, "run_case", watched)
+    before = torch.backends.cuda.matmul.allow_tf32
+    args = ["run", "--target", "reference", "--cases", "6", "--shard", "5/6", "--device", "cuda", "--tf32", "on",
+            "--sdpa-backend", "math", "--out", str(tmp_path)]
+    assert calibrate.main(args) == 0
+    assert seen == [(True, [SDPBackend.MATH], "cuda")]
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    (file,) = tmp_path.glob("*.jsonl")
+    assert "-cuda-tf32on-sdpamath-" in file.name
+    record = json.loads(file.read_text())
+    assert {k: record["versions"][k] for k in ("device", "tf32", "sdpa")} == {"device": "cuda", "tf32": "on",
+                                                                             "sdpa": "math"}
+    assert calibrate.main(["report", str(file)]) == 0
+    assert "| reference on cuda (TF32 on, sdpa math) | " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tf32", "on"], "--tf32 and --sdpa-backend are cuda's conditions; --device cpu has neither"),
+    (["--device", "cuda", "--tf32", "off"], "--device cuda"),
+])
+def test_calibration_conditions_where_they_do_not_apply_are_usage_errors(tmp_path, capsys, args, message):
+    from mpt_kv.cli import calibrate
+
+    with pytest.raises(SystemExit) as e:
+        calibrate.main(["run", "--target", "reference", "--cases", "1", "--out", str(tmp_path), *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

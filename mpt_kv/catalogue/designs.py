@@ -995,3 +995,40 @@ attention_upcast_to_fp32 = design(
     "attention paths compute in fp32 (e.g. transformers' `upcast` / `attention_softmax_in_fp32` options, "
     "GPT-BigCode's and Bloom's fp32 softmax paths)",
     model_with(attention=UpcastSdpaAttention), dtype=torch.bfloat16)
+
+
+# --- what a captured graph allows (issue 37): graph-capture must pass these -----------------------------
+
+class DeviceGuardStaticCache(StaticCache):
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.prefilled[layer]:  # checked on the device: an error surfaces later, the host never waits
+            torch._assert_async(torch.isfinite(k).all(), "a non-finite key reached the static cache")
+        return super().update(layer, k, v, token_idx, cache_idx)
+
+
+nan_guard_on_the_device = design(
+    "nan_guard_on_the_device",
+    "the static decode step guards its write with torch._assert_async(torch.isfinite(k).all()): a device-side "
+    "assert, no host read, so the step stays one graph (the guard host_sync_in_static_decode makes with bool())",
+    "torch._assert_async, PyTorch's device-side assert: what graph-safe code uses where eager code writes "
+    "`assert torch.isfinite(x).all()` (CUDA graphs and torch.compile keep it in the graph)",
+    model_with(static=DeviceGuardStaticCache))
+
+
+class CacheLengthSession(ReferenceSession):
+    """The static path's decode steps pass cache_idx = the cache length as a Python int: the same
+    value at every step of a generation."""
+
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        if self.path == "static" and self.bucket is None and self.cache is not None:
+            cache_idx = self.max_len
+        return super()._forward(input_ids, mask, token_idx, cache_idx)
+
+
+cache_length_as_python_int = layout_design(
+    "cache_length_as_python_int",
+    "the static path's decode steps hand the model cache_idx = the cache length as a Python int, the same at "
+    "every step of a generation: a graph bakes it in once and no step recompiles",
+    "optimum-habana passes cache_idx and kv_cache_len as Python ints, constant within a bucket (its bucketed "
+    "generation compiles a new graph only when the bucket changes)",
+    ReferenceMPT, CacheLengthSession)

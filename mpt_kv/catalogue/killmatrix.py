@@ -5,13 +5,14 @@
 
 Rows: the must-pass catalogue (the reference and the legitimate designs of designs.py) and the
 must-kill catalogue (the known-bad variants of variants.py). Columns: P0-P4 (properties.py; P4,
-the output-reuse check, is "n/a" in a build that lacks it), static-shape (static_shape.py) and
-memory (ceilings.check_memory). Each column runs over fixed, deterministic cases (`CASES`) and
-its cache paths (concat, static, static with the case's cache_idx bucket), fp32 (or the row's own
-`dtype`, for an entry that differs from the reference only below fp32), CPU by default.
-Each case names the columns that run it, to keep the matrix fast: the long case runs the value
-columns (P0-P2) only; the memory column (the costliest: an exact byte count of every op) and
-static-shape run the first case, static-shape the wide one too.
+the output-reuse check, is "n/a" in a build that lacks it), static-shape (static_shape.py),
+graph-capture (capture.py), memory (ceilings.check_memory) and ops. Each column runs over fixed,
+deterministic cases (`CASES`) and its cache paths (concat, static, static with the case's cache_idx
+bucket), fp32 (or the row's own `dtype`, for an entry that differs from the reference only below
+fp32), CPU by default. Each case names the columns that run it, to keep the matrix fast: the long
+case runs the value columns (P0-P2) only; the memory column (the costliest: an exact byte count of
+every op), graph-capture (a compile per row) and static-shape run the first case, static-shape the
+wide one too.
 
 A kill is a check that raises: `PropertyFailure` is "killed", any other exception "killed (error:
 ExcType)" (the variant crashes, which a user would see too). A column stops at its first kill.

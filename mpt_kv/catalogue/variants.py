@@ -205,7 +205,7 @@ static_sliced_to_written_length = variant(
     "static_sliced_to_written_length",
     "static decode attends over the written prefix [0, token_idx) only: right values, a new shape every step",
     "an 'optimisation' that skips the masked tail; every step is a new graph on HPU and a new CUDA graph capture",
-    ["static-shape"], static=WrittenPrefixStaticCache)
+    ["static-shape", "graph-capture"], static=WrittenPrefixStaticCache)
 
 
 class HostPositionSession(ReferenceSession):
@@ -224,7 +224,7 @@ static_position_as_python_int = variant(
     "static_position_as_python_int",
     "the decode position travels as a Python int (token_idx.item()), made a tensor again inside: right values",
     "a seen-tokens counter / past length kept on the host; a captured graph bakes in the first step's position",
-    ["static-shape"], static=HostPositionStaticCache, session=HostPositionSession)
+    ["static-shape", "graph-capture"], static=HostPositionStaticCache, session=HostPositionSession)
 
 
 class FiniteGuardStaticCache(StaticCache):
@@ -240,7 +240,7 @@ host_sync_in_static_decode = variant(
     "shapes and scalars, but a host sync in every layer of every step",
     "a debug assert / NaN guard left in the cache update (`assert torch.isfinite(x).all()`, `if x.any():`); "
     "eager runs never show it, HPU/CUDA graph pipelines stall on it every step",
-    ["static-shape"], static=FiniteGuardStaticCache)
+    ["static-shape", "graph-capture"], static=FiniteGuardStaticCache)
 
 
 class BucketOffByOneStaticCache(StaticCache):
@@ -1156,3 +1156,48 @@ cache_recomputed_from_tokens = variant(
     "a 'cache' stubbed out while porting (use_cache accepted and ignored, past_key_values holding the input ids), "
     "or a generation loop that re-runs the prefix; value checks alone pass it (docs/gate.md row 48)",
     ["memory"], session=RecomputingSession)
+
+
+# --- what a captured graph cannot hold (issue 37): graph-capture must kill these --------------------------
+
+class HostCounterSession(ReferenceSession):
+    """The static path's decode position comes from the generation's own counter on the host: no
+    device read, so no host sync."""
+
+    def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
+        if self.path == "static" and self.cache is not None and token_idx is not None:
+            token_idx = self.written + 1  # a Python int: 1-based position of the token this call writes
+        return super()._forward(input_ids, mask, token_idx, cache_idx)
+
+
+class HostCounterMPT(ReferenceMPT):
+    def forward(self, input_ids, attention_mask=None, cache=None, token_idx=None, cache_idx=None):
+        if isinstance(token_idx, int):  # made a tensor at the model's top, outside attention: a new constant each step
+            token_idx = torch.tensor([token_idx], device=input_ids.device)
+        return super().forward(input_ids, attention_mask, cache, token_idx, cache_idx)
+
+
+position_from_a_host_counter = variant(
+    "position_from_a_host_counter",
+    "the static decode position is the generation loop's Python int counter, made a tensor at the top of the model "
+    "(outside attention, no device read): right values, but each step a new constant a graph bakes in",
+    "transformers-style `cache_position = torch.arange(past_seen_tokens, ...)` from a host-side seen-tokens count; "
+    "a captured graph replays the first step's position, torch.compile recompiles every step",
+    ["graph-capture"], model=HostCounterMPT, session=HostCounterSession)
+
+
+class UnpaddedFastPathMPT(ReferenceMPT):
+    def forward(self, input_ids, attention_mask=None, cache=None, token_idx=None, cache_idx=None):
+        if attention_mask is not None and bool(attention_mask.all()):  # a branch on device data: a host sync
+            attention_mask = None  # every position attended: the model builds an all-ones mask
+        return super().forward(input_ids, attention_mask, cache, token_idx, cache_idx)
+
+
+branch_on_an_unpadded_batch = variant(
+    "branch_on_an_unpadded_batch",
+    "the model drops the padding mask when `bool(attention_mask.all())`: right values, but a branch on device data "
+    "in every call (a host read each step; no graph can hold both sides)",
+    "SDPA fast paths that skip the mask when nothing is padded (transformers' "
+    "AttentionMaskConverter._ignore_causal_mask_sdpa checks `torch.all(attention_mask == 1)`, and skips the check "
+    "only while tracing)",
+    ["static-shape", "graph-capture"], model=UnpaddedFastPathMPT)

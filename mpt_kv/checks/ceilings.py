@@ -193,6 +193,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
     gc.freeze()  # pre-existing objects out of the meter's gc.collect(): 400 ms -> microseconds
     try:
         with torch.inference_mode(), meter:
+            meter.release_library_caches()  # a library's own workspace is no state of the target's (cuda: cuBLAS)
             start = meter.allocated()  # before the warm-up: the model holds its weights only
             warm = warm_up(runner, path, case, bucket, ids, mask, tokens)
             meter.reset_peak()
@@ -232,6 +233,7 @@ def measure(runner, case: Case, path: str, device, dtype: torch.dtype, bucket: i
             # declared graph outputs (one buffer per output shape, made in the warm-up) are kept on
             # purpose, like a pool: such a target is judged from the level after the warm-up
             graph_outputs = getattr(getattr(runner, "capabilities", None), "graph_outputs", False)
+            meter.release_library_caches()  # as before `start`: what cuBLAS allocated in the warm-up is not held
             held = meter.allocated() - (base if graph_outputs else start)
     finally:
         gc.unfreeze()

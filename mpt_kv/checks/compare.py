@@ -40,7 +40,8 @@ QUANTITIES = {
     "logits:static": "static-path logits, with or without cache_idx buckets (fp32: vs uncached or concat; bf16: vs the fp32 twin)",
     "kv:static": "static-path cached K/V at written positions (fp32: vs the concat path's; bf16: vs the fp32 twin's)",
     "kv:concat": "concat-path cached K/V (bf16 only: vs the fp32 twin's)",
-    "logits:same": "two runs of one path in one dtype (graph replay or torch.compile vs eager)",
+    "logits:same": "two runs of one path in one dtype (graph replay vs eager: the same kernels)",
+    "logits:compiled": "a static decode step compiled by torch.compile (aot_eager) vs the same step eager",
 }
 
 
@@ -58,12 +59,14 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = dict([
     _tol("float32", "logits:static", 1e-5, 5e-5),
     _tol("float32", "kv:static", 1e-5, 5e-5),
     _tol("float32", "logits:same", 1e-5, 5e-5),
+    _tol("float32", "logits:compiled", 1e-5, 5e-5),
     _tol("bfloat16", "logits:uncached", 1e-2, 0.15),
     _tol("bfloat16", "logits:concat", 1e-2, 0.15),
     _tol("bfloat16", "logits:static", 1e-2, 0.15),
     _tol("bfloat16", "kv:static", 0.05, 0.2),
     _tol("bfloat16", "kv:concat", 0.05, 0.2),
     _tol("bfloat16", "logits:same", 1e-2, 0.05),
+    _tol("bfloat16", "logits:compiled", 1e-2, 0.05),
 ])
 
 

@@ -100,6 +100,10 @@ PROPERTIES: tuple[Property, ...] = (
     Property("static-shape", "static shapes", "a static decode step changes a shape handed to attention, moves a "
              "cache storage or makes a host sync (what graphs need)", "docs/checks.md",
              "mpt_kv.checks.static_shape:check_static_shape", "fixed", STATIC_PATHS, column="static-shape"),
+    Property("graph-capture", "static decode captured as one graph", "torch.compile(fullgraph=True) breaks the "
+             "static decode step's graph, recompiles it between steps, reads a device value in it or differs from "
+             "eager (on CUDA also its CUDA graph replay)", "docs/checks.md#graph-capture",
+             "mpt_kv.checks.capture:check_graph_capture", "fixed", ("static",), column="graph-capture"),
     Property("ops-P1", "P1 over programs of decode/extend/crop/reorder", "after a k-token extend, a crop or a beam "
              "reorder, the logits differ from an uncached forward over each row's surviving history",
              "docs/operations.md", "mpt_kv.checks.operations:check_program_cached", "program", oracle="twin", column="ops"),

@@ -4,19 +4,17 @@
 check_static_shape   across decode steps every op inside attention is handed tensors of the same
                      shapes and the same Python scalars, the cache storages never move (same
                      data pointers), and no decode step reads a device value on the host
-check_no_recompile   a torch.compile'd decode step runs every step without recompiling
-check_graph_replay   the static path captured as a graph (CUDA graphs; HPU graphs through
-                     `wrap_in_hpu_graph`, as optimum-habana's --use_hpu_graphs) matches its eager run
 
 A graph replays the operations it captured on the addresses it captured: a cache that moves is
-read stale, a shape that changes is a new graph (on HPU a compilation of seconds per step).
-All three raise `PropertyFailure` naming step, layer and what changed.
+read stale, a shape that changes is a new graph (on HPU a compilation of seconds per step). It
+raises `PropertyFailure` naming step, layer and what changed. The decode step actually compiled
+(torch.compile) and replayed from a CUDA graph is graph-capture's (`mpt_kv.checks.capture`); HPU
+graphs run P1, P2 and P4 (`mpt_kv.checks.graphs`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import linecache
 import os
 import sys
@@ -27,9 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mpt_kv.checks.compare import PropertyFailure, assert_close, describe
+from mpt_kv.checks.compare import PropertyFailure, describe
 from mpt_kv.checks.properties import Context, greedy
-from mpt_kv.checks.results import copied
 from mpt_kv.targets.layouts import PagedLayout, QuantizedKV, layout_of
 
 
@@ -49,9 +46,21 @@ def short_path(filename: str) -> str:
     """`filename` relative to the sys.path entry it is under (transformers/models/mpt/modeling_mpt.py,
     mpt_kv/catalogue/variants.py), or as it is."""
     filename = os.path.abspath(filename)
-    under = [os.path.relpath(filename, p) for p in map(os.path.abspath, filter(None, sys.path))
+    roots = [*filter(None, sys.path), *package_parents()]
+    under = [os.path.relpath(filename, p) for p in map(os.path.abspath, roots)
              if filename.startswith(p.rstrip(os.sep) + os.sep)]
     return min(under, key=len) if under else filename
+
+
+def package_parents() -> list[str]:
+    """The folders that hold an imported top-level package: where an editable install or a
+    path hook loaded it from, when that folder is not on sys.path (mpt_kv/catalogue/variants.py
+    is named so then too)."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__path__", None) if "." not in name else None
+        out += [os.path.dirname(os.path.abspath(p)) for p in (path or []) if isinstance(p, str)]
+    return [p for p in dict.fromkeys(out) if p != os.path.dirname(p)]  # never the filesystem's root
 
 
 @dataclass(frozen=True)
@@ -303,16 +312,7 @@ def fmt(operands) -> str:
                            for x in operands) + ")"
 
 
-# --- torch.compile ---------------------------------------------------------------------------------
-
-def compile_unavailable(device_kind: str) -> str | None:
-    """Why torch.compile cannot be tried on this device kind, or None."""
-    if not hasattr(torch, "compile") or not hasattr(torch.compiler, "set_stance"):
-        return f"torch {torch.__version__} has no torch.compile / torch.compiler.set_stance"
-    if device_kind == "hpu":
-        return "torch.compile on HPU takes backend='hpu_backend' (habana_frameworks); HPU graphs are checked instead"
-    return None
-
+# --- graph capture needs the reference's input checks off ---------------------------------------------
 
 @contextlib.contextmanager
 def validation_off(model):
@@ -325,155 +325,3 @@ def validation_off(model):
     finally:
         if old is not None:
             model.validate = old
-
-
-def check_no_recompile(runner, c: Context, backend: str = "aot_eager") -> int:
-    """Compile the model's forward (fullgraph=True) after an eager prefill, so the compiled
-    function is one decode step; run every decode step, from the second on under
-    `torch.compiler.set_stance("fail_on_recompile")`, which raises instead of recompiling and
-    names the guard that failed. A counting backend gives the number of graphs, which must stay
-    at the count after step 0, and each step's logits must match an eager session's. Returns the
-    number of graphs compiled.
-
-    `backend`: "aot_eager" traces like inductor (dynamo + AOT functionalization) without its C++
-    codegen (~1 s instead of ~10-30 s on a 2-core machine); whether dynamo recompiles is decided
-    by its guards, the same for every backend. "inductor" is the real thing."""
-    if c.path != "static" or c.bucket:
-        raise ValueError("no-recompile is a property of the static path without buckets "
-                         "(a bucket change is a new cache_idx, by design a new graph)")
-    ids, mask = c.case.inputs(c.device)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
-
-    torch._dynamo.reset()  # a clean code cache: frames compiled before do not count
-    model = runner.model
-    compiled_forward = torch.compile(model.forward, backend=counting_backend, fullgraph=True)
-
-    def compiled_step(token):
-        model.forward = compiled_forward  # an instance attribute: nn.Module.__call__ finds it first
-        try:
-            return compiled.decode(token)
-        finally:
-            del model.forward
-
-    with torch.inference_mode(), validation_off(model):
-        # copied: the compiled and the eager session run one model; results kept across calls are copies
-        eager, compiled = (copied(runner).session("static", c.case.total_len) for _ in range(2))
-        want = eager.prefill(ids, mask)[:, -1]
-        compiled.prefill(ids, mask)
-        after_first = None
-        for step in range(c.case.new_tokens):
-            token = greedy(want)
-            stance = torch.compiler.set_stance("fail_on_recompile") if step else contextlib.nullcontext()
-            try:
-                with stance:
-                    got = compiled_step(token)
-            except Exception as e:
-                msg = str(e).strip()
-                what = ("recompiled" if "fail_on_recompile" in msg else
-                        "did not compile as one graph" if step == 0 else "failed")
-                raise PropertyFailure(f"torch.compile({backend}) {what} at decode step {step} "
-                                      f"({type(e).__name__}: {msg[:800]}) [{describe(c.ctx(step=step))}]") from e
-            after_first = len(graphs) if step == 0 else after_first
-            if len(graphs) != after_first:
-                raise PropertyFailure(f"torch.compile({backend}): {len(graphs)} graphs after decode step {step}, "
-                                      f"{after_first} after step 0 [{describe(c.ctx(step=step))}]")
-            want = eager.decode(token)
-            assert_close(got, want, c.tol("logits:same"), f"compiled vs eager decode logits ({backend})", c.ctx(step=step))
-    return len(graphs)
-
-
-# --- CUDA graphs and HPU graphs ------------------------------------------------------------------------
-
-def graphs_unavailable(device_kind: str) -> str | None:
-    if device_kind == "cpu":
-        return "CPU has no graph capture (CUDA graphs and HPU graphs run on cuda and hpu)"
-    if device_kind == "cuda" and not torch.cuda.is_available():
-        return "torch.cuda.is_available() is False"
-    if device_kind == "hpu":
-        try:
-            import habana_frameworks.torch.hpu  # noqa: F401
-        except ImportError as e:
-            return f"habana_frameworks.torch does not import ({e})"
-    return None
-
-
-def check_graph_replay(runner, c: Context) -> None:
-    """The static path run captured (CUDA graph or HPU graph) matches its eager run at every step."""
-    if c.path != "static" or c.bucket:
-        raise ValueError("graph replay is checked on the static path without buckets")
-    reason = graphs_unavailable(c.device)
-    if reason:
-        raise RuntimeError(reason)
-    ids, mask = c.case.inputs(c.device)
-    with torch.inference_mode():
-        # a replay returns the graph's static output, overwritten by the next replay: copies only
-        eager = copied(runner).session("static", c.case.total_len)
-        want = eager.prefill(ids, mask)[:, -1]
-        steps = cuda_graph_steps(runner, ids, mask, c) if c.device == "cuda" else hpu_graph_steps(runner, ids, mask, c)
-        for step in range(c.case.new_tokens):
-            token = greedy(want)
-            got = steps(step, token).clone()
-            want = eager.decode(token)
-            assert_close(got, want, c.tol("logits:same"), f"{c.device} graph replay vs eager decode logits", c.ctx(step=step))
-
-
-def cuda_graph_steps(runner, ids, mask, c: Context):
-    """Capture one static decode step of a reference-style model (forward(ids, mask, cache, token_idx))
-    with torch.cuda.graph, then each step writes its inputs into the captured tensors and replays.
-    Step 0 is the warm-up run the CUDA docs ask for (on a side stream), eager."""
-    session = runner.session("static", c.case.total_len)
-    if not hasattr(session, "cache") or not hasattr(runner.model, "validate"):
-        raise RuntimeError(f"{runner.name}: CUDA graph capture here drives a reference-style model "
-                           f"(forward(input_ids, attention_mask, cache, token_idx))")
-    session.prefill(ids, mask)
-    B = ids.shape[0]
-    tokens = torch.zeros(B, 1, dtype=torch.long, device=ids.device)
-    token_idx = torch.zeros(1, dtype=torch.long, device=ids.device)
-    graph, out = torch.cuda.CUDAGraph(), {}
-
-    def step(i, token):
-        t = session.written
-        tokens.copy_(token)
-        token_idx.fill_(t + 1)
-        session.mask[:, t] = 1  # the session's mask is max_len long and updated in place
-        session.written = t + 1
-        if i == 0:
-            with validation_off(runner.model):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    logits = runner.model(tokens, session.mask, session.cache, token_idx)
-                torch.cuda.current_stream().wait_stream(side)
-                # capturing records without running: it re-records this same step's index_copy_
-                with torch.cuda.graph(graph):
-                    out["logits"] = runner.model(tokens, session.mask, session.cache, token_idx)
-            return logits[:, -1]
-        graph.replay()
-        torch.cuda.synchronize()
-        return out["logits"][:, -1].clone()
-
-    return step
-
-
-def hpu_graph_steps(runner, ids, mask, c: Context):
-    """optimum-habana's --use_hpu_graphs: `wrap_in_hpu_graph(model)` captures each forward the
-    first time it sees its input shapes and replays it after, copying the tensor inputs in. The
-    graphed model is a copy, so the eager session keeps the plain one. Not run on this machine
-    (no HPU); written against habana_frameworks' documented API."""
-    from habana_frameworks.torch.hpu import wrap_in_hpu_graph  # as optimum-habana's text-generation does
-
-    graphed = copy.copy(runner)
-    graphed.model = wrap_in_hpu_graph(copy.deepcopy(runner.model))
-    if hasattr(graphed.model, "validate"):
-        graphed.model.validate = False
-    session = graphed.session("static", c.case.total_len)
-    session.prefill(ids, mask)
-
-    def step(i, token):
-        return session.decode(token)
-
-    return step

@@ -8,8 +8,9 @@
   sweep       the conformance run (--repros: the findings' repros) under each release, one table
   findings    the family findings and their cost at real configs (docs/findings.md)
   reach       the ranges each check's cases reached (docs/reach.md)
-  calibrate   the tolerances' calibration: run, report, quantized (docs/calibration.md)
+  calibrate   the tolerances' calibration: run (cpu, cuda), report, quantized, compiled (docs/calibration.md)
   checks      the index of checks: the README's table, every check id
+  devicecheck the device check: the seed table, the suite and graph capture on a GPU, one command
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ COMMANDS = {
     "reach": "mpt_kv.cli.reach",
     "calibrate": "mpt_kv.cli.calibrate",
     "checks": "mpt_kv.cli.checks",
+    "devicecheck": "mpt_kv.cli.devicecheck",
 }
 
 

@@ -2,7 +2,10 @@
 target and record every comparison's error as a fraction of its bound.
 
     python -m mpt_kv calibrate run --target reference --cases 5000 [--shard 0/4] [--out calibration]
+    python -m mpt_kv calibrate run --target reference --device cuda --tf32 off --sdpa-backend default ...
     python -m mpt_kv calibrate report calibration/*.jsonl
+    python -m mpt_kv calibrate quantized --cases 400     the quantized caches' bounds
+    python -m mpt_kv calibrate compiled --cases 200      the compiled decode step's bound (graph-capture)
 
 `run` appends one JSON line per case to OUT/<target>-<transformers version>-<k>of<n>.jsonl and
 skips the cases already there (resumable; shards split the case indices k, k + n, ...). Run it
@@ -27,6 +30,7 @@ atol + rtol x scale is worst at one of them, so tolerances can be re-derived wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -38,6 +42,7 @@ import torch
 
 from mpt_kv.catalogue import designs, variants
 from mpt_kv.checks import properties as P
+from mpt_kv import devices
 from mpt_kv import versions as installed_versions
 from mpt_kv.checks import running
 from mpt_kv.checks.compare import TOLERANCES, PropertyFailure, measuring
@@ -75,11 +80,11 @@ def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def run_case(target: str, case, entries) -> dict:
+def run_case(target: str, case, entries, device: str = "cpu") -> dict:
     """P0 (its three layouts), P1 on every path and P2 on the static path, the case's first
-    generation, fp32 and bf16: every comparison the tests make, on this layout."""
+    generation, fp32 and bf16: every comparison the tests make, on this layout, on `device`."""
     points, errors = defaultdict(list), []
-    resolved, cpu = resolve_target(target), torch.device("cpu")
+    resolved, cpu = resolve_target(target), devices.torch_device(device)
     for dtype in DTYPES:
         runner = resolved.build(case.cfg, random_state_dict(case.cfg, seed=case.seed), cpu, dtype)
         caps = resolved.capabilities(cpu, dtype)
@@ -92,7 +97,7 @@ def run_case(target: str, case, entries) -> dict:
         runs += [("P1", path, bucket, lambda c: P.p1_generation(live, oracle, c)) for path, bucket in PATHS]
         runs += [("P2", "static", None, lambda c: P.p2_generation(live, oracle, c))]
         for prop, path, bucket, check in runs:
-            c = P.Context(target, "cpu", dtype, case, path, bucket, generation=1, **oracles)
+            c = P.Context(target, device, dtype, case, path, bucket, generation=1, **oracles)
             try:
                 runner.require(path, "bucket" if bucket else None)
             except Unsupported:
@@ -115,11 +120,53 @@ def d_model(described: str) -> int:
     return heads * head_dim
 
 
-def versions() -> dict:
+def versions(conditions: dict | None = None) -> dict:
+    """What a result file was measured with: torch, transformers (optimum-habana), and on cuda the
+    device's conditions (`conditions`: device, GPU, TF32, sdpa backend), which `report` keeps apart."""
     out = {"torch": torch.__version__, "transformers": installed_versions.transformers_version()}
     if installed_versions.installed("optimum-habana"):
         out["optimum-habana"] = installed_versions.installed("optimum-habana")
-    return out
+    return {**out, **(conditions or {})}
+
+
+# sdpa backends `calibrate run --sdpa-backend` can pin (torch.nn.attention.SDPBackend); "default": torch chooses
+SDPA_BACKENDS = ("default", "math", "flash", "efficient", "cudnn")
+
+
+def conditions(args) -> dict:
+    """The device and, on cuda, TF32 and the sdpa backend of a run: {} on cpu (the files of before)."""
+    if args.device == "cpu":
+        return {}
+    return {"device": args.device, "gpu": torch.cuda.get_device_name(0), "tf32": args.tf32, "sdpa": args.sdpa_backend}
+
+
+@contextlib.contextmanager
+def under(args):
+    """The run's TF32 and sdpa backend (cuda), set for its cases and put back after."""
+    if args.device == "cpu":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32 == "on"
+    try:
+        if args.sdpa_backend == "default":
+            yield
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+            with sdpa_kernel(backend[args.sdpa_backend]):
+                yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def label(target: str, vers: dict) -> str:
+    """A result file's target as `report` lists it: with its cuda conditions where it has them."""
+    if "device" not in vers:
+        return target
+    return f"{target} on {vers['device']} (TF32 {vers['tf32']}, sdpa {vers['sdpa']})"
 
 
 def run(args) -> int:
@@ -129,8 +176,9 @@ def run(args) -> int:
         return 2
     k, n = (int(x) for x in args.shard.split("/"))
     torch.set_num_threads(1)
-    vers = versions()
-    out = Path(args.out) / f"{file_safe(args.target)}-tf{vers['transformers']}-{k}of{n}.jsonl"
+    vers = versions(conditions(args))
+    where = "" if args.device == "cpu" else f"-{args.device}-tf32{args.tf32}-sdpa{args.sdpa_backend}"
+    out = Path(args.out) / f"{file_safe(args.target)}-tf{vers['transformers']}{where}-{k}of{n}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     mark_output(out.parent, "calibrate run")  # a resumed run appends here
     done = set()
@@ -139,11 +187,11 @@ def run(args) -> int:
     entries = known_failures.load()
     todo = [i for i in range(k, args.cases, n) if i not in done]
     print(f"{out}: {len(done)} cases done, {len(todo)} to go", flush=True)
-    with out.open("a") as f, progress(len(todo)) as bar:
+    with out.open("a") as f, progress(len(todo)) as bar, under(args):
         for i in todo:
             family, case = case_at(i)
             t0 = time.process_time()
-            result = run_case(args.target, case, entries)
+            result = run_case(args.target, case, entries, args.device)
             line = dict(index=i, family=family, case=case.describe(), target=args.target, versions=vers,
                         cpu_seconds=round(time.process_time() - t0, 3), **result)
             f.write(json.dumps(line) + "\n")
@@ -195,7 +243,7 @@ def report(args) -> int:
         for line in Path(path).read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                rows[(r["target"], r["versions"]["transformers"], r["index"])] = r
+                rows[(label(r["target"], r["versions"]), r["versions"]["transformers"], r["index"])] = r
     targets = sorted({(t, v) for t, v, _ in rows})
     cases = {t: [r for (tt, v, _), r in rows.items() if (tt, v) == t] for t in targets}
     print("| target | transformers | cases | CPU time | unexpected errors | known failures |")
@@ -313,11 +361,63 @@ def quantized(a) -> int:
 
 
 
+# --- the compiled decode step's bound (capture.py: logits:compiled): `calibrate compiled` ---------------------
+
+def measure_compiled(target: str, case, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(worst err / max|expected|, worst err / bound) of graph-capture's comparison of the compiled decode
+    steps with the eager ones on one case (cpu), recorded instead of judged (compare.measuring); None where
+    the target declares something the case needs unsupported."""
+    from mpt_kv.checks import capture
+    from mpt_kv.targets import required_features
+
+    resolved, cpu = resolve_target(target), torch.device("cpu")
+    caps = resolved.capabilities(cpu, dtype)
+    if any(caps.reason(f) for f in required_features("static", None, dtype, cpu, case.cfg.clip_qkv)):
+        return None
+    runner = resolved.build(case.cfg, random_state_dict(case.cfg, seed=case.seed), cpu, dtype)
+    with measuring() as measured:
+        capture.check_graph_capture(runner, P.Context(target, "cpu", dtype, case, "static"))
+    mine = [m for m in measured if m["key"][1] == "logits:compiled"]
+    return (max(m["err"] / max(m["scale"], 1e-30) for m in mine), max(m["frac"] for m in mine)) if mine else None
+
+
+def compiled(a) -> int:
+    torch.set_num_threads(1)
+    targets = a.target or ["reference", *[f"mpt_kv.catalogue.designs:{d}" for d in designs.DESIGNS]]
+    drawn = [case_from(RandomPicks(i)) for i in range(a.cases)]
+    print(f"{a.cases} drawn cases x {len(targets)} targets, the static decode steps compiled (torch.compile fullgraph, "
+          "aot_eager) vs eager, cpu; worst err / max|expected| of a case's decode-step logits")
+    print("| dtype | compiled step vs eager: worst | median of the per-case worst | cases | bound (atol, rtol) | "
+          "worst / bound | rtol for worst = 0.5 bound | worst case |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype in DTYPES:
+        per_case = []
+        for target in targets:
+            for i, case in enumerate(drawn):
+                if dtype != torch.float32 and d_model(case.describe()) < BF16_MIN_D_MODEL:
+                    continue
+                worst = measure_compiled(target, case, dtype)
+                if worst is not None:
+                    per_case.append((*worst, f"{target} #{i} {case.describe()}"))
+        values = sorted(w for w, _, _ in per_case)
+        tol = TOLERANCES[(str(dtype)[6:], "logits:compiled")]
+        worst, frac, where = max(per_case)
+        print(f"| {str(dtype)[6:]} | {worst:.3e} | {values[len(values) // 2]:.3e} | {len(values)} | "
+              f"{tol.atol:g}, {tol.rtol:g} | {max(f for _, f, _ in per_case):.3f} | {2 * worst:.3g} | {where} |")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mpt_kv calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the cases of one shard on one target, appending to OUT")
     r.add_argument("--target", required=True, help="a built-in target or package.module:factory")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the cases run (default cpu)")
+    r.add_argument("--tf32", default=None, choices=["on", "off"],
+                   help="cuda: TF32 matmuls (torch.backends.cuda.matmul.allow_tf32) on or off (required there)")
+    r.add_argument("--sdpa-backend", default=None, choices=SDPA_BACKENDS,
+                   help="cuda: the one scaled_dot_product_attention backend allowed (torch.nn.attention.sdpa_kernel; "
+                        "required there; default: torch chooses)")
     r.add_argument("--cases", type=int, default=5000)
     r.add_argument("--shard", default="0/1", help="k/n: this process runs case indices k, k + n, ...")
     r.add_argument("--out", type=path_arg, default=Path("calibration"))
@@ -327,6 +427,19 @@ def main(argv=None) -> int:
     s.add_argument("--show", type=int, default=10, help="how many unexpected errors to print")
     q = sub.add_parser("quantized", help="the quantized caches' bounds (checks/quantized.py): correct vs wrong quantizers")
     q.add_argument("--cases", type=int, default=200, help="drawn cases (strategies.case_from(RandomPicks(i)))")
+    c = sub.add_parser("compiled", help="the compiled decode step's bound (logits:compiled): torch.compile vs eager")
+    c.add_argument("--cases", type=int, default=200, help="drawn cases (strategies.case_from(RandomPicks(i)))")
+    c.add_argument("--target", action="append", default=None, help="targets (default: reference and the designs)")
     a = p.parse_args(argv)
-    return {"run": run, "report": report, "quantized": quantized}[a.command](a)
+    if a.command == "run":
+        if a.device == "cpu" and (a.tf32 or a.sdpa_backend):
+            p.error(f"--tf32 and --sdpa-backend are cuda's conditions; --device {a.device} has neither")
+        if a.device == "cuda":
+            reason = devices.unavailable_reason("cuda")
+            if reason:
+                p.error(f"--device cuda is not available here: {reason}")
+            if a.tf32 is None or a.sdpa_backend is None:
+                p.error("--device cuda: give --tf32 on|off and --sdpa-backend (default|math|flash|efficient|cudnn): "
+                        "the bounds depend on both, and each run records them")
+    return {"run": run, "report": report, "quantized": quantized, "compiled": compiled}[a.command](a)
 

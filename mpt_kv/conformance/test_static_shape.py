@@ -1,6 +1,9 @@
 """The static-shape property on every target's index_copy_ path (mpt_kv/checks/static_shape.py):
 across decode steps attention sees the same shapes and Python scalars, the cache storages never
-move, and no step makes a host sync. This is what HPU graphs, CUDA graphs and torch.compile need."""
+move, and no step makes a host sync. This is what HPU graphs, CUDA graphs and torch.compile need.
+And graph-capture (mpt_kv/checks/capture.py): the decode step compiled by torch.compile as one graph
+that does not recompile from step to step, equal to eager; on CUDA also replayed from a CUDA graph.
+Both are the index's fixed-case checks (runs "fixed"), one dtype."""
 
 import pytest
 import torch

@@ -46,7 +46,7 @@ def add_options(parser) -> None:
                      "(its cases skip, and a run that ran none of them can pass); --require-device still holds")
     g.addoption("--allow-no-cache-check", action="store_true",
                 help="local exploration only (refused under CI=true): a run (e.g. -k P0) may pass although a target of it had "
-                     "no cache property pass (P1-P3, memory, static-shape, ops-*, family-P1-P3, family-memory, "
+                     "no cache property pass (P1-P3, memory, static-shape, graph-capture, ops-*, family-P1-P3, family-memory, "
                      "family-ops); the report records it")
     g.addoption("--target", action="append", default=[], metavar="SPEC",
                 help="add a target: a built-in name or package.module:factory (repeatable); one that cannot be "
