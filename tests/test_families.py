@@ -25,7 +25,7 @@ check_cached, check_memory, check_no_pinned_storage = CHECKS["family-P1"], CHECK
 transformers = pytest.importorskip("transformers")
 cache_utils = pytest.importorskip("transformers.cache_utils")
 # 4.x: its DynamicLayer is the views bug itself (the 4.55 findings are strict xfails of the
-# conformance cases, mpt_kv/families/known_failures.json)
+# conformance cases, mpt_kv/findings/family_known_failures.json)
 needs_5x = pytest.mark.skipif(not hasattr(getattr(cache_utils, "DynamicLayer", None), "lazy_initialization"),
                               reason="these patches are written against transformers 5.x DynamicLayer")
 

@@ -32,7 +32,7 @@ PORTS = ("mpt", "gpt2", "gpt_neox", "bloom", "codegen", "persimmon", "phi", "sta
 VARIANTS = [(n, v) for n in PORTS for v in FAMILIES[n].variants]
 STEPS = 3
 TOL = 1e-5  # fp32, same weights, same ops up to summation order
-# What optimum-habana 1.21.2's ports raise however they are driven (mpt_kv/families/known_failures.json
+# What optimum-habana 1.21.2's ports raise however they are driven (mpt_kv/findings/family_known_failures.json
 # has them as findings): (family, variant) -> (paths, "uncached" included, exception, message). A case
 # here must still raise exactly that: a release that fixes it fails the test, so the entry goes.
 CRASHES = {

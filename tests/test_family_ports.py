@@ -24,7 +24,7 @@ from mpt_kv.errors import TargetUnavailable
 from mpt_kv.families import FAMILIES, gaudi
 from mpt_kv.checks.family_driver import BATCH, PROMPT, prompt
 from mpt_kv.families.models import build
-from mpt_kv.findings.entries import raw_entries, target_of
+from mpt_kv.findings.raw import raw_entries, target_of
 
 HAVE_OH = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.habana") is not None
 NOT_INSTALLED = "optimum-habana is not installed (pip install --no-deps optimum-habana, or tox -e ohabana)"

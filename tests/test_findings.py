@@ -16,8 +16,8 @@ import torch
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.cli import findings
 from mpt_kv.families import FAMILIES
-from mpt_kv.findings import costs, entries as known_entries
-from mpt_kv.findings.entries import raw_entries, target_of
+from mpt_kv.findings import costs, raw
+from mpt_kv.findings.raw import raw_entries, target_of
 from mpt_kv.checks.family import CHECKS
 from mpt_kv.checks.family_driver import BATCH, PROMPT
 from mpt_kv.families.models import build
@@ -195,7 +195,7 @@ def test_an_implementation_crash_is_shown_without_bytes(tmp_path, monkeypatch, c
              "upstream": "optimum/habana/transformers/models/codegen/modeling_codegen.py:NN", "reason": "..."}
     path = tmp_path / "known_failures.json"
     path.write_text(json.dumps(raw_entries()[:1] + [crash]))
-    monkeypatch.setattr(known_entries, "FAMILY_FILE", path)
+    monkeypatch.setattr(raw, "FAMILY_FILE", path)
     assert findings.main([]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("codegen/mha"))

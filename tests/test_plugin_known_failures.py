@@ -1,4 +1,4 @@
-"""Known failures (mpt_kv/plugin/known_failures.py, mpt_kv/targets/known_failures.py; docs/gate.md
+"""Known failures (mpt_kv/plugin/known_failures.py, mpt_kv/findings/entries.py; docs/gate.md
 rows 17-19): an entry xfails only the PropertyFailure its pattern names, an entry that matches
 nothing fails the run under --strict-known-failures, a malformed file is one usage error."""
 

@@ -3,7 +3,7 @@
 import pytest
 
 from mpt_kv.findings import user_path
-from mpt_kv.findings.entries import raw_entries, target_of
+from mpt_kv.findings.raw import raw_entries, target_of
 
 ENTRIES = raw_entries()
 

@@ -32,6 +32,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+from hypothesis import strategies as st
 
 from mpt_kv.checks.cases import MASK_DTYPES, Case, Context
 from mpt_kv.checks.compare import NOT_CRASHES, crash_of, describe
@@ -198,8 +199,6 @@ def program_from(pick, device: str, allowed: set[str], dtype=None, capabilities=
 
 def programs(device: str = "cpu", allowed: set[str] = frozenset(OPERATIONS), dtype=None, capabilities=None):
     """Hypothesis strategy of `Program`s using only the `allowed` operations."""
-    from hypothesis import strategies as st
-
     @st.composite
     def draw(d):
         return program_from(HypothesisPicks(d), device, set(allowed), dtype, capabilities)

@@ -34,7 +34,7 @@ from mpt_kv import package_data
 from mpt_kv.cli import docblocks
 from mpt_kv.findings import repros, scripts, user_path
 from mpt_kv.findings.costs import finding_cost, real_configs, sizes_per_token
-from mpt_kv.findings.entries import raw_entries, target_of
+from mpt_kv.findings.raw import raw_entries, target_of
 from mpt_kv.findings.grouping import DTYPE_NAME, POINTS, checks_seen, grouped, human, versions, what
 from mpt_kv.outputs import dir_problem, file_problem, mark_output, path_arg
 

@@ -3,6 +3,7 @@
     entries.py                 what a known failure is: the one entry format, its files, the rule that
                                applies an entry to a case (the pytest plugin asks it for every case)
     patterns.py                an entry's pattern names its failure, not any failure
+    raw.py                     the files' entries as written (every key kept), for the tables and repros
     known_failures.json        the MPT targets' entries (a project's own file replaces it)
     family_known_failures.json the family checks' entries
     grouping.py                a finding: the entries of one upstream bug, grouped and worded once
@@ -14,6 +15,6 @@
 
 Adding a finding is an entry at the end of its file; a finding no template covers gets its script in
 sources/kept/ (an MPT target's, named by the entry's `repro`) or a template rule here.
-No torch is imported by this package's own `__init__`, `entries` and `patterns` (the plugin reads
+No torch is imported by this package's own `__init__`, `entries`, `raw` and `patterns` (the plugin reads
 them before a worker's card is pinned).
 """

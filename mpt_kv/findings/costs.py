@@ -32,7 +32,7 @@ import torch
 from mpt_kv import package_data
 from mpt_kv.families import FAMILIES
 from mpt_kv.families.base import Family
-from mpt_kv.findings.entries import target_of
+from mpt_kv.findings.raw import target_of
 
 REAL_CONFIGS = package_data.REAL_CONFIGS
 # MPT-7B's config is the seed PR's data file (mpt_kv/data/mpt-7b.json, flat "values"): the fields

@@ -29,7 +29,7 @@ a family entry (a property family-*): target "<implementation>/<family>/<variant
              mpt-7b: the cost is computed there)
 
 A family entry written before this format names its target by three fields, family, variant and
-implementation (default "transformers"), instead of `target`: it is read the same (`normalized`).
+implementation (default "transformers"), instead of `target`: it is read the same (`mpt_kv.findings.raw.normalized`).
 Any other field is an error naming it (a typo must not pass silently).
 
 The files: `MPT_FILE`, mpt-kv's own for its MPT targets (a project's own file replaces it: option
@@ -55,9 +55,9 @@ from mpt_kv import package_data, versions
 from mpt_kv.checks import index
 from mpt_kv.errors import KnownFailuresError, PropertyFailure
 from mpt_kv.findings.patterns import compile_pattern
+# the files and an entry as a file has it (re-exported: the findings' tables, costs and repros read them there)
+from mpt_kv.findings.raw import FAMILY_FILE, MPT_FILE, is_family, normalized, raw_entries, target_of  # noqa: F401
 
-MPT_FILE = package_data.MPT_KNOWN_FAILURES
-FAMILY_FILE = package_data.FAMILY_KNOWN_FAILURES
 FILE = MPT_FILE  # the plugin's default file
 
 PROPERTIES = tuple(p.name for p in index.PROPERTIES if not p.family)  # what an MPT entry may name
@@ -72,8 +72,7 @@ OPTIONAL = {"path": str, "when": dict, "upstream": str}
 MPT_OPTIONAL = {**OPTIONAL, "bucket": bool, "check": str, "repro": str}
 FAMILY_REQUIRED = {**REQUIRED, "when": dict, "upstream": str}
 FAMILY_OPTIONAL = {"path": str, "views": list, "cost_config": str}
-# a family entry's target before this format: its three parts as fields (`normalized`)
-LEGACY_TARGET = ("family", "variant", "implementation")
+# a family entry's target before this format: its three parts as fields (`mpt_kv.findings.raw.normalized`)
 
 
 @dataclass(frozen=True)
@@ -142,30 +141,6 @@ class Entry:
 
 # --- one entry as the file has it --------------------------------------------------------------------
 
-def normalized(raw):
-    """A family entry of the shape before this format (family, variant, implementation) with its
-    `target`, the other fields as they are; any other entry (or a non-object) unchanged."""
-    if not isinstance(raw, dict) or "target" in raw or not {"family", "variant"} <= set(raw):
-        return raw
-    out = {"target": f"{raw.get('implementation', 'transformers')}/{raw['family']}/{raw['variant']}"}
-    out.update((k, v) for k, v in raw.items() if k not in LEGACY_TARGET)
-    return out
-
-
-def target_of(entry: dict) -> tuple[str, str | None, str | None]:
-    """(implementation, family, variant) of a raw entry of either shape (an MPT entry: (its target,
-    None, None))."""
-    if "target" not in entry:
-        return entry.get("implementation", "transformers"), entry.get("family"), entry.get("variant")
-    split = entry["target"].split("/")
-    return (split[0], split[1], split[2]) if len(split) == 3 else (entry["target"], None, None)
-
-
-def is_family(entry: dict) -> bool:
-    """A raw entry about a family target (of either shape)."""
-    return target_of(entry)[1] is not None
-
-
 def check_fields(raw, required: dict, optional: dict, bad) -> None:
     """An object with every required field, no unknown one (a typo must not pass silently), each of
     its type; `bad(what)` makes the error that names the file and the entry."""
@@ -208,13 +183,6 @@ def read(path, label: str) -> list:
     if not isinstance(data, list):
         raise KnownFailuresError(f"{label} {path}: expected a JSON list of entries, got {type(data).__name__}")
     return data
-
-
-def raw_entries(path: str | Path | None = None) -> list[dict]:
-    """A file's entries (default: the family file, `FAMILY_FILE`) as raw dicts, every key kept and a
-    family entry with its `target`, for the findings' tables, costs and repros: what the file says,
-    unchecked (`load`, `load_families` check it)."""
-    return [normalized(raw) for raw in json.loads(Path(path or FAMILY_FILE).read_text(encoding="utf-8"))]
 
 
 # --- an MPT targets' file (mpt-kv's own, or a project's) ----------------------------------------------

@@ -1,14 +1,14 @@
 """A finding: the known-failures entries of one upstream bug, seen by several checks, grouped and
 worded once for the findings table (`python -m mpt_kv findings`), the standalone repros
 (`mpt_kv.findings.repros`) and their READMEs. The entries are raw, as the file has them
-(`mpt_kv.findings.entries.raw_entries`)."""
+(`mpt_kv.findings.raw.raw_entries`)."""
 
 from __future__ import annotations
 
 import re
 
 from mpt_kv.families import FAMILIES
-from mpt_kv.findings.entries import target_of
+from mpt_kv.findings.raw import target_of
 
 DTYPE_NAME = "bfloat16"  # 2 bytes per element: the dtype these checkpoints are served in on Gaudi
 # (batch, tokens); tokens None: the checkpoint's own context length, from its config.json

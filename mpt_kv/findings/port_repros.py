@@ -16,7 +16,7 @@ import textwrap
 from dataclasses import dataclass
 
 from mpt_kv.families import FAMILIES
-from mpt_kv.findings.entries import target_of
+from mpt_kv.findings.raw import target_of
 from mpt_kv.findings.grouping import versions, what
 from mpt_kv.findings.scripts import (Repro, class_names, config_literal, fill, part, readme_text, slugify, template,
                                      tiny_config)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mpt_kv.findings.entries import MPT_FILE, is_family, raw_entries, target_of
+from mpt_kv.findings.raw import MPT_FILE, is_family, raw_entries, target_of
 from mpt_kv.findings.grouping import grouped, versions, what
 from mpt_kv.findings.port_repros import port_operation, port_repro, program_of, program_repro
 from mpt_kv.findings import scripts

@@ -37,7 +37,7 @@ from mpt_kv import package_data
 from mpt_kv.families import FAMILIES
 from mpt_kv.findings import user_path
 from mpt_kv.findings.costs import finding_cost
-from mpt_kv.findings.entries import target_of
+from mpt_kv.findings.raw import target_of
 from mpt_kv.findings.grouping import DTYPE_NAME, POINTS, checks_seen, human, versions
 
 TEMPLATES = package_data.REPRO_TEMPLATES

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mpt_kv.errors import SweepError
 from mpt_kv.findings import repros
-from mpt_kv.findings.entries import raw_entries, target_of
+from mpt_kv.findings.raw import raw_entries, target_of
 from mpt_kv.findings.grouping import grouped
 from mpt_kv.findings.scripts import DRIVER
 from mpt_kv.releases import (SOURCE, Release, Row, base_env, last_line, made_line, over_releases, published,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import textwrap
 
-from mpt_kv.findings.entries import target_of
+from mpt_kv.findings.raw import target_of
 from mpt_kv.findings.grouping import versions, what
 from mpt_kv.findings.scripts import (Repro, class_names, config_literal, fill, part, readme_text, template,
                                      tiny_config)

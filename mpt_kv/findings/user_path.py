@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from mpt_kv.findings.entries import target_of
+from mpt_kv.findings.raw import target_of
 
 DEFAULT, OPTION, NON_STANDARD = "default", "option", "non-standard"
 KINDS = (DEFAULT, OPTION, NON_STANDARD)  # from the most reachable

@@ -26,7 +26,7 @@ class RunState:
     cards: object | None = None
     # parametrize: each target spec resolved once per process (a ResolvedTarget)
     resolved: dict = field(default_factory=dict)
-    # known failures (mpt_kv.checks.known_failures): the MPT file's entries, the families' once a family
+    # known failures (mpt_kv.findings.entries): the MPT file's entries, the families' once a family
     # case is collected (their registry imports torch); which entries (by key) covered a collected case;
     # whether any conformance case (any family case) was collected; cases each entry xfailed
     known: list = field(default_factory=list)
