@@ -142,7 +142,7 @@ def test_a_fresh_block_handed_to_two_rows_is_caught_under_the_declaration_too():
 
     build = runner_factory("cow_hands_one_block_to_two", Model, CopyOnWritePagedSession,
                            capabilities=mpt_kv.Capabilities(cache_pool=True))
-    with pytest.raises(PropertyFailure, match=r"P3 cache aliasing after step \d+: pool block \d+ \(table index \d\) was "
+    with pytest.raises(PropertyFailure, match=r"P3 cache aliasing after step \d+: pool block \d+ \(table index \d+\) was "
                                               r"handed to row 0 and row \d+ at once by step \d+"):
         CHECKS["P3/concat"](build, "cpu", F32)
     # undeclared, the variant in the catalogue: still killed by the layout check
