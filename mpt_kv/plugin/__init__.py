@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 
 from mpt_kv import devices
+from mpt_kv.checks import profiles
 from mpt_kv.plugin import cards, ceilings, gate, known_failures, options, outcomes, parametrize, report, state
 from mpt_kv.plugin import markdown as markdown_summary
 from mpt_kv.plugin.parametrize import missing_package  # noqa: F401  (mpt_kv.cli.bench)
@@ -47,10 +48,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "no_target(reason): the placeholder of a conformance test with no target "
                                        "of this run (a run of such placeholders alone is a usage error)")
     options.check(config)
-    from mpt_kv.checks.strategies import load_profile  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
-
     run = state.start(config)  # this session's state (one per process): what every module below records
-    run.profile = load_profile()
+    profiles.load_profile()
     config.pluginmanager.register(Collector(run), "mpt_kv_collector")
     gate.configure(config)
     known_failures.configure(config)
