@@ -34,12 +34,17 @@ REAL_CONFIGS = PACKAGE_ROOT / "data" / "families"
 REPRO_TEMPLATES = PACKAGE_ROOT / "families" / "repro_templates"
 # the MPT target findings' kept repro scripts (<slug>.py) and the parts they share (<name>.part)
 KEPT_REPROS = PACKAGE_ROOT / "targets" / "repros"
+# the gate profile: the per-PR subset of the conformance run, computed from the catalogues (catalogue/gate_profile.py)
+GATE_PROFILE = PACKAGE_ROOT / "data" / "gate-profile.json"
+# the catalogue's modules, whose source the gate profile's fingerprint reads (a change makes it stale)
+CATALOGUE_SOURCES = tuple(PACKAGE_ROOT / "catalogue" / name for name in ("variants.py", "designs.py", "assembly.py"))
 
 # each entry: a file, or a folder with the patterns of the files it holds
 PACKAGE = {
     MPT_KNOWN_FAILURES: (),
     FAMILY_KNOWN_FAILURES: (),
     MPT_7B_CONFIG: (),
+    GATE_PROFILE: (),
     REAL_CONFIGS: ("*.json",),
     REPRO_TEMPLATES: ("*.py.tmpl",),
     KEPT_REPROS: ("*.py", "*.part"),

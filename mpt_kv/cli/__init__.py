@@ -11,6 +11,7 @@
   calibrate   the tolerances' calibration: run (cpu, cuda), report, quantized, compiled (docs/calibration.md)
   checks      the index of checks: the README's table, every check id
   devicecheck the device check: the seed table, the suite and graph capture on a GPU, one command
+  gateprofile the per-PR gate profile: what it selects, --check (stale?), --update (recompute)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ COMMANDS = {
     "calibrate": "mpt_kv.cli.calibrate",
     "checks": "mpt_kv.cli.checks",
     "devicecheck": "mpt_kv.cli.devicecheck",
+    "gateprofile": "mpt_kv.cli.gateprofile",
 }
 
 
