@@ -146,8 +146,9 @@ class ProfileError(Exception):
 UPDATE = "python -m mpt_kv gateprofile --update"
 
 
-def load(path: Path | str = PROFILE_FILE) -> StoredProfile:
-    """The stored profile; ProfileError naming the file and the problem when it cannot be read."""
+def load(path: Path | str | None = None) -> StoredProfile:
+    """The stored profile (default: the package's file); ProfileError naming the file and the problem."""
+    path = PROFILE_FILE if path is None else path
     try:
         data = json.loads(Path(path).read_text())
         cases = tuple(GateCase(c["check"], c["dtype"]) for c in data["cases"])
@@ -179,7 +180,7 @@ def stale_reason(profile: StoredProfile) -> str | None:
         problems.append(f"no case of it kills the variants {', '.join(missing)}")
     if not problems:
         return None
-    return f"the stored gate profile ({PROFILE_FILE.name}) is stale: " + "; ".join(problems) + f": run `{UPDATE}`"
+    return f"the stored gate profile ({Path(PROFILE_FILE).name}) is stale: " + "; ".join(problems) + f": run `{UPDATE}`"
 
 
 # --- computing it (python -m mpt_kv gateprofile --update) --------------------------------------------
@@ -345,7 +346,7 @@ def compute(processes: int = 1, progress=print) -> dict:
     }
 
 
-def write(data: dict, path: Path | str = PROFILE_FILE) -> None:
+def write(data: dict, path: Path | str) -> None:
     # the seconds of this computation change from run to run: kept out of the file (its diff is the profile's)
     data = {k: v for k, v in data.items() if k != "seconds"}
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
