@@ -10,14 +10,16 @@ kills every must-kill variant of the catalogue (`mpt_kv.catalogue.variants`) and
 must-pass design (`mpt_kv.catalogue.designs` and the reference). It is stored as data in the
 package (`mpt_kv/data/gate-profile.json`), made by one repeatable rule:
 
-1. Kill data. The kill matrix is run (`mpt_kv.catalogue.killmatrix.run_matrix`): for each variant,
-   the columns that kill it. Then every conformance check id of those columns' properties
-   (`mpt_kv.checks.registry.CHECKS`, MPT checks only) is run on the variant as a target, in the
-   variant's dtype (fp32, or its own `dtype` for a bug that exists only below fp32), on cpu, under
-   the `ci` hypothesis profile (derandomized, no example database: the same examples every time,
-   as under `CI=true`). A check kills the variant when it raises (a PropertyFailure, or any other
-   exception: the crash rule of the kill matrix). Each candidate's cost is its seconds on the
-   reference in the same run (stored, so the rule is a function of the stored data).
+1. Kill data. Each candidate (every MPT conformance check id of the registry, `mpt_kv.checks.registry.CHECKS`;
+   the family checks have no catalogue rows) is run once on the reference, fp32: its seconds are its cost
+   (stored, so the rule is a function of the stored data; a bf16 case costs as its fp32 run), and one that
+   fails the reference is excluded. Then each variant runs, as a target, the check ids of the kill-matrix
+   columns it names as its expected killers (`Variant.killed_by`, which the kill matrix verifies in CI),
+   cheapest first, until KILLS_PER_VARIANT (3) of them kill it; none killing it, the other columns' ids the
+   same way. In the variant's dtype (fp32, or its own `dtype` for a bug that exists only below fp32), on
+   cpu, under the `ci` hypothesis profile (derandomized, no example database: the same examples every
+   time, as under `CI=true`). A check kills when it raises (a PropertyFailure, or any other exception:
+   the kill matrix's crash rule).
 2. Cover. Greedy set cover over (variant killed by case): repeatedly take the case that kills the
    most variants not yet killed; ties go to the lower stored cost, then to the registry's order
    (CHECKS, fp32 before bf16). Then, in the order of decreasing cost, a chosen case whose every
@@ -222,19 +224,28 @@ def use_data_profile() -> None:
     settings.load_profile("mpt-kv-gate-data")
 
 
-def _row_kills(job: tuple[str, str, tuple[str, ...]]) -> dict:
-    """One variant's kill data: every candidate of its killing columns, run in its dtype."""
+KILLS_PER_VARIANT = 3  # a variant's candidates run, cheapest first, until this many kill it
+
+
+def _row_kills(job: tuple[str, str, tuple[str, ...], tuple[str, ...]]) -> dict:
+    """One variant's kill data (module doc, step 1): its expected killers' check ids, cheapest first,
+    until KILLS_PER_VARIANT kill it; none killing it, the other columns' ids the same way."""
     import torch
 
     from mpt_kv.catalogue.variants import VARIANTS
 
-    name, dtype_name, ids = job
+    name, dtype_name, first, then = job
     torch.set_num_threads(1)
     use_data_profile()
     out = {}
-    for check_id in ids:
-        killed, seconds, line = run_one(check_id, VARIANTS[name].build, dtype_name)
-        out[check_id] = {"killed": killed, "seconds": round(seconds, 3), "first": line}
+    for ids in (first, then):
+        for check_id in ids:
+            if sum(cell["killed"] for cell in out.values()) >= KILLS_PER_VARIANT:
+                break
+            killed, seconds, line = run_one(check_id, VARIANTS[name].build, dtype_name)
+            out[check_id] = {"killed": killed, "seconds": round(seconds, 3), "first": line}
+        if any(cell["killed"] for cell in out.values()):
+            break
     return {"variant": name, "dtype": dtype_name, "cells": out}
 
 
@@ -248,7 +259,7 @@ def _costs(job: tuple[str, tuple[str, ...]]) -> dict:
     out = {}
     for check_id in ids:
         killed, seconds, line = run_one(check_id, "reference", dtype_name)
-        out[check_id] = {"seconds": round(seconds, 3), "failed": line if killed else ""}
+        out[check_id] = {"seconds": round(seconds, 2), "failed": line if killed else ""}
     return {"dtype": dtype_name, "cells": out}
 
 
@@ -282,7 +293,7 @@ def compute(processes: int = 1, progress=print) -> dict:
     import torch
 
     from mpt_kv.catalogue import killmatrix
-    from mpt_kv.catalogue.variants import COLUMNS, VARIANTS
+    from mpt_kv.catalogue.variants import VARIANTS
     from mpt_kv.checks import index
     from mpt_kv.checks.registry import CHECKS
 
@@ -290,22 +301,22 @@ def compute(processes: int = 1, progress=print) -> dict:
     torch.set_num_threads(1)
     use_data_profile()
     ids = candidates()
-    progress(f"gateprofile: the kill matrix ({len(VARIANTS)} variants x {len(COLUMNS)} columns)")
-    matrix = killmatrix.run_matrix_in(processes, [], list(VARIANTS.values()), list(COLUMNS))["must_kill"]
+    progress(f"gateprofile: the reference's cost of {len(ids)} check ids (fp32)")
+    costs_rows = _pool_map(_costs, [("fp32", tuple(ids[i::processes])) for i in range(processes)], processes)
+    seconds = {i: cell["seconds"] for r in costs_rows for i, cell in r["cells"].items()}
+    failing_reference = {i for r in costs_rows for i, cell in r["cells"].items() if cell["failed"]}
+    cheapest = sorted(ids, key=lambda i: (seconds[i], ids.index(i)))
     jobs = []
-    for name, cells in matrix.items():
-        columns = [c for c, cell in cells.items() if cell.killed]
-        v = VARIANTS[name]
-        props = {p.name for col in columns for p in index.of_column(col)}
-        jobs.append((name, _dtype_name(v.dtype or torch.float32),
-                     tuple(i for i in ids if CHECKS[i].property in props)))
-    progress(f"gateprofile: {sum(len(j[2]) for j in jobs)} (variant, check) cells ({time.perf_counter() - start:.0f} s)")
+    for v in VARIANTS.values():
+        expected = {p.name for col in v.killed_by for p in index.of_column(col)}
+        first = tuple(i for i in cheapest if CHECKS[i].property in expected)
+        jobs.append((v.name, _dtype_name(v.dtype or torch.float32), first, tuple(i for i in cheapest if i not in first)))
+    progress(f"gateprofile: {len(jobs)} variants, their expected killers' check ids cheapest first, until "
+             f"{KILLS_PER_VARIANT} kill each ({time.perf_counter() - start:.0f} s)")
     rows = _pool_map(_row_kills, jobs, processes)
     dtypes = sorted({r["dtype"] for r in rows}, key=["fp32", "bf16"].index)
-    progress(f"gateprofile: the reference's costs in {', '.join(dtypes)} ({time.perf_counter() - start:.0f} s)")
-    costs_rows = _pool_map(_costs, [(d, tuple(ids)) for d in dtypes], processes)
-    cost = {GateCase(i, r["dtype"]): cell["seconds"] for r in costs_rows for i, cell in r["cells"].items()}
-    excluded = {GateCase(i, r["dtype"]) for r in costs_rows for i, cell in r["cells"].items() if cell["failed"]}
+    cost = {GateCase(i, d): seconds[i] for d in dtypes for i in ids}  # a bf16 case costs as its fp32 run
+    excluded = {GateCase(i, d) for d in dtypes for i in failing_reference}
     kills = {r["variant"]: {GateCase(i, r["dtype"]) for i, cell in r["cells"].items() if cell["killed"]} for r in rows}
     order = [GateCase(i, d) for d in dtypes for i in ids]
     order.sort(key=lambda c: (ids.index(c.check), dtypes.index(c.dtype)))
@@ -342,6 +353,7 @@ def compute(processes: int = 1, progress=print) -> dict:
         "kill_data": {r["variant"]: {"dtype": r["dtype"],
                                      "killed_by": [i for i, cell in r["cells"].items() if cell["killed"]],
                                      "ran": len(r["cells"])} for r in rows},
+        "reference_cost_fp32": seconds,
         "seconds": round(time.perf_counter() - start, 1),
     }
 
