@@ -81,7 +81,10 @@ def test_a_missing_or_malformed_profile_names_the_file(tmp_path):
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PROFILE = gate_profile.load()
+try:
+    PROFILE = gate_profile.load()
+except gate_profile.ProfileError:  # test_the_stored_profile_is_current fails, saying why
+    PROFILE = gate_profile.StoredProfile((), "", {}, (), {})
 
 
 @pytest.fixture
@@ -154,3 +157,36 @@ def test_a_stale_stored_profile_is_a_usage_error_before_any_test(run, tmp_path):
     assert result.ret == pytest.ExitCode.USAGE_ERROR, output(result)
     assert "the stored gate profile (stale.json) is stale" in output(result)
     assert "python -m mpt_kv gateprofile --update" in output(result)
+
+
+# --- the benchmark: python -m mpt_kv gatebench -----------------------------------------------------------------------
+
+def test_gatebench_pairs_whole_processes_round_by_round(tmp_path, monkeypatch, capsys):
+    """A stand-in transformers tree (its MPT test file) and stand-in commands: the ratios are taken round by
+    round, a failing command is reported (exit 1), and a tree without the peer's file is a usage error."""
+    import sys
+
+    from mpt_kv.cli import gatebench
+
+    tree = tmp_path / "transformers"
+    (tree / gatebench.PEER_FILE).parent.mkdir(parents=True)
+    (tree / gatebench.PEER_FILE).write_text("def test_nothing():\n    pass\n")
+    argv = gatebench.commands("transformers", tree)
+    assert argv["gate"][0][-2:] == ["--mpt-kv-profile", "gate"] and "--mpt-kv-profile" not in argv["full"][0]
+    assert argv["peer"] == ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                             str(gatebench.PEER_FILE)], tree)
+    sleep = "import time; time.sleep({})"
+    monkeypatch.setattr(gatebench, "commands", lambda target, tree: {
+        "gate": ([sys.executable, "-c", sleep.format(0.05)], None),
+        "full": ([sys.executable, "-c", sleep.format(0.3)], None),
+        "peer": ([sys.executable, "-c", sleep.format(0.1) + "; raise SystemExit(1)"], tree)})
+    assert gatebench.main(["--transformers-tests", str(tree), "--runs", "2", "--warmup", "0",
+                           "--out", str(tmp_path / "out")]) == 1
+    result = json.loads((tmp_path / "out" / "gatebench.json").read_text())
+    assert [len(result["runs"][n]) for n in ("gate", "full", "peer")] == [2, 2, 2]
+    assert result["ratios"]["gate/full"]["median"] < 1 < result["ratios"]["full/peer"]["median"]
+    assert {m["exit"] for m in result["runs"]["peer"]} == {1}
+    assert "a command did not pass: peer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gatebench.main(["--transformers-tests", str(tmp_path)])
+    assert "no tests/models/mpt/test_modeling_mpt.py there" in capsys.readouterr().err
