@@ -119,9 +119,6 @@ def pytest_collection_modifyitems(config, items):
         if params is not None:
             known_failures.note_case(config, item, params)
     known_failures.tell_controller(config)
-
-
-def pytest_collection_modifyitems(config, items):
     run_profile.select(config, items)  # --mpt-kv-profile gate: only its cases (after the known failures saw them all)
 
 
