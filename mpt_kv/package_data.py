@@ -36,12 +36,17 @@ REPRO_PARTS = REPRO_SOURCES / "parts"
 MPT_7B_CONFIG = PACKAGE_ROOT / "data" / "mpt-7b.json"
 # real configs of the other families, <name>.json: the findings' costs (findings/costs.py, entries.py)
 REAL_CONFIGS = PACKAGE_ROOT / "data" / "families"
+# the gate profile: the per-PR subset of the conformance run, computed from the catalogues (catalogue/gate_profile.py)
+GATE_PROFILE = PACKAGE_ROOT / "data" / "gate-profile.json"
+# the catalogue's modules, whose source the gate profile's fingerprint reads (a change makes it stale)
+CATALOGUE_SOURCES = tuple(PACKAGE_ROOT / "catalogue" / name for name in ("variants.py", "designs.py", "assembly.py"))
 
 # each entry: a file, or a folder with the patterns of the files it holds
 PACKAGE = {
     MPT_KNOWN_FAILURES: (),
     FAMILY_KNOWN_FAILURES: (),
     MPT_7B_CONFIG: (),
+    GATE_PROFILE: (),
     REAL_CONFIGS: ("*.json",),
     REPRO_TEMPLATES: ("*.py.tmpl",),
     KEPT_REPROS: ("*.py.tmpl",),

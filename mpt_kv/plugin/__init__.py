@@ -24,6 +24,7 @@ import pytest
 from mpt_kv import devices
 from mpt_kv.checks import profiles
 from mpt_kv.plugin import cards, ceilings, gate, known_failures, options, outcomes, parametrize, report, state
+from mpt_kv.plugin import profile as run_profile
 from mpt_kv.plugin import markdown as markdown_summary
 from mpt_kv.plugin.parametrize import missing_package  # noqa: F401  (mpt_kv.cli.bench)
 
@@ -31,6 +32,7 @@ from mpt_kv.plugin.parametrize import missing_package  # noqa: F401  (mpt_kv.cli
 
 def pytest_addoption(parser):
     options.add_options(parser)
+    run_profile.add_options(parser)  # --mpt-kv-profile, ini mpt_kv_profile
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -52,6 +54,7 @@ def pytest_configure(config):
     profiles.load_profile()
     config.pluginmanager.register(Collector(run), "mpt_kv_collector")
     gate.configure(config)
+    run_profile.configure(config)  # gate: the stored profile matches the installed catalogue, or a usage error
     known_failures.configure(config)
     report.clear_stale_report(config)
 
@@ -115,10 +118,12 @@ def pytest_collection_modifyitems(config, items):
         if params is not None:
             known_failures.note_case(config, item, params)
     known_failures.tell_controller(config)
+    run_profile.select(config, items)  # --mpt-kv-profile gate: only its cases (after the known failures saw them all)
 
 
 def pytest_collection_finish(session):
     gate.check_collected(session)  # a run whose conformance tests have no target: a usage error before any test
+    run_profile.check_collected(session)  # a gate-profile run that kept no conformance case: a usage error
 
 
 # --- each case: its checks' records, its known failure, its outcome ---------------------------------------------
@@ -174,6 +179,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     report.summary(tw, config, run.results, run.extras)
     parametrize.summary(tw, config, run.results)
     gate.summary(tw, config)
+    run_profile.summary(tw, config)
     cards.summary(tw, config)
     known_failures.summary(tw, config)
     ceilings.summary(tw, config)
