@@ -106,7 +106,19 @@ class Family:
     head_dim(config): their head dim; layers(config): layers that cache; stored_kv_heads(config):
     the K/V heads transformers' implementation actually caches where that is more than kv_heads
     (a known excess over the analytic size, kept as data with its upstream line), else None;
-    gaudi: optimum-habana's port of the family (`GaudiPort`), None where there is none."""
+    gaudi: optimum-habana's port of the family (`GaudiPort`), None where there is none;
+    windows(config): each caching layer's sliding window (None: a global layer), where the
+    architecture has local layers (gemma2/3, gpt_oss: hybrid; mistral: every layer); such a layer
+    holds at most the window (`layer_tokens`), and its oracle is the uncached forward with the
+    window's mask (transformers' own); latent_width(config): the elements per token one layer
+    caches where it caches a compressed latent instead of K and V (multi-head latent attention,
+    deepseek_v2/v3: kv_lora_rank + qk_rope_head_dim), else None; design: the cache design in a
+    word, for the matrix and docs ("full", "window", "hybrid", "latent", with "+moe", "+sinks" ...);
+    remote_code: transformers ships the architecture only as Hub remote code, so the port's own
+    modeling file is the model and its uncached forward the oracle; pad_static_mask: whether
+    transformers' runner passes the 2D mask padded to the cache length on the static path (as
+    Bloom's generate does), False where the model derives positions from the mask (OPT's
+    cumsum: a padded mask is a shape error, and generate passes the written part)."""
 
     name: str
     model_type: str
@@ -118,6 +130,11 @@ class Family:
     tiny: dict = field(default_factory=lambda: dict(TINY))
     stored_kv_heads: Callable | None = None
     gaudi: GaudiPort | None = None  # optimum-habana's port of this family (mpt_kv/families/gaudi.py)
+    windows: Callable | None = None
+    latent_width: Callable | None = None
+    design: str = "full"
+    remote_code: bool = False
+    pad_static_mask: bool = True
 
     def config(self, variant: str):
         """The tiny config of one variant, built without the hub."""
@@ -127,10 +144,66 @@ class Family:
 
         return AutoConfig.for_model(self.model_type, **{**self.tiny, **self.variants[variant]})
 
-    def kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
-        """Analytic cached bytes per token per sequence: K and V of every layer."""
+    def layer_windows(self, config) -> list:
+        """Each caching layer's window (None: global), checked: a window is an int >= 2."""
+        layers = self.layers(config)
+        windows = [None] * layers if self.windows is None else list(self.windows(config))
+        if len(windows) != layers:
+            raise ValueError(f"family entry {self.name}: windows(config) gives {len(windows)} layers, layers(config) "
+                             f"{layers}")
+        for w in windows:
+            if w is not None:
+                check_size(f"family entry {self.name}: a window of windows(config)", w - 1)
+        return windows
+
+    def layer_tokens(self, config, written: int, static_len: int | None = None) -> list[int]:
+        """The positions per row each caching layer holds after `written` tokens: a global layer all
+        of them (static: the cache length); a local layer of window w the w - 1 latest on the concat
+        path (the next query attends to itself and w - 1 before it: what transformers' 5.x
+        DynamicSlidingWindowLayer keeps, cache_utils.py:244-247) and min(cache length, w) slots on
+        the static path (StaticSlidingWindowLayer's buffer, cache_utils.py:540)."""
+        out = []
+        for w in self.layer_windows(config):
+            if static_len is not None:
+                out.append(static_len if w is None else min(static_len, w))
+            else:
+                out.append(written if w is None else min(written, w - 1))
+        return out
+
+    def layer_width(self, config) -> int:
+        """Elements per token one caching layer stores: K and V of its heads (2 x K/V heads x head
+        dim), or its latent's width (multi-head latent attention)."""
+        if self.latent_width is not None:
+            width = self.latent_width(config)
+            check_size(f"family entry {self.name}: latent_width(config)", width)
+            return width
+        return 2 * self.cache_dims(config) // self.layers(config)
+
+    def cache_bytes(self, config, dtype: torch.dtype, batch: int, written: int, static_len: int | None = None) -> int:
+        """The analytic bytes of a cache for `batch` rows after `written` tokens (static: of a
+        cache of `static_len` slots): per layer its tokens (`layer_tokens`: a window's or the whole
+        history) x its width (`layer_width`: K/V heads x head dim x 2, or a latent's)."""
         size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.cache_dims(config) * size
+        return sum(self.layer_width(config) * tokens for tokens in self.layer_tokens(config, written, static_len)) \
+            * batch * size
+
+    def describe_cache(self, config) -> str:
+        """The analytic layout in words, for a failure's message."""
+        if self.latent_width is not None:
+            what = f"{self.layers(config)} layers x a latent of {self.latent_width(config)} per token"
+        else:
+            what = (f"{self.layers(config)} layers x {self.kv_heads(config)} K/V heads x head dim "
+                    f"{self.head_dim(config)}")
+        windows = self.layer_windows(config)
+        if any(w is not None for w in windows):
+            what += f", windows per layer {windows}"
+        return what
+
+    def kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
+        """Analytic cached bytes per token per sequence: K and V (or the latent) of every layer,
+        windows aside (`cache_bytes` counts them)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return self.layers(config) * self.layer_width(config) * size
 
     def stored_kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
         """The bytes per token per sequence transformers' cache holds (the analytic size unless

@@ -479,6 +479,13 @@ def cache_tokens(c: Case, session) -> int:
     return session.max_len if c.session_path == "static" else session.written
 
 
+def analytic_bytes(c: Case, session) -> int:
+    """The family's analytic cache bytes for this session now (`Family.cache_bytes`: per layer its
+    window's or the whole history's tokens, its K/V or latent width; static: the cache length)."""
+    static = session.max_len if c.session_path == "static" else None
+    return c.family.cache_bytes(c.config, c.dtype, c.batch, session.written, static)
+
+
 def check_entry_bytes(c: Case, session, kv) -> None:
     """On transformers' implementation, the cache holds the K/V bytes the family entry says
     (`stored_kv_bytes_per_token`): a wrong entry is an error, never a verdict."""
@@ -486,7 +493,8 @@ def check_entry_bytes(c: Case, session, kv) -> None:
         return
     tokens = cache_tokens(c, session)
     held = sum(t.numel() * t.element_size() for _, _, t in kv)
-    expected = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+    expected = (analytic_bytes(c, session) if c.family.stored_kv_heads is None
+                else c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens)
     if held != expected:
         raise RuntimeError(f"family {c.family.name}: the cache holds {held} bytes of K/V, the family entry says "
                            f"{expected} ({c.batch} x {tokens} tokens): fix its kv_heads/head_dim/layers or "
@@ -625,13 +633,15 @@ def check_operations(implementation, family, variant: str, path: str = "concat",
 
 # --- family-memory ------------------------------------------------------------------------------------------
 
-def storage_report(c: Case, kv, fused: dict[str, torch.Tensor], tokens: int) -> tuple[int, int, list[str]]:
+def storage_report(c: Case, kv, fused: dict[str, torch.Tensor], tokens: int,
+                   analytic: int | None = None) -> tuple[int, int, list[str]]:
     """(bytes of the distinct storages the cache reaches, the analytic bytes, what the excess is)."""
     by_storage: dict[int, list] = {}
     for entry in kv:
         by_storage.setdefault(storage_key(entry[2]), []).append(entry)
     total = sum(entries[0][2].untyped_storage().nbytes() for entries in by_storage.values())
-    analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+    if analytic is None:
+        analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
     own = sum(covered_bytes(es[0][2].untyped_storage().nbytes(), [t for _, _, t in es]) for es in by_storage.values())
     why = []
     if own != analytic:
@@ -640,8 +650,7 @@ def storage_report(c: Case, kv, fused: dict[str, torch.Tensor], tokens: int) -> 
                     f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)"
                     if own == stored != analytic else "")
         why.append(f"the cached tensors themselves hold {own} bytes, {own - analytic:+d} vs the analytic K/V "
-                   f"{analytic} ({c.family.layers(c.config)} layers x {c.family.kv_heads(c.config)} K/V heads x "
-                   f"head dim {c.family.head_dim(c.config)} x {c.batch} x {tokens} tokens){declared}")
+                   f"{analytic} ({c.family.describe_cache(c.config)} x {c.batch} x {tokens} tokens){declared}")
     why += pinning_problems(kv, fused)
     return total, analytic, why
 
@@ -659,7 +668,7 @@ def cache_evidence(implementation, family, variant: str, path: str = "concat", d
         again = named_kv(session.kv())  # `first` still alive: a recomputed tensor cannot take its storage's address
     storages = {storage_key(t): t.untyped_storage().nbytes() for _, _, t in first}
     held, written = sum(storages.values()), session.written
-    analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * written
+    analytic = analytic_bytes(c, session)
     where = f"after a prefill of {c.batch} x {written} tokens on {path}, {str(c.dtype).replace('torch.', '')}:"
     if held < analytic:
         return {"shown": False, "why": f"{where} the cache's storages hold {held} bytes, less than the family's "
@@ -708,7 +717,7 @@ def measured_memory(c: Case, modules) -> list[str]:
     def measure(step: Step, session, seq, mask):
         kv = named_kv(session.kv())
         tokens = cache_tokens(c, session)
-        total, analytic, why = storage_report(c, kv, capture.outputs, tokens)
+        total, analytic, why = storage_report(c, kv, capture.outputs, tokens, analytic_bytes(c, session))
         for layer, n, t in kv:  # the latest storage at an address (a freed one's address is reused)
             storages[storage_key(t)] = (weakref.ref(t.untyped_storage()), f"layer {layer} {n}")
         if total != analytic:

@@ -85,7 +85,7 @@ def transformers_runner(family: Family, variant: str, dtype: torch.dtype = torch
     if reason:
         unsupported["static"] = reason
     return TransformersRunner(model, capabilities=Capabilities(unsupported), cfg=limits_of(config),
-                              pad_static_mask=True)
+                              pad_static_mask=family.pad_static_mask)
 
 
 def installed(distribution: str) -> bool:

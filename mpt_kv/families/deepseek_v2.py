@@ -1,0 +1,22 @@
+"""DeepSeek-V2: multi-head latent attention (MLA) and a mixture-of-experts MLP. One fused
+projection, `kv_a_proj_with_mqa`, makes each token's compressed latent (kv_lora_rank) and its
+shared rotary key part (qk_rope_head_dim) in one output; the cache holds those two (transformers
+5.x: the normalized latent as "key", the rotated rope part as "value", one head each), never K and V
+(`kv_b_proj` expands them at every step). The seed bug class applies to that fused output: a cache
+holding a view of it pins the other part. The tiny latent (4) is smaller than the head dim (8 + 4);
+layer 0 dense, layer 1 routes 2 of 4 experts."""
+
+from mpt_kv.families.base import Family
+
+MLA = {"intermediate_size": 64, "moe_intermediate_size": 32, "num_key_value_heads": 4, "kv_lora_rank": 4,
+       "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 4,
+       "num_experts_per_tok": 2, "first_k_dense_replace": 1}
+
+
+def latent_width(config) -> int:
+    """Elements per token per layer: the compressed latent and the shared rope key part."""
+    return config.kv_lora_rank + config.qk_rope_head_dim
+
+
+FAMILY = Family(name="deepseek_v2", model_type="deepseek_v2", design="latent+moe", fused="kv_a_proj_with_mqa",
+                latent_width=latent_width, variants={"mla": {**MLA, "q_lora_rank": None}})

@@ -1,0 +1,17 @@
+"""GPT-Neo: separate q/k/v, learned positions, global and local layers alternating (a local layer
+attends to the last `window_size` positions: a window of 4 here, shorter than the prompt)."""
+
+from mpt_kv.families.base import Family
+
+
+def windows(config) -> list:
+    """`config.attention_layers` ("global" / "local" per layer): window_size on a local layer."""
+    return [config.window_size if kind == "local" else None for kind in config.attention_layers]
+
+
+FAMILY = Family(
+    name="gpt_neo", model_type="gpt_neo", design="hybrid", windows=windows,
+    tiny={"vocab_size": 128, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "max_position_embeddings": 64,
+          "bos_token_id": 1, "eos_token_id": 2},
+    variants={"global-local4": {"attention_types": [[["global", "local"], 1]], "window_size": 4}},
+    layers=lambda c: c.num_layers, kv_heads=lambda c: c.num_heads)
