@@ -118,7 +118,9 @@ class Family:
     modeling file is the model and its uncached forward the oracle; pad_static_mask: whether
     transformers' runner passes the 2D mask padded to the cache length on the static path (as
     Bloom's generate does), False where the model derives positions from the mask (OPT's
-    cumsum: a padded mask is a shape error, and generate passes the written part)."""
+    cumsum: a padded mask is a shape error, and generate passes the written part); stored_windows(config):
+    only where transformers' cache keeps more of a local layer than its window (gpt_neo's local
+    layers cache the whole history: a known excess, kept as data like stored_kv_heads)."""
 
     name: str
     model_type: str
@@ -135,6 +137,7 @@ class Family:
     design: str = "full"
     remote_code: bool = False
     pad_static_mask: bool = True
+    stored_windows: Callable | None = None
 
     def config(self, variant: str):
         """The tiny config of one variant, built without the hub."""
@@ -144,10 +147,12 @@ class Family:
 
         return AutoConfig.for_model(self.model_type, **{**self.tiny, **self.variants[variant]})
 
-    def layer_windows(self, config) -> list:
-        """Each caching layer's window (None: global), checked: a window is an int >= 2."""
+    def layer_windows(self, config, stored: bool = False) -> list:
+        """Each caching layer's window (None: global), checked: a window is an int >= 2 (stored:
+        the windows transformers' cache keeps, `stored_windows`, where the entry declares them)."""
         layers = self.layers(config)
-        windows = [None] * layers if self.windows is None else list(self.windows(config))
+        source = self.stored_windows if stored and self.stored_windows is not None else self.windows
+        windows = [None] * layers if source is None else list(source(config))
         if len(windows) != layers:
             raise ValueError(f"family entry {self.name}: windows(config) gives {len(windows)} layers, layers(config) "
                              f"{layers}")
@@ -156,36 +161,42 @@ class Family:
                 check_size(f"family entry {self.name}: a window of windows(config)", w - 1)
         return windows
 
-    def layer_tokens(self, config, written: int, static_len: int | None = None) -> list[int]:
+    def layer_tokens(self, config, written: int, static_len: int | None = None, stored: bool = False) -> list[int]:
         """The positions per row each caching layer holds after `written` tokens: a global layer all
         of them (static: the cache length); a local layer of window w the w - 1 latest on the concat
         path (the next query attends to itself and w - 1 before it: what transformers' 5.x
         DynamicSlidingWindowLayer keeps, cache_utils.py:244-247) and min(cache length, w) slots on
         the static path (StaticSlidingWindowLayer's buffer, cache_utils.py:540)."""
         out = []
-        for w in self.layer_windows(config):
+        for w in self.layer_windows(config, stored):
             if static_len is not None:
                 out.append(static_len if w is None else min(static_len, w))
             else:
                 out.append(written if w is None else min(written, w - 1))
         return out
 
-    def layer_width(self, config) -> int:
+    def layer_width(self, config, stored: bool = False) -> int:
         """Elements per token one caching layer stores: K and V of its heads (2 x K/V heads x head
         dim), or its latent's width (multi-head latent attention)."""
         if self.latent_width is not None:
             width = self.latent_width(config)
             check_size(f"family entry {self.name}: latent_width(config)", width)
             return width
-        return 2 * self.cache_dims(config) // self.layers(config)
+        return 2 * self.cache_dims(config, stored=stored and self.stored_kv_heads is not None) // self.layers(config)
 
-    def cache_bytes(self, config, dtype: torch.dtype, batch: int, written: int, static_len: int | None = None) -> int:
+    def cache_bytes(self, config, dtype: torch.dtype, batch: int, written: int, static_len: int | None = None,
+                    stored: bool = False) -> int:
         """The analytic bytes of a cache for `batch` rows after `written` tokens (static: of a
         cache of `static_len` slots): per layer its tokens (`layer_tokens`: a window's or the whole
-        history) x its width (`layer_width`: K/V heads x head dim x 2, or a latent's)."""
+        history) x its width (`layer_width`: K/V heads x head dim x 2, or a latent's); stored: what
+        transformers' cache holds where the entry declares more (stored_kv_heads, stored_windows)."""
         size = torch.empty((), dtype=dtype).element_size()
-        return sum(self.layer_width(config) * tokens for tokens in self.layer_tokens(config, written, static_len)) \
-            * batch * size
+        width = self.layer_width(config, stored)
+        return sum(width * tokens for tokens in self.layer_tokens(config, written, static_len, stored)) * batch * size
+
+    @property
+    def declares_stored(self) -> bool:
+        return self.stored_kv_heads is not None or self.stored_windows is not None
 
     def describe_cache(self, config) -> str:
         """The analytic layout in words, for a failure's message."""

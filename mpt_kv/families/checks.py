@@ -378,7 +378,10 @@ def check_static_concat(implementation, family, variant: str, path: str = "stati
         ours = named_kv(session.kv())
         if len(ours) != len(theirs):
             return
+        windows = c.family.layer_windows(c.config)
         for (layer, n, t), (_, n2, ref_t) in zip(ours, theirs):
+            if layer < len(windows) and windows[layer] is not None:
+                continue  # a window's slots are not the written positions: its logits are compared
             aligned = aligned_written(t, ref_t, seq.shape[1]) if n == n2 else None
             real = None if aligned is None else token_positions(ref_t, aligned[1], mask)
             if real is None:
@@ -493,8 +496,8 @@ def check_entry_bytes(c: Case, session, kv) -> None:
         return
     tokens = cache_tokens(c, session)
     held = sum(t.numel() * t.element_size() for _, _, t in kv)
-    expected = (analytic_bytes(c, session) if c.family.stored_kv_heads is None
-                else c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens)
+    static = session.max_len if c.session_path == "static" else None
+    expected = c.family.cache_bytes(c.config, c.dtype, c.batch, session.written, static, stored=True)
     if held != expected:
         raise RuntimeError(f"family {c.family.name}: the cache holds {held} bytes of K/V, the family entry says "
                            f"{expected} ({c.batch} x {tokens} tokens): fix its kv_heads/head_dim/layers or "
@@ -634,7 +637,7 @@ def check_operations(implementation, family, variant: str, path: str = "concat",
 # --- family-memory ------------------------------------------------------------------------------------------
 
 def storage_report(c: Case, kv, fused: dict[str, torch.Tensor], tokens: int,
-                   analytic: int | None = None) -> tuple[int, int, list[str]]:
+                   analytic: int | None = None, stored: int | None = None) -> tuple[int, int, list[str]]:
     """(bytes of the distinct storages the cache reaches, the analytic bytes, what the excess is)."""
     by_storage: dict[int, list] = {}
     for entry in kv:
@@ -645,10 +648,16 @@ def storage_report(c: Case, kv, fused: dict[str, torch.Tensor], tokens: int,
     own = sum(covered_bytes(es[0][2].untyped_storage().nbytes(), [t for _, _, t in es]) for es in by_storage.values())
     why = []
     if own != analytic:
-        stored = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
-        declared = (" (the family entry's stored_kv_heads: the heads transformers caches, "
-                    f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)"
-                    if own == stored != analytic else "")
+        if stored is None:
+            stored = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+        declared = ""
+        if own == stored != analytic and c.family.stored_kv_heads is not None:
+            declared = (" (the family entry's stored_kv_heads: the heads transformers caches, "
+                        f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)")
+        elif own == stored != analytic and c.family.stored_windows is not None:
+            declared = (" (the family entry's stored_windows: the windows transformers' cache keeps, "
+                        f"{c.family.layer_windows(c.config, stored=True)} per layer, vs the architecture's "
+                        f"{c.family.layer_windows(c.config)})")
         why.append(f"the cached tensors themselves hold {own} bytes, {own - analytic:+d} vs the analytic K/V "
                    f"{analytic} ({c.family.describe_cache(c.config)} x {c.batch} x {tokens} tokens){declared}")
     why += pinning_problems(kv, fused)
@@ -717,7 +726,10 @@ def measured_memory(c: Case, modules) -> list[str]:
     def measure(step: Step, session, seq, mask):
         kv = named_kv(session.kv())
         tokens = cache_tokens(c, session)
-        total, analytic, why = storage_report(c, kv, capture.outputs, tokens, analytic_bytes(c, session))
+        static = session.max_len if c.session_path == "static" else None
+        total, analytic, why = storage_report(c, kv, capture.outputs, tokens, analytic_bytes(c, session),
+                                              c.family.cache_bytes(c.config, c.dtype, c.batch, session.written,
+                                                                   static, stored=True))
         for layer, n, t in kv:  # the latest storage at an address (a freed one's address is reused)
             storages[storage_key(t)] = (weakref.ref(t.untyped_storage()), f"layer {layer} {n}")
         if total != analytic:
