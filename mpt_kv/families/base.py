@@ -120,7 +120,10 @@ class Family:
     Bloom's generate does), False where the model derives positions from the mask (OPT's
     cumsum: a padded mask is a shape error, and generate passes the written part); stored_windows(config):
     only where transformers' cache keeps more of a local layer than its window (gpt_neo's local
-    layers cache the whole history: a known excess, kept as data like stored_kv_heads)."""
+    layers cache the whole history: a known excess, kept as data like stored_kv_heads); a function
+    may return None where the installed transformers keeps the windows; stored_width(config):
+    likewise the elements per token per layer transformers caches where it is not `layer_width`
+    (transformers 4.x's DeepSeek caches the expanded K and V, not the latent), or None."""
 
     name: str
     model_type: str
@@ -138,6 +141,7 @@ class Family:
     remote_code: bool = False
     pad_static_mask: bool = True
     stored_windows: Callable | None = None
+    stored_width: Callable | None = None
 
     def config(self, variant: str):
         """The tiny config of one variant, built without the hub."""
@@ -151,8 +155,9 @@ class Family:
         """Each caching layer's window (None: global), checked: a window is an int >= 2 (stored:
         the windows transformers' cache keeps, `stored_windows`, where the entry declares them)."""
         layers = self.layers(config)
-        source = self.stored_windows if stored and self.stored_windows is not None else self.windows
-        windows = [None] * layers if source is None else list(source(config))
+        windows = self.stored_windows(config) if stored and self.stored_windows is not None else None
+        if windows is None:
+            windows = [None] * layers if self.windows is None else list(self.windows(config))
         if len(windows) != layers:
             raise ValueError(f"family entry {self.name}: windows(config) gives {len(windows)} layers, layers(config) "
                              f"{layers}")
@@ -178,6 +183,8 @@ class Family:
     def layer_width(self, config, stored: bool = False) -> int:
         """Elements per token one caching layer stores: K and V of its heads (2 x K/V heads x head
         dim), or its latent's width (multi-head latent attention)."""
+        if stored and self.stored_width is not None and self.stored_width(config) is not None:
+            return self.stored_width(config)
         if self.latent_width is not None:
             width = self.latent_width(config)
             check_size(f"family entry {self.name}: latent_width(config)", width)
@@ -196,7 +203,7 @@ class Family:
 
     @property
     def declares_stored(self) -> bool:
-        return self.stored_kv_heads is not None or self.stored_windows is not None
+        return any(f is not None for f in (self.stored_kv_heads, self.stored_windows, self.stored_width))
 
     def describe_cache(self, config) -> str:
         """The analytic layout in words, for a failure's message."""

@@ -654,6 +654,10 @@ def storage_report(c: Case, kv, fused: dict[str, torch.Tensor], tokens: int,
         if own == stored != analytic and c.family.stored_kv_heads is not None:
             declared = (" (the family entry's stored_kv_heads: the heads transformers caches, "
                         f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)")
+        elif own == stored != analytic and c.family.stored_width is not None:
+            declared = (" (the family entry's stored_width: transformers caches "
+                        f"{c.family.layer_width(c.config, stored=True)} elements per token per layer, vs the "
+                        f"architecture's {c.family.layer_width(c.config)})")
         elif own == stored != analytic and c.family.stored_windows is not None:
             declared = (" (the family entry's stored_windows: the windows transformers' cache keeps, "
                         f"{c.family.layer_windows(c.config, stored=True)} per layer, vs the architecture's "

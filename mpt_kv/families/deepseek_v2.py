@@ -18,5 +18,16 @@ def latent_width(config) -> int:
     return config.kv_lora_rank + config.qk_rope_head_dim
 
 
+def expanded_before_5(config) -> int | None:
+    """transformers 4.x's DeepSeek caches the expanded K (heads x (nope + rope)) and V (heads x
+    v_head_dim), not the latent (4.55.4 models/deepseek_v2/modeling_deepseek_v2.py: the cache update
+    after kv_b_proj); None (the latent) from 5.0 on."""
+    from mpt_kv.versions import transformers_major
+
+    if transformers_major() >= 5:
+        return None
+    return config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+
+
 FAMILY = Family(name="deepseek_v2", model_type="deepseek_v2", design="latent+moe", fused="kv_a_proj_with_mqa",
-                latent_width=latent_width, variants={"mla": {**MLA, "q_lora_rank": None}})
+                latent_width=latent_width, stored_width=expanded_before_5, variants={"mla": {**MLA, "q_lora_rank": None}})
