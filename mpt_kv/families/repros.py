@@ -488,6 +488,186 @@ def cached_tensors(cache):
         "config.num_kv_heads, absent from num_key_value_heads), as transformers 4.56 does"),
 }
 
+# --- the Gaudi zoo's transformers findings (windows, hybrids, latents) ------------------------------------------
+
+CACHED_TENSORS = TRANSFORMERS_CALLS[("falcon", "new-arch-gqa", "the cached tensors themselves hold")][1]
+# each layer's window, read from the tiny config as the family entry reads it
+HYBRID_WINDOWS = ("[config.sliding_window if kind == \"sliding_attention\" else None "
+                  "for kind in config.layer_types]")
+GPT_NEO_WINDOWS = "[config.window_size if kind == \"local\" else None for kind in config.attention_layers]"
+
+
+def window_slice_operation() -> str:
+    """5.x's DynamicSlidingWindowLayer: after each call, a local layer's cached K is a slice whose
+    storage holds more positions than the slice (the ones it evicted)."""
+    return '''\
+    # generate's default cache in transformers 5.x: DynamicCache(config=...), a sliding-window layer per
+    # local layer; the prefill, then greedy decode steps until every window has slid
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    ids, mask = input_ids, attention_mask
+    for step in range(5):
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        for i, (key, value) in enumerate(cached_tensors(cache)):
+            held = key.untyped_storage().nbytes()
+            own = key.numel() * key.element_size()
+            if held > own:
+                call = "the prefill" if step == 0 else f"decode step {step}"
+                print(f"BUG: after {call}, layer {i}'s cached key {tuple(key.shape)} is a slice of a {held}-byte "
+                      f"storage: {held - own} bytes of evicted positions pinned (the value likewise)")
+                return 1
+        ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(ids)], 1)
+    print("OK: every cached K/V owns its storage")
+    return 0'''
+
+
+def history_operation(windows: str, static: bool) -> str:
+    """A local layer's cache holds more positions than its window needs."""
+    if static:
+        make = '''\
+    # generate(cache_implementation="static"): a StaticCache of the model's config
+    from transformers import StaticCache
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        cache = StaticCache(config=config, max_cache_len=MAX_LEN)
+    else:
+        cache = StaticCache(config=config, max_batch_size=2, max_cache_len=MAX_LEN, dtype=model.dtype)
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(input_ids.shape[1]))
+'''
+        need = "min(MAX_LEN, window)"
+    else:  # the prefill and greedy decode steps, as generate's default cache holds them after each
+        return f'''\
+    windows = {windows}
+    ids, mask, cache = input_ids, attention_mask, None
+    for step in range(5):
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        for i, (key, value) in enumerate(cached_tensors(cache)):
+            window = windows[i]
+            if window is not None and key.shape[-2] > min(mask.shape[1], window - 1):
+                call = "the prefill" if step == 0 else f"decode step {{step}}"
+                print(f"BUG: after {{call}} layer {{i}} attends to a window of {{window}} positions but caches "
+                      f"{{key.shape[-2]}} (key {{tuple(key.shape)}}): the cache keeps more than the window needs")
+                return 1
+        ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(ids)], 1)
+    print("OK: each local layer caches no more than its window needs")
+    return 0'''
+    return make + f'''\
+    windows = {windows}
+    for i, (key, value) in enumerate(cached_tensors(out.past_key_values)):
+        window = windows[i]
+        if window is not None and key.shape[-2] > {need}:
+            print(f"BUG: layer {{i}} attends to a window of {{window}} positions but caches {{key.shape[-2]}} "
+                  f"(key {{tuple(key.shape)}}): the cache keeps more than the window needs")
+            return 1
+    print("OK: each local layer caches no more than its window needs")
+    return 0'''
+
+
+def static_prefill_logits_operation() -> str:
+    return '''\
+    # generate(cache_implementation="static"): a StaticCache of the model's config, the prefill
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=MAX_LEN)
+    with torch.no_grad():
+        cached = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True).logits
+        plain = model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+    error = (cached - plain)[attention_mask.bool()].abs().max().item()
+    print(f"prefill logits into a StaticCache of {MAX_LEN} vs the uncached forward: max |diff| {error:.3e}")
+    if error > 1e-4:
+        print("BUG: the prefill's logits depend on the cache's length")
+        return 1
+    print("OK: the same logits")
+    return 0'''
+
+
+def expanded_latent_operation(check_view: bool) -> str:
+    if check_view:
+        judge = '''\
+    for i, (key, value) in enumerate(cached_tensors(out.past_key_values)):
+        held, own = value.untyped_storage().nbytes(), value.numel() * value.element_size()
+        if held > own:
+            print(f"BUG: layer {i}'s cached value {tuple(value.shape)} is a view of a {held}-byte buffer "
+                  f"(kv_b_proj's output): {held - own} bytes pinned beyond it")
+            return 1
+    print("OK: every cached value owns its storage")
+    return 0'''
+    else:
+        judge = '''\
+    size = torch.empty((), dtype=model.dtype).element_size()
+    latent = config.num_hidden_layers * input_ids.numel() * (config.kv_lora_rank + config.qk_rope_head_dim) * size
+    cached = sum(t.numel() * t.element_size() for layer in cached_tensors(out.past_key_values) for t in layer)
+    print(f"cached: {cached} bytes; the latent (kv_lora_rank + qk_rope_head_dim per token and layer): {latent} bytes")
+    if cached > latent:
+        print(f"BUG: the cache holds the expanded K and V, {cached / latent:.1f} times the latent")
+        return 1
+    print("OK: the cache holds the latent")
+    return 0'''
+    return '''\
+    # the prefill forward of generate, with its default cache
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, use_cache=True)
+''' + judge
+
+
+def static_index_copy_operation() -> str:
+    return TRANSFORMERS_CALLS[("falcon", "rotary-mqa", "index_copy_")][2]
+
+
+WINDOW_FIX = ("keep the window's positions as a tensor of their own (`.clone()` the slice, or a preallocated ring "
+              "buffer written in place), so the concatenation's evicted positions are freed")
+for _family, _variant in (("gemma2", "hybrid-window4"), ("gemma3", "hybrid-window9"), ("gpt_oss", "hybrid-window7")):
+    TRANSFORMERS_CALLS[(_family, _variant, "is a view of a buffer that is no fused")] = (
+        "window-slice-pins-evicted", CACHED_TENSORS, window_slice_operation(),
+        "model.generate(input_ids, attention_mask=attention_mask) - transformers 5.x's default DynamicCache; here "
+        "the prefill and greedy decode steps", WINDOW_FIX)
+    TRANSFORMERS_CALLS[(_family, _variant, "stored_windows")] = (
+        "local-layers-cache-whole-history", CACHED_TENSORS, history_operation(HYBRID_WINDOWS, static=False),
+        "model.generate(input_ids, attention_mask=attention_mask) - the default cache (4.55: DynamicCache() "
+        "without the config); here its prefill",
+        "make generate's default cache from the model's config (a sliding-window layer per local layer), as "
+        "transformers 5.x does")
+TRANSFORMERS_CALLS[("gpt_neo", "global-local4", "stored_windows")] = (
+    "local-layers-cache-whole-history", CACHED_TENSORS, history_operation(GPT_NEO_WINDOWS, static=False),
+    "model.generate(input_ids, attention_mask=attention_mask) - the default cache; here its prefill",
+    "give GPTNeoConfig layer_types (sliding_attention for its local layers) so the cache keeps a window there")
+TRANSFORMERS_CALLS[("gpt_neo", "global-local4", "stored_windows:static")] = (
+    "static-local-layers-full-length", CACHED_TENSORS, history_operation(GPT_NEO_WINDOWS, static=True),
+    "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - here its prefill",
+    "preallocate window_size slots for the local layers (StaticSlidingWindowLayer), from layer_types")
+for _text, _seen in (("family-P1 prefill", "p1"), ("family-P2 prefill", "p2"), ("family-ops beam prefill", "ops")):
+    TRANSFORMERS_CALLS[("gpt_neo", "global-local4", _text)] = (
+        f"static-cache-mask-from-key-length-{_seen}", "", static_prefill_logits_operation(),
+        "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - here its "
+        "prefill",
+        "take the causal/local mask rows from the queries' positions (cache_position), not from the key length "
+        "(modeling_gpt_neo.py:116)")
+for _family in ("deepseek_v2", "deepseek_v3"):
+    TRANSFORMERS_CALLS[(_family, "mla", "is a view of a buffer that is no fused")] = (
+        "value-view-of-kv-b-proj", CACHED_TENSORS, expanded_latent_operation(check_view=True),
+        "model.generate(input_ids, attention_mask=attention_mask) - the default DynamicCache; here its prefill",
+        "cache the latent (as transformers 5.x does), or at least copy V out of kv_b_proj's output")
+    TRANSFORMERS_CALLS[(_family, "mla", "stored_width")] = (
+        "caches-expanded-kv-not-latent", CACHED_TENSORS, expanded_latent_operation(check_view=False),
+        "model.generate(input_ids, attention_mask=attention_mask) - the default DynamicCache; here its prefill",
+        "cache the compressed latent and the rope key part and expand them with kv_b_proj after the cache "
+        "update, as transformers 5.x does")
+    TRANSFORMERS_CALLS[(_family, "mla", "index_copy_")] = (
+        "static-cache-prefill-index-copy", "", static_index_copy_operation(),
+        "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - here its "
+        "prefill",
+        "preallocate StaticCache's K (qk_nope + qk_rope) and V (v_head_dim) as the model caches them, or the "
+        "latent")
+
 
 TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every query head, not num_kv_heads"}
 
@@ -496,8 +676,16 @@ def transformers_call(entries: list[dict]):
     entry = entries[0]
     if implementation(entry) != "transformers":
         return None
-    return next((value for (family, variant, text), value in TRANSFORMERS_CALLS.items()
-                 if (entry["family"], entry["variant"]) == (family, variant) and text in entry["pattern"]), None)
+    # a text "<pattern text>:static" covers only the finding on the static path (gpt_neo's stored
+    # windows: the static one preallocates, the concat one keeps the history)
+    found = [(text, value) for (family, variant, text), value in TRANSFORMERS_CALLS.items()
+             if (entry["family"], entry["variant"]) == (family, variant) and text.split(":")[0] in entry["pattern"]]
+    if entry.get("path") == "static" and any(text.endswith(":static") for text, _ in found):
+        found = [(text, value) for text, value in found if text.endswith(":static")]
+    else:
+        found = [(text, value) for text, value in found if not text.endswith(":static")]
+    found = [value for _, value in found]
+    return found[0] if found else None
 
 
 def transformers_repro(entries: list[dict]) -> Repro:
