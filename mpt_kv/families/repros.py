@@ -669,7 +669,17 @@ for _family in ("deepseek_v2", "deepseek_v3"):
         "latent")
 
 
-TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every query head, not num_kv_heads"}
+TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every query head, not num_kv_heads",
+                      "window-slice-pins-evicted": "a sliding-window layer's cached K/V are slices that pin the "
+                                                   "positions they evicted",
+                      "local-layers-cache-whole-history": "the local (sliding-window) layers cache the whole history",
+                      "static-local-layers-full-length": "the StaticCache preallocates the local layers to the cache "
+                                                         "length, not the window",
+                      "value-view-of-kv-b-proj": "the cached V is a view of kv_b_proj's output, pinning its K part",
+                      "caches-expanded-kv-not-latent": "the cache holds the expanded K and V, not the latent",
+                      "static-cache-prefill-index-copy": "the prefill into a StaticCache raises in index_copy_",
+                      **{f"static-cache-mask-from-key-length-{seen}": "with a StaticCache the prefill's logits are "
+                         f"wrong: the attention mask is taken from the key length (seen by {check})" for seen, check in (("p1", "family-P1"), ("p2", "family-P2"), ("ops", "family-ops"))}}
 
 
 def transformers_call(entries: list[dict]):
