@@ -75,7 +75,11 @@ class GaudiPort:
     `mpt_kv.targets.gaudi.load_gaudi_mpt_module`); None: `mpt_kv.families.gaudi.load_port_module`;
     state_dict: (transformers' state_dict, config) -> the same weights in the port's parameter
     layout, where a variant's port names them otherwise (llama's fused_qkv: one qkv_proj);
-    None: transformers' state_dict as it is.
+    None: transformers' state_dict as it is;
+    needs_hpu: why the port cannot run off an HPU (an HPU kernel its forward calls with no CPU
+    fallback: the mixture-of-experts ports' `torch.ops.hpu.mixture_of_experts`), with its upstream
+    line; without a real habana_frameworks the runner is then `TargetUnavailable` with that reason
+    (on a Gaudi machine it runs). None: it runs on CPU.
     """
 
     module: str
@@ -93,6 +97,7 @@ class GaudiPort:
     prepare: Callable | None = None
     load: Callable | None = None
     state_dict: Callable | None = None
+    needs_hpu: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,9 @@ class Family:
     layers cache the whole history: a known excess, kept as data like stored_kv_heads); a function
     may return None where the installed transformers keeps the windows; stored_width(config):
     likewise the elements per token per layer transformers caches where it is not `layer_width`
-    (transformers 4.x's DeepSeek caches the expanded K and V, not the latent), or None."""
+    (transformers 4.x's DeepSeek caches the expanded K and V, not the latent), or None; port_note:
+    where `gaudi` is None although optimum-habana ships a port, why mpt-kv does not drive it yet
+    (the matrix's reason)."""
 
     name: str
     model_type: str
@@ -142,6 +149,7 @@ class Family:
     pad_static_mask: bool = True
     stored_windows: Callable | None = None
     stored_width: Callable | None = None
+    port_note: str | None = None
 
     def config(self, variant: str):
         """The tiny config of one variant, built without the hub."""

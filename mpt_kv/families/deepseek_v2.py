@@ -6,7 +6,7 @@ shared rotary key part (qk_rope_head_dim) in one output; the cache holds those t
 holding a view of it pins the other part. The tiny latent (4) is smaller than the head dim (8 + 4);
 layer 0 dense, layer 1 routes 2 of 4 experts."""
 
-from mpt_kv.families.base import Family
+from mpt_kv.families.base import Family, GENERATE_FORWARD_KWARGS, GaudiPort, NO_BUCKETS, self_attn_kv_caches
 
 MLA = {"intermediate_size": 64, "moe_intermediate_size": 32, "num_key_value_heads": 4, "kv_lora_rank": 4,
        "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 4,
@@ -30,4 +30,15 @@ def expanded_before_5(config) -> int | None:
 
 
 FAMILY = Family(name="deepseek_v2", model_type="deepseek_v2", design="latent+moe", fused="kv_a_proj_with_mqa",
-                latent_width=latent_width, stored_width=expanded_before_5, variants={"mla": {**MLA, "q_lora_rank": None}})
+                latent_width=latent_width, stored_width=expanded_before_5, variants={"mla": {**MLA, "q_lora_rank": None}},
+    # optimum-habana 1.21.2 models/deepseek_v2/modeling_deepseek_v2.py: its own copy of the Hub's remote code (its
+    # own config and model classes, DeepseekV2ForCausalLM keeps transformers' name), imports
+    # habana_frameworks.torch.core at module level (line 26), allocate_kv_cache (line 962). Its
+    # MoE layers call an HPU kernel in eval: not run off an HPU (its loading with transformers'
+    # weights is checked there, on Gaudi)
+    gaudi=GaudiPort(
+        module="optimum.habana.transformers.models.deepseek_v2.modeling_deepseek_v2", causal_lm="DeepseekV2ForCausalLM",
+        hf_module="transformers.models.deepseek_v2.modeling_deepseek_v2", standin=True, forward_kwargs=GENERATE_FORWARD_KWARGS,
+        unsupported=NO_BUCKETS, reuse_cache=None, reuse_kv=self_attn_kv_caches,
+        needs_hpu="its MoE layers call torch.ops.hpu.mixture_of_experts in eval, with no CPU fallback "
+                  "(optimum-habana 1.21.2 models/deepseek_v2/modeling_deepseek_v2.py:678)"))

@@ -1,7 +1,7 @@
 """GPT-Neo: separate q/k/v, learned positions, global and local layers alternating (a local layer
 attends to the last `window_size` positions: a window of 4 here, shorter than the prompt)."""
 
-from mpt_kv.families.base import Family
+from mpt_kv.families.base import Family, GENERATE_FORWARD_KWARGS, GaudiPort, NO_BUCKETS
 
 
 def windows(config) -> list:
@@ -18,4 +18,11 @@ FAMILY = Family(
     # transformers' GPT-Neo masks the window (its causal `bias`, models/gpt_neo/modeling_gpt_neo.py:63-68)
     # but caches every position in every layer (a DynamicLayer, never a sliding one): its local
     # layers keep the whole history (a known excess: known_failures.json, family-memory)
-    stored_windows=lambda c: [None] * c.num_layers)
+    stored_windows=lambda c: [None] * c.num_layers,
+    # optimum-habana 1.21.2 models/gpt_neo/modeling_gpt_neo.py: no habana_frameworks import at module level;
+    # legacy per-layer (key, value), token_idx writes with index_copy_; no allocate_kv_cache
+    gaudi=GaudiPort(
+        module="optimum.habana.transformers.models.gpt_neo.modeling_gpt_neo", causal_lm="GaudiGPTNeoForCausalLM",
+        hf_module="transformers.models.gpt_neo.modeling_gpt_neo", forward_kwargs=GENERATE_FORWARD_KWARGS,
+        unsupported=NO_BUCKETS),
+)

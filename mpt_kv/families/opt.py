@@ -1,6 +1,6 @@
 """OPT: separate q/k/v (with bias), learned positions (offset 2), MHA."""
 
-from mpt_kv.families.base import Family
+from mpt_kv.families.base import Family, GENERATE_FORWARD_KWARGS, GaudiPort, NO_BUCKETS
 
 FAMILY = Family(
     name="opt", model_type="opt",
@@ -11,4 +11,11 @@ FAMILY = Family(
     # OPTLearnedPositionalEmbedding counts positions from the 2D mask (cumsum, transformers 5.24
     # models/opt/modeling_opt.py): generate passes the written part of it, never one padded to a
     # StaticCache's length
-    pad_static_mask=False)
+    pad_static_mask=False,
+    # optimum-habana 1.21.2 models/opt/modeling_opt.py: no habana_frameworks import at module level;
+    # legacy per-layer (key, value), token_idx writes with index_copy_; no allocate_kv_cache
+    gaudi=GaudiPort(
+        module="optimum.habana.transformers.models.opt.modeling_opt", causal_lm="GaudiOPTForCausalLM",
+        hf_module="transformers.models.opt.modeling_opt", forward_kwargs=GENERATE_FORWARD_KWARGS,
+        unsupported=NO_BUCKETS),
+)
