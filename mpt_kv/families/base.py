@@ -119,8 +119,10 @@ class Family:
     caches where it caches a compressed latent instead of K and V (multi-head latent attention,
     deepseek_v2/v3: kv_lora_rank + qk_rope_head_dim), else None; design: the cache design in a
     word, for the matrix and docs ("full", "window", "hybrid", "latent", with "+moe", "+sinks" ...);
-    remote_code: transformers ships the architecture only as Hub remote code, so the port's own
-    modeling file is the model and its uncached forward the oracle; pad_static_mask: whether
+    remote_code: where transformers ships the architecture only as Hub remote code, which Hub
+    files it is (the port's own modeling file is then the model, and its uncached forward the
+    oracle: there is no "transformers" implementation); remote_config: the port's config class
+    there, "<module>:<class>" (its tiny config is built from it, not from AutoConfig); pad_static_mask: whether
     transformers' runner passes the 2D mask padded to the cache length on the static path (as
     Bloom's generate does), False where the model derives positions from the mask (OPT's
     cumsum: a padded mask is a shape error, and generate passes the written part); stored_windows(config):
@@ -145,7 +147,8 @@ class Family:
     windows: Callable | None = None
     latent_width: Callable | None = None
     design: str = "full"
-    remote_code: bool = False
+    remote_code: str | None = None
+    remote_config: str | None = None
     pad_static_mask: bool = True
     stored_windows: Callable | None = None
     stored_width: Callable | None = None
@@ -155,6 +158,14 @@ class Family:
         """The tiny config of one variant, built without the hub."""
         if variant not in self.variants:
             raise ValueError(f"family {self.name} has no variant {variant!r}: variants {sorted(self.variants)}")
+        if self.remote_config is not None:  # the port's own config class (optimum-habana's copy of the Hub files)
+            import importlib
+
+            from mpt_kv.families.gaudi import load_port_module
+
+            load_port_module(self)  # imports the config module beside it (under the stand-in where needed)
+            module, name = self.remote_config.split(":")
+            return getattr(importlib.import_module(module), name)(**{**self.tiny, **self.variants[variant]})
         from transformers import AutoConfig
 
         return AutoConfig.for_model(self.model_type, **{**self.tiny, **self.variants[variant]})

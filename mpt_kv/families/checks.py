@@ -121,12 +121,18 @@ def runner_for(implementation, family: Family, variant: str, dtype: torch.dtype,
 
 
 def oracle_model(family: Family, variant: str, dtype: torch.dtype):
-    """transformers' model with the same weights, in fp32 (bf16: from the bf16-rounded weights)."""
+    """transformers' model with the same weights, in fp32 (bf16: from the bf16-rounded weights);
+    for a remote-code family, the port's own model so, driven uncached as its runner drives it."""
     key = (config_key(family.config(variant)), dtype)
     if key not in _oracles:
-        model, _ = build(family, variant)
+        model, config = build(family, variant)
         if dtype != torch.float32:
             model.to(dtype).to(torch.float32)
+        if family.remote_code:
+            from mpt_kv.families.gaudi import GaudiPortRunner, set_generation_settings
+
+            set_generation_settings(model, family.gaudi.generation)
+            model = GaudiPortRunner(family, variant, model, config)
         _oracles[key] = model
     return _oracles[key]
 
@@ -162,6 +168,8 @@ class Case:
         """transformers' uncached forward (fp32) over the tokens."""
         model = oracle_model(self.family, self.variant, self.dtype)
         with torch.inference_mode():
+            if self.family.remote_code:  # the port's runner: its uncached forward as generate calls it
+                return model.logits(ids, mask).float()
             return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
 
     def session(self, path: str | None = None, max_len: int = MAX_LEN):

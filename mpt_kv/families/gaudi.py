@@ -36,6 +36,7 @@ exception chained: an error, never a skip.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -159,11 +160,12 @@ def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32,
     if cls is None:
         raise PortError(f"{gaudi_target.release()}: {port.module} has no {port.causal_lm} (mpt_kv/families/"
                         f"{family.name}.py names it)")
-    patches = port_patches(family, module)
+    # a remote-code family's model is the port's own class: no transformers class to patch
+    patches = [] if family.remote_code else port_patches(family, module)
     try:
         with gaudi_target.gaudi_classes(module, patches):
             torch.manual_seed(seed)
-            model = cls(config)
+            model = cls(copy.deepcopy(config) if family.remote_code else config)
         patch_instances(model, module, patches)
         weights = reference.state_dict()
         if port.state_dict is not None:  # the same weights in the port's layout (llama's fused_qkv)
