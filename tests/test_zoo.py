@@ -254,3 +254,37 @@ def test_latent_p3_passes_the_latent_and_kills_a_view_of_the_fused_latent_projec
                                               r"is a view of model\.layers\.0\.self_attn\.kv_a_proj_with_mqa's output "
                                               r"\(2, 6, 8\): its storage holds 384 bytes, the cached tensors in it 192"):
         check_no_pinned_storage("transformers", name, "mla")
+
+
+# --- a remote-code family: the port's own model is the model and its oracle -------------------------------------
+
+def test_a_remote_code_family_has_no_transformers_implementation():
+    from mpt_kv.errors import TargetUnavailable
+    from mpt_kv.families.implementations import family_targets, transformers_runner
+
+    with pytest.raises(TargetUnavailable, match=r"transformers ships no baichuan model: the architecture is Hub "
+                                                r"remote code .*optimum-habana's port is its model and oracle"):
+        transformers_runner(FAMILIES["baichuan"], "alibi")
+    # the port is its own oracle: no family-P0 cell for it
+    assert all(t.oracle for t in family_targets(["optimum-habana"]) if t.family_name == "baichuan")
+    assert not any(t.oracle for t in family_targets(["optimum-habana"]) if t.family_name == "qwen3")
+
+
+@pytest.mark.optimum_habana
+def test_a_remote_code_family_is_checked_against_its_ports_uncached_forward():
+    """baichuan: the tiny model is the port's own (seeded, its norms set to 1, finite), the oracle its
+    runner's uncached forward; P3 on the concat path sees the K/V views of W_pack's output."""
+    from mpt_kv.families.models import build
+
+    model, config = build(FAMILIES["baichuan"], "alibi")
+    assert type(model).__module__ == "optimum.habana.transformers.models.baichuan.modeling_baichuan"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    check_no_pinned_storage("optimum-habana", "baichuan", "alibi", "static")  # the static buffers: nothing pinned
+    with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after prefill: layer 0 key \(2, 4, 6, 8\) "
+                                              r"and layer 0 value \(2, 4, 6, 8\) are views of model\.layers\.0\.self_attn"
+                                              r"\.W_pack's output \(2, 6, 96\)"):
+        check_no_pinned_storage("optimum-habana", "baichuan", "alibi", "concat")
+    # P1 judges the prefill and both decode steps against the oracle before the k-token call's crash
+    with pytest.raises(PropertyFailure, match=r"extend raised RuntimeError: .*\(judged before it and held: prefill, "
+                                              r"decode step 1, decode step 2\)"):
+        check_cached("optimum-habana", "baichuan", "alibi", "concat")
