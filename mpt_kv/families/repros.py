@@ -505,7 +505,8 @@ def window_slice_operation() -> str:
     # local layer; the prefill, then greedy decode steps until every window has slid
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=config)
+    # (4.x: generate's DynamicCache() has no sliding-window layer, generation/utils.py:2087)
+    cache = DynamicCache(config=config) if int(transformers.__version__.split(".")[0]) >= 5 else DynamicCache()
     ids, mask = input_ids, attention_mask
     for step in range(5):
         with torch.no_grad():
@@ -529,6 +530,11 @@ def history_operation(windows: str, static: bool) -> str:
     """A local layer's cache holds more positions than its window needs."""
     if static:
         make = '''\
+    # transformers 4.x's generate refuses cache_implementation="static" where the class cannot compile
+    # its full graph (4.55.4 generation/utils.py:2046): no user reaches a StaticCache there
+    if int(transformers.__version__.split(".")[0]) < 5 and not getattr(type(model), "_can_compile_fullgraph", False):
+        print("OK: this transformers' generate refuses a StaticCache for the model: the path does not exist here")
+        return 0
     # generate(cache_implementation="static"): a StaticCache of the model's config
     from transformers import StaticCache
 
@@ -574,6 +580,11 @@ def history_operation(windows: str, static: bool) -> str:
 
 def static_prefill_logits_operation() -> str:
     return '''\
+    # transformers 4.x's generate refuses cache_implementation="static" where the class cannot compile
+    # its full graph (4.55.4 generation/utils.py:2046): no user reaches a StaticCache there
+    if int(transformers.__version__.split(".")[0]) < 5 and not getattr(type(model), "_can_compile_fullgraph", False):
+        print("OK: this transformers' generate refuses a StaticCache for the model: the path does not exist here")
+        return 0
     # generate(cache_implementation="static"): a StaticCache of the model's config, the prefill
     from transformers import StaticCache
 
