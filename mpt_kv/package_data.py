@@ -22,27 +22,35 @@ PACKAGE_ROOT = Path(__file__).resolve().parent  # the installed (or checked-out)
 CHECKOUT_ROOT = PACKAGE_ROOT.parent  # a clone's root; site-packages in an installed wheel
 
 # --- shipped in the wheel ------------------------------------------------------------------------
-# the MPT targets' known upstream failures (mpt_kv.checks.known_failures; a project's file replaces it)
-MPT_KNOWN_FAILURES = PACKAGE_ROOT / "targets" / "known_failures.json"
-# the family checks' known upstream failures (mpt_kv.families.known_failures, costs, repros)
-FAMILY_KNOWN_FAILURES = PACKAGE_ROOT / "families" / "known_failures.json"
-# MPT-7B's config: the reach table's reference model and the seed finding's cost (checks/reach.py, families/costs.py)
+# the findings (mpt_kv.findings): the MPT targets' known upstream failures (a project's own file replaces
+# it) and the family checks' (mpt_kv.findings.entries)
+MPT_KNOWN_FAILURES = PACKAGE_ROOT / "findings" / "known_failures.json"
+FAMILY_KNOWN_FAILURES = PACKAGE_ROOT / "findings" / "family_known_failures.json"
+# every standalone repro's source (mpt_kv.findings.scripts): the family findings' templates, the MPT
+# target findings' kept scripts (<slug>.py.tmpl) and the code they share (<name>.part)
+REPRO_SOURCES = PACKAGE_ROOT / "findings" / "sources"
+REPRO_TEMPLATES = REPRO_SOURCES / "templates"
+KEPT_REPROS = REPRO_SOURCES / "kept"
+REPRO_PARTS = REPRO_SOURCES / "parts"
+# MPT-7B's config: the reach table's reference model and the seed finding's cost (checks/reach.py, findings/costs.py)
 MPT_7B_CONFIG = PACKAGE_ROOT / "data" / "mpt-7b.json"
-# real configs of the other families, <name>.json: the findings' costs (families/costs.py, known_failures.py)
+# real configs of the other families, <name>.json: the findings' costs (findings/costs.py, entries.py)
 REAL_CONFIGS = PACKAGE_ROOT / "data" / "families"
-# the templates the family findings' standalone repros are filled in from (families/repros.py)
-REPRO_TEMPLATES = PACKAGE_ROOT / "families" / "repro_templates"
-# the MPT target findings' kept repro scripts (<slug>.py) and the parts they share (<name>.part)
-KEPT_REPROS = PACKAGE_ROOT / "targets" / "repros"
+# the gate profile: the per-PR subset of the conformance run, computed from the catalogues (catalogue/gate_profile.py)
+GATE_PROFILE = PACKAGE_ROOT / "data" / "gate-profile.json"
+# the catalogue's modules, whose source the gate profile's fingerprint reads (a change makes it stale)
+CATALOGUE_SOURCES = tuple(PACKAGE_ROOT / "catalogue" / name for name in ("variants.py", "designs.py", "assembly.py"))
 
 # each entry: a file, or a folder with the patterns of the files it holds
 PACKAGE = {
     MPT_KNOWN_FAILURES: (),
     FAMILY_KNOWN_FAILURES: (),
     MPT_7B_CONFIG: (),
+    GATE_PROFILE: (),
     REAL_CONFIGS: ("*.json",),
     REPRO_TEMPLATES: ("*.py.tmpl",),
-    KEPT_REPROS: ("*.py", "*.part"),
+    KEPT_REPROS: ("*.py.tmpl",),
+    REPRO_PARTS: ("*.part",),
 }
 
 # --- in a clone only (the developer commands that keep the docs' generated blocks) ---------------

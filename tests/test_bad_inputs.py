@@ -551,7 +551,7 @@ def entry_with_zero_kv_heads():
 
 def family_names():
     from mpt_kv.families import FAMILIES
-    from mpt_kv.families.checks import CHECKS as FAMILY_CHECKS
+    from mpt_kv.checks.family import CHECKS as FAMILY_CHECKS
     from mpt_kv.families.implementations import IMPLEMENTATIONS
 
     return FAMILIES, FAMILY_CHECKS, IMPLEMENTATIONS

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from mpt_kv.checks import ceilings as C
+from mpt_kv.checks import accounting as A
+from mpt_kv.checks import stored_ceilings as S
 from mpt_kv.memory import analytic
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.model.config import random_state_dict
@@ -49,8 +51,8 @@ def reference_measurement(path, config=CONFIG, dtype=torch.float32):
 
 def test_kv_views_of_mixed_qkv_fail_retained_by_the_q_third(dtype):
     m = measure_variant(VARIANTS["kv_views_of_mixed_qkv"].build, "concat", dtype=dtype)
-    cfg, B, S, s = CONFIG.cfg, CONFIG.batch, CONFIG.max_input, C.itemsize(dtype)
-    q_third = analytic.view_retention_bytes(C.shape_of(cfg), B, S, s)  # n * B * S * D * s
+    cfg, B, S, s = CONFIG.cfg, CONFIG.batch, CONFIG.max_input, A.itemsize(dtype)
+    q_third = analytic.view_retention_bytes(A.shape_of(cfg), B, S, s)  # n * B * S * D * s
     assert len(m.problems) >= 1, f"views of mixed_qkv passed the retained check: {m}"
     msg = m.problems[0]
     assert f"after prefill, {m.prefill_retained} bytes allocated, {q_third} bytes too many" in msg, msg
@@ -63,7 +65,7 @@ def test_kv_views_of_mixed_qkv_fail_retained_by_the_q_third(dtype):
 
 def test_old_cache_kept_alive_fails_retained_by_the_old_cache():
     m = measure_variant(VARIANTS["old_cache_kept_referenced"].build, "concat")
-    old_cache = analytic.kv_cache_bytes(C.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
+    old_cache = analytic.kv_cache_bytes(A.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
     msg = m.problems[0] if m.problems else ""
     assert "after decode step 0" in msg and f"{old_cache} bytes too many" in msg, msg
     assert "session.cache.previous[0][0]" in msg and "session.cache.previous[1][1]" in msg, msg
@@ -73,12 +75,12 @@ def test_static_decode_that_copies_the_cache_exceeds_one_layers_transients():
     m = measure_variant(VARIANTS["static_cache_reallocated"].build, "static")
     msg = next((p for p in m.problems if "decode step" in p and "peaked" in p), "")
     cfg, L = CONFIG.cfg, CONFIG.max_input + CONFIG.max_new
-    bound = C.decode_bound(cfg, CONFIG.batch, L, 4, "static")
+    bound = A.decode_bound(cfg, CONFIG.batch, L, 4, "static")
     assert msg, f"a static decode step that reallocates each layer's cache passed: {m.problems}"
     assert f"static decode step 0 peaked {m.decode_transient} bytes" in msg, msg
     assert f"{m.decode_transient - bound} bytes too many: the bound is {bound}" in msg, msg
     # the copy is the size of one layer's K and V: that is what sticks out
-    layer_kv = analytic.kv_cache_bytes(C.shape_of(cfg), CONFIG.batch, L, 4) // cfg.n_layers
+    layer_kv = analytic.kv_cache_bytes(A.shape_of(cfg), CONFIG.batch, L, 4) // cfg.n_layers
     assert m.decode_transient >= layer_kv
     assert not any("after prefill" in p or "decode step 0," in p for p in m.problems), m.problems
 
@@ -145,7 +147,7 @@ def test_a_cache_whose_kv_returns_copies_of_views_of_mixed_qkv_still_fails_memor
 
     build_fn = runner_factory("copies_of_views", model_with(concat=ViewsConcatCache), CopiesOfViewsSession)
     m = measure_variant(build_fn, "concat")
-    q_third = analytic.view_retention_bytes(C.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
+    q_third = analytic.view_retention_bytes(A.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
     assert any(f"after prefill, {m.prefill_retained} bytes allocated, {q_third} bytes too many" in p
                for p in m.problems), m.problems
 
@@ -187,8 +189,8 @@ def test_stored_ceiling_catches_a_regression_inside_the_analytic_bound():
     ref = reference_measurement("concat")
     bad = measure_variant(runner_factory("cloned_cat", model_class=model_with(concat=ClonedCat)), "concat")
     assert not bad.problems, f"expected within the analytic bounds, got {bad.problems}"
-    entries = {C.key_of(bad): ref.metrics()}
-    failures, _ = C.compare(bad, entries, Path("baseline.json"))
+    entries = {S.key_of(bad): ref.metrics()}
+    failures, _ = S.compare(bad, entries, Path("baseline.json"))
     extra = bad.decode_transient - ref.decode_transient
     assert extra > 0 and any("decode_transient" in f and f"{extra} bytes above its ceiling {ref.decode_transient}"
                              in f for f in failures), failures
@@ -222,7 +224,7 @@ def test_a_declared_cache_pool_is_the_cache_and_no_leak(name):
 
     m = measure_variant(DESIGNS[name].build, "static")
     cfg, B, L = CONFIG.cfg, CONFIG.batch, CONFIG.max_input + CONFIG.max_new
-    kv = analytic.kv_cache_bytes(C.shape_of(cfg), B, L, 4)
+    kv = analytic.kv_cache_bytes(A.shape_of(cfg), B, L, 4)
     assert not m.problems, m.problems
     assert (m.prefill_retained, m.allocated, m.kv_bytes, m.returned) == (B * L * 8, B * L * 8, kv, 0)
 
@@ -243,7 +245,7 @@ def pool_model(capabilities, leak=False):
 
 def test_an_undeclared_cache_pool_is_reported():
     m = measure_variant(pool_model({}), "static")
-    kv = analytic.kv_cache_bytes(C.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input + CONFIG.max_new, 4)
+    kv = analytic.kv_cache_bytes(A.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input + CONFIG.max_new, 4)
     assert [p for p in m.problems if "outlives" in p] == [
         f"memory: the cache outlives its session: {kv} bytes of K/V storages of a generation were alive after its "
         "session was deleted. A target that keeps its cache for the next generation on purpose declares it "
@@ -253,7 +255,7 @@ def test_an_undeclared_cache_pool_is_reported():
 
 def test_a_pool_that_grows_every_generation_is_a_leak_even_declared():
     m = measure_variant(pool_model({"cache_pool": True}, leak=True), "static")
-    kv = analytic.kv_cache_bytes(C.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input + CONFIG.max_new, 4)
+    kv = analytic.kv_cache_bytes(A.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input + CONFIG.max_new, 4)
     n = C.LEAK_GENERATIONS
     leak = next((p for p in m.problems if "leak" in p), "")
     assert f"{kv} bytes are still allocated" in leak and f"{n * kv} after {n} generations ({kv} per generation)" in leak, \
@@ -271,7 +273,7 @@ def test_views_of_mixed_qkv_in_a_pooled_model_still_pin_the_q_third():
                            capabilities=Capabilities(cache_pool=True))
     m = measure_variant(build, "concat")
     cfg, B, S = CONFIG.cfg, CONFIG.batch, CONFIG.max_input
-    q_third = analytic.view_retention_bytes(C.shape_of(cfg), B, S, 4)
+    q_third = analytic.view_retention_bytes(A.shape_of(cfg), B, S, 4)
     assert m.problems and f"after prefill, {m.prefill_retained} bytes allocated, {q_third} bytes too many" in m.problems[0]
 
 
@@ -302,40 +304,40 @@ def record(m: C.Measurement) -> dict:
 
 def test_missing_or_corrupt_baseline_is_an_error(tmp_path):
     path = tmp_path / "ceilings-cpu.json"
-    with pytest.raises(C.BaselineError, match="does not exist.*--update-ceilings"):
-        C.load_baseline(path, "cpu")
+    with pytest.raises(S.BaselineError, match="does not exist.*--update-ceilings"):
+        S.load_baseline(path, "cpu")
     for text, why in [("{not json", "corrupt"), ('{"schema": 1, "device": "cuda", "entries": {}}', "malformed"),
                       ('{"schema": 1, "device": "cpu", "entries": {"k": {"allocated": "12"}}}', "lacks")]:
         path.write_text(text)
-        with pytest.raises(C.BaselineError, match=why):
-            C.load_baseline(path, "cpu")
-        with pytest.raises(C.BaselineError, match=why):  # an update never overwrites a broken file
-            C.update_baseline(path, "cpu", [], allow_looser=True)
+        with pytest.raises(S.BaselineError, match=why):
+            S.load_baseline(path, "cpu")
+        with pytest.raises(S.BaselineError, match=why):  # an update never overwrites a broken file
+            S.update_baseline(path, "cpu", [], allow_looser=True)
         assert path.read_text() == text
 
 
 def test_update_refuses_to_loosen_without_the_flag(tmp_path):
     path = tmp_path / "ceilings-cpu.json"
     m = record(reference_measurement("static", C.CONFIGS[0]))
-    written, refused = C.update_baseline(path, "cpu", [m], allow_looser=False)
+    written, refused = S.update_baseline(path, "cpu", [m], allow_looser=False)
     assert {c.kind for c in written} == {"new"} and not refused
     stored = json.loads(path.read_text())
     looser = {**m, "max_allocated": m["max_allocated"] + 1}
-    written, refused = C.update_baseline(path, "cpu", [looser], allow_looser=False)
+    written, refused = S.update_baseline(path, "cpu", [looser], allow_looser=False)
     assert not written and [(c.metric, c.old, c.new, c.kind) for c in refused] == [
         ("max_allocated", m["max_allocated"], m["max_allocated"] + 1, "looser")]
     assert json.loads(path.read_text()) == stored
-    written, refused = C.update_baseline(path, "cpu", [looser], allow_looser=True)
+    written, refused = S.update_baseline(path, "cpu", [looser], allow_looser=True)
     assert [c.kind for c in written] == ["looser"] and not refused
-    assert C.load_baseline(path, "cpu")[C.key_of(m)]["max_allocated"] == m["max_allocated"] + 1
-    failures, _ = C.compare({**m, "decode_transient": m["decode_transient"] + 1}, C.load_baseline(path, "cpu"), path)
+    assert S.load_baseline(path, "cpu")[S.key_of(m)]["max_allocated"] == m["max_allocated"] + 1
+    failures, _ = S.compare({**m, "decode_transient": m["decode_transient"] + 1}, S.load_baseline(path, "cpu"), path)
     assert len(failures) == 1 and "decode_transient" in failures[0] and "1 bytes above its ceiling" in failures[0]
 
 
 def test_missing_entry_fails(tmp_path):
     m = record(reference_measurement("concat", C.CONFIGS[0]))
-    failures, _ = C.compare(m, {}, tmp_path / "x.json")
-    assert failures and f"no entry {C.key_of(m)!r}" in failures[0]
+    failures, _ = S.compare(m, {}, tmp_path / "x.json")
+    assert failures and f"no entry {S.key_of(m)!r}" in failures[0]
 
 
 # --- the workflow end to end: pytest --update-ceilings ---------------------------------------------------
@@ -349,7 +351,7 @@ SELECT = {"concat": "reference|concat|float32|B16-in8-new8|", "static": "referen
 @pytest.fixture
 def pytester(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    for var in ("CI", "MPT_KV_REQUIRE_DEVICE", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS", C.ENV_DIR):
+    for var in ("CI", "MPT_KV_REQUIRE_DEVICE", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS", S.ENV_DIR):
         monkeypatch.delenv(var, raising=False)
     return pytester
 
@@ -369,7 +371,7 @@ def test_update_ceilings_under_xdist_merges_once_prints_diff_and_refuses_to_loos
     """`pytest -n 2 --update-ceilings`: workers only measure; the controller receives every
     measurement with the reports and writes the file once (entries that did not run are kept)."""
     path = tmp_path / "ceilings-cpu.json"
-    data = json.loads(C.baseline_path("cpu", REPO / "mpt_kv_ceilings").read_text())
+    data = json.loads(S.baseline_path("cpu", REPO / "mpt_kv_ceilings").read_text())
     k_static, static = entry(data, SELECT["static"])
     k_concat, concat = entry(data, SELECT["concat"])
     k_bucket, _ = entry(data, SELECT["bucket"])
@@ -402,7 +404,7 @@ def test_allow_looser_ceilings_writes_the_looser_value(tmp_path, monkeypatch):
 
     m = record(reference_measurement("static", C.CONFIGS[0]))
     path = tmp_path / "ceilings-cpu.json"
-    C.update_baseline(path, "cpu", [{**m, "allocated": m["allocated"] - 8}], allow_looser=True)
+    S.update_baseline(path, "cpu", [{**m, "allocated": m["allocated"] - 8}], allow_looser=True)
 
     class Config:
         options = {"update_ceilings": True, "allow_looser_ceilings": True, "ceilings_dir": str(tmp_path)}
@@ -415,9 +417,9 @@ def test_allow_looser_ceilings_writes_the_looser_value(tmp_path, monkeypatch):
     config = Config()
     run_state(config).memory.append(m)
     assert plugin.update_ceilings(config) is False
-    assert f"  ! {C.key_of(m)}  allocated {m['allocated'] - 8} -> {m['allocated']} (+8, looser)" in \
+    assert f"  ! {S.key_of(m)}  allocated {m['allocated'] - 8} -> {m['allocated']} (+8, looser)" in \
         run_state(config).ceilings_diff
-    assert C.load_baseline(path, "cpu")[C.key_of(m)]["allocated"] == m["allocated"]
+    assert S.load_baseline(path, "cpu")[S.key_of(m)]["allocated"] == m["allocated"]
 
 
 def test_a_missing_or_corrupt_baseline_fails_where_ceilings_are_expected(tmp_path):
@@ -425,16 +427,16 @@ def test_a_missing_or_corrupt_baseline_fails_where_ceilings_are_expected(tmp_pat
     file, a target that has entries but not this one: BaselineError (an error, never a pass)."""
     m = reference_measurement("static", C.CONFIGS[0])
     required = StoredCeilings(tmp_path, required=("reference",))
-    with pytest.raises(C.BaselineError, match="does not exist: record it with"):
+    with pytest.raises(S.BaselineError, match="does not exist: record it with"):
         compare_stored(m, required, "static")
     (tmp_path / "ceilings-cpu.json").write_text("[]")
     for store in (required, StoredCeilings(tmp_path)):  # corrupt: an error, required or not
-        with pytest.raises(C.BaselineError, match="malformed"):
+        with pytest.raises(S.BaselineError, match="malformed"):
             compare_stored(m, store, "static")
     other = {**asdict(m), "max_new": m.max_new + 1}  # the same target, another config
     (tmp_path / "ceilings-cpu.json").unlink()
-    C.update_baseline(tmp_path / "ceilings-cpu.json", "cpu", [other], allow_looser=False)
-    with pytest.raises(C.BaselineError, match=f"no entry {C.key_of(m)!r}"):
+    S.update_baseline(tmp_path / "ceilings-cpu.json", "cpu", [other], allow_looser=False)
+    with pytest.raises(S.BaselineError, match=f"no entry {S.key_of(m)!r}"):
         compare_stored(m, StoredCeilings(tmp_path), "static")
     # --update-ceilings: measured only, the controller writes the file
     assert compare_stored(m, StoredCeilings(tmp_path, required=("*",), update=True), "static") == []
@@ -447,7 +449,7 @@ def test_a_target_never_recorded_rests_on_the_analytic_checks_and_says_how_to_re
     assert recorded == [("mpt_kv_unrecorded", {"target": "reference", "device": "cpu",
                                                "file": str(tmp_path / "ceilings-cpu.json")})]
     # once one entry of it is stored, the others are expected too (above); a stored one is compared
-    C.update_baseline(tmp_path / "ceilings-cpu.json", "cpu", [{**asdict(m), "allocated": m.allocated - 8}], True)
+    S.update_baseline(tmp_path / "ceilings-cpu.json", "cpu", [{**asdict(m), "allocated": m.allocated - 8}], True)
     with pytest.raises(PropertyFailure, match="allocated .* 8 bytes above its ceiling"):
         compare_stored(m, StoredCeilings(tmp_path), "static")
 
@@ -457,14 +459,14 @@ def test_the_memory_table_shows_the_prefill_excess_that_memory_allocated_hides()
     "Memory allocated" after the last step reads like the fixed model's, its prefill excess does not."""
     buggy = measure_variant(VARIANTS["kv_views_of_mixed_qkv"].build, "concat")
     fixed = reference_measurement("concat")
-    q_third = analytic.view_retention_bytes(C.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
+    q_third = analytic.view_retention_bytes(A.shape_of(CONFIG.cfg), CONFIG.batch, CONFIG.max_input, 4)
     assert (buggy.prefill_excess, fixed.prefill_excess) == (q_third, 0)
-    rows = C.table([asdict(buggy), asdict(fixed)])
+    rows = S.table([asdict(buggy), asdict(fixed)])
     assert "prefill excess" in rows[0]
     (bug_row,) = [r for r in rows[1:] if r.startswith("kv_views_of_mixed_qkv")]
     (ref_row,) = [r for r in rows[1:] if r.startswith("reference")]
-    assert f"+{C.kib(q_third)} |" in bug_row and " 0.0 |" in ref_row, rows
-    assert C.table([{**asdict(fixed), "prefill_excess": None}])[1].count(" - |") == 1  # an older report: "-"
+    assert f"+{S.kib(q_third)} |" in bug_row and " 0.0 |" in ref_row, rows
+    assert S.table([{**asdict(fixed), "prefill_excess": None}])[1].count(" - |") == 1  # an older report: "-"
 
 
 def test_the_cublas_workspace_is_no_state_of_the_target(fake_cuda, monkeypatch):

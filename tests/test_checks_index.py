@@ -24,7 +24,7 @@ def test_each_kill_matrix_column_has_a_variant_it_must_kill(column):
 
 
 def test_the_index_is_the_one_list_of_properties():
-    from mpt_kv.checks import known_failures
+    from mpt_kv.findings import entries as known_failures
     from mpt_kv.plugin import gate, report
 
     assert tuple(report.PROPERTY_NAMES) == index.NAMES
@@ -35,8 +35,10 @@ def test_the_index_is_the_one_list_of_properties():
 
 def test_the_index_and_the_plugin_import_no_torch():
     """The plugin reads the index before an xdist worker's card is pinned (PyTorch >= 2.5 initialises
-    device backends at import)."""
-    code = ("import sys, mpt_kv.checks.index, mpt_kv.plugin, mpt_kv.versions, mpt_kv.checks.known_failures; "
+    device backends at import); so the known-failure rule, the stored ceilings and the hypothesis
+    profiles it reads are torch-free too."""
+    code = ("import sys, mpt_kv.checks.index, mpt_kv.plugin, mpt_kv.versions, mpt_kv.findings.entries, "
+            "mpt_kv.findings.patterns, mpt_kv.checks.stored_ceilings, mpt_kv.checks.profiles; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -23,9 +23,9 @@ def constraints_diff():
 
 
 def test_locked_versions_are_the_ones_the_ceilings_are_keyed_by(constraints_diff):
-    from mpt_kv.checks import ceilings as C
+    from mpt_kv.checks import stored_ceilings as S
 
-    keys = {k.split("|")[0] for k in C.load_baseline(C.baseline_path("cpu"), "cpu")}
+    keys = {k.split("|")[0] for k in S.load_baseline(S.baseline_path("cpu"), "cpu")}
     minor = lambda v: ".".join(v.split(".")[:2])  # noqa: E731
     cpu = constraints_diff.read_lock(ROOT / "constraints" / "cpu.txt")
     oh = constraints_diff.read_lock(ROOT / "constraints" / "ohabana.txt")

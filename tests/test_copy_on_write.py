@@ -12,8 +12,8 @@ import torch
 import mpt_kv
 from mpt_kv.catalogue.designs import DESIGNS, CopyOnWritePagedCache, CopyOnWritePagedMPT, CopyOnWritePagedSession
 from mpt_kv.catalogue.variants import VARIANTS, SharedBlockPagedCache, runner_factory
-from mpt_kv.checks import ceilings as C
-from mpt_kv.checks import programs
+from mpt_kv.checks import accounting as A
+from mpt_kv.checks import operations, programs
 from mpt_kv.checks.cases import Case, Context
 from mpt_kv.checks.registry import CHECKS
 from mpt_kv.errors import PropertyFailure
@@ -110,12 +110,12 @@ def test_the_design_shares_blocks_after_a_reorder_and_copies_the_one_a_row_write
 def test_ops_p3_passes_the_design_and_names_the_variants_write_into_a_shared_block():
     c = Context("cow", "cpu", F32, BEAM.case, "concat")
     design = DESIGNS["paged_copy_on_write"].build(CFG, random_state_dict(CFG, seed=21), CPU, F32)
-    programs.check_program_aliasing(design, c, BEAM)
+    operations.check_program_aliasing(design, c, BEAM)
     variant = VARIANTS["paged_write_into_shared_block"].build(CFG, random_state_dict(CFG, seed=21), CPU, F32)
     with pytest.raises(PropertyFailure, match=r"ops-P3 cache aliasing after decode \(step 2\): step 2 \(decode\) wrote "
                                               r"into pool block \d+, which row 0 and row 1 share \(table index 1\): layer "
                                               r"0 key position 6 changed in every row that holds it"):
-        programs.check_program_aliasing(variant, c, BEAM)
+        operations.check_program_aliasing(variant, c, BEAM)
 
 
 def test_the_same_sharing_undeclared_is_a_block_in_two_places():
@@ -128,7 +128,7 @@ def test_the_same_sharing_undeclared_is_a_block_in_two_places():
         cache_pool=True))
     with pytest.raises(PropertyFailure, match=r"paged cache: pool block \d+ is row 0's block 0 and row 1's block 0: one "
                                               r"block holds positions of two places .*declare PagedLayout\(copy_on_write"):
-        programs.check_program_aliasing(build(CFG, random_state_dict(CFG, seed=21), CPU, F32),
+        operations.check_program_aliasing(build(CFG, random_state_dict(CFG, seed=21), CPU, F32),
                                         Context("cow_undeclared", "cpu", F32, BEAM.case, "concat"), BEAM)
 
 
@@ -142,7 +142,7 @@ def test_a_fresh_block_handed_to_two_rows_is_caught_under_the_declaration_too():
 
     build = runner_factory("cow_hands_one_block_to_two", Model, CopyOnWritePagedSession,
                            capabilities=mpt_kv.Capabilities(cache_pool=True))
-    with pytest.raises(PropertyFailure, match=r"P3 cache aliasing after step \d+: pool block \d+ \(table index \d\) was "
+    with pytest.raises(PropertyFailure, match=r"P3 cache aliasing after step \d+: pool block \d+ \(table index \d+\) was "
                                               r"handed to row 0 and row \d+ at once by step \d+"):
         CHECKS["P3/concat"](build, "cpu", F32)
     # undeclared, the variant in the catalogue: still killed by the layout check
@@ -152,8 +152,8 @@ def test_a_fresh_block_handed_to_two_rows_is_caught_under_the_declaration_too():
 
 def test_memory_counts_a_shared_block_once():
     layout = mpt_kv.PagedLayout(pools(), torch.tensor([[0, 1], [0, 1], [2, 3]]), 4, [5, 5, 5], copy_on_write=True)
-    count = C.paged_count(layout, 5, {})
+    count = A.paged_count(layout, 5, {})
     per_block = layout.block_bytes()
     assert count.handed == 4 * per_block and count.accepted == 4 * per_block
     over = dataclasses.replace(layout, block_table=torch.tensor([[0, 1, 4], [0, 1, 5], [2, 3, -1]]))
-    assert C.paged_count(over, 5, {}).accepted == 4 * per_block, "rows 0 and 1 each hold a block beyond the 2 allowed"
+    assert A.paged_count(over, 5, {}).accepted == 4 * per_block, "rows 0 and 1 each hold a block beyond the 2 allowed"

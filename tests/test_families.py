@@ -15,13 +15,17 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.families import FAMILIES, variants
-from mpt_kv.families import known_failures as kf
-from mpt_kv.families.checks import check_cached, check_memory, check_no_pinned_storage, pinning_problems
+from mpt_kv.findings import entries as kf
+from mpt_kv.checks.family import CHECKS
+from mpt_kv.checks.family_driver import pinning_problems
+
+# the family checks by property: (implementation, family, variant, path) -> notes
+check_cached, check_memory, check_no_pinned_storage = CHECKS["family-P1"], CHECKS["family-memory"], CHECKS["family-P3"]
 
 transformers = pytest.importorskip("transformers")
 cache_utils = pytest.importorskip("transformers.cache_utils")
 # 4.x: its DynamicLayer is the views bug itself (the 4.55 findings are strict xfails of the
-# conformance cases, mpt_kv/families/known_failures.json)
+# conformance cases, mpt_kv/findings/family_known_failures.json)
 needs_5x = pytest.mark.skipif(not hasattr(getattr(cache_utils, "DynamicLayer", None), "lazy_initialization"),
                               reason="these patches are written against transformers 5.x DynamicLayer")
 
@@ -149,22 +153,22 @@ def test_known_failures_file_is_checked(tmp_path, change, message):
     path = tmp_path / "k.json"
     path.write_text(json.dumps([{**entry, **change}]))
     with pytest.raises(ValueError, match=r"family known failures .*k\.json: entry 0: .*" + message):
-        kf.load(path)
+        kf.load_families(path)
     path.write_text(json.dumps([entry, {**entry, "implementation": "optimum-habana", "path": "static",
                                         "views": ["key", "value"]}]))
-    known, port = kf.load(path)
+    known, port = kf.load_families(path)
     assert (known.implementation, known.path, known.views) == ("transformers", None, ())
-    assert kf.applying("transformers", "mpt", "alibi", "family-P3", "static", [known]) is known  # every path
-    assert kf.applying("transformers", "mpt", "alibi", "family-P1", "concat", [known]) is None
-    assert kf.applying("optimum-habana", "mpt", "alibi", "family-P3", "static", [known, port]) is port
-    assert kf.applying("optimum-habana", "mpt", "alibi", "family-P3", "concat", [known, port]) is None
+    assert kf.match("transformers/mpt/alibi", "family-P3", "static", [known]) is known  # every path
+    assert kf.match("transformers/mpt/alibi", "family-P1", "concat", [known]) is None
+    assert kf.match("optimum-habana/mpt/alibi", "family-P3", "static", [known, port]) is port
+    assert kf.match("optimum-habana/mpt/alibi", "family-P3", "concat", [known, port]) is None
     assert port.views == ("key", "value")
     path.write_text(json.dumps([{**entry, "cost_config": "mpt-7b"}]))  # the seed's config, mpt_kv/data/mpt-7b.json
-    assert kf.load(path)[0].cost_config == "mpt-7b"
+    assert kf.load_families(path)[0].cost_config == "mpt-7b"
 
 
 def test_the_packaged_known_failures_load_and_the_views_are_on_the_concat_path():
-    entries = kf.load()
+    entries = kf.load_families()
     views = [e for e in entries if e.implementation == "transformers" and "view" in e.pattern.pattern]
     assert {e.property for e in views} == {"family-P3", "family-memory"}
     assert all(e.path == "concat" for e in views)  # transformers' StaticCache copies: no views there
@@ -172,12 +176,12 @@ def test_the_packaged_known_failures_load_and_the_views_are_on_the_concat_path()
 
 @needs_5x
 def test_a_known_failure_absorbs_only_its_own_message(monkeypatch):
-    """Fail closed: the one known-failure rule (mpt_kv.checks.known_failures, which the plugin applies
+    """Fail closed: the one known-failure rule (mpt_kv.findings.entries, which the plugin applies
     to the family cases as to the MPT ones) takes only the PropertyFailure its entry's pattern finds."""
     import re
 
     from mpt_kv import CHECKS as ALL_CHECKS
-    from mpt_kv.checks.known_failures import Entry
+    from mpt_kv.findings.entries import Entry
 
     monkeypatch.setattr(cache_utils.DynamicLayer, "update", views_update)
     with pytest.raises(PropertyFailure, match="Wqkv's output") as failure:
@@ -234,8 +238,8 @@ def test_the_run_selects_the_implementations(options, expected):
 def test_an_entry_about_a_cell_the_matrix_lacks_is_an_error(implementation, prop, path):
     import re
 
-    from mpt_kv.checks.known_failures import Entry
-    from mpt_kv.families.known_failures import check_entries_cover_cells
+    from mpt_kv.findings.entries import Entry
+    from mpt_kv.findings.entries import check_entries_cover_cells
 
     entry = Entry(0, f"{implementation}/mpt/alibi", prop, "r", re.compile("x"), path)
     with pytest.raises(ValueError, match=rf"family known failure {implementation} mpt/alibi {prop} path "

@@ -10,9 +10,10 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.errors import InputError, Unsupported
-from mpt_kv.families import checks
-from mpt_kv.families.checks import CHECKS
+from mpt_kv.checks import family
+from mpt_kv.checks.family import CHECKS
 from mpt_kv.families.implementations import IMPLEMENTATIONS, limits_of, transformers_runner
+from mpt_kv.families.models import build
 from mpt_kv.targets import Capabilities, Runner
 
 pytest.importorskip("transformers")
@@ -156,7 +157,7 @@ def test_the_real_runner_passes_every_check(prop, path):
 
 def test_p0_is_no_check_of_transformers_itself():
     with pytest.raises(InputError, match="transformers itself is its oracle"):
-        checks.check_uncached("transformers", FAMILY, VARIANT)
+        CHECKS["family-P0"]("transformers", FAMILY, VARIANT)
 
 
 # --- each check kills its broken wrapper ---------------------------------------------------------------------
@@ -166,7 +167,7 @@ def test_p0_kills_a_forward_that_drops_the_mask():
                                               r"weights\) differ .*target=wrapped/llama, implementation=wrapped, "
                                               r"family=llama, variant=gqa, path=concat, dtype=float32, batch=2, "
                                               r"step=uncached"):
-        checks.check_uncached(wrapped(runner_class=MasklessRunner), FAMILY, VARIANT)
+        CHECKS["family-P0"](wrapped(runner_class=MasklessRunner), FAMILY, VARIANT)
 
 
 @pytest.mark.parametrize("path", ["concat", "static"])
@@ -174,13 +175,13 @@ def test_p1_kills_an_extend_that_drops_the_padding_mask(path):
     """The prefill and the decode steps hold; the k-token call is where it breaks."""
     with pytest.raises(PropertyFailure, match=r"family-P1 extend 3 \(step 3\): cached logits vs transformers' "
                                               rf"uncached forward .*path={path}.*operation=extend"):
-        checks.check_cached(wrapped(MasklessExtend), FAMILY, VARIANT, path)
+        CHECKS["family-P1"](wrapped(MasklessExtend), FAMILY, VARIANT, path)
 
 
 def test_p2_kills_static_kv_one_position_off_while_its_logits_agree():
     with pytest.raises(PropertyFailure, match=r"family-P2 prefill: static-path cached key of layer 0 at the written "
                                               r"token positions vs the concat path's differ .*layer=0"):
-        checks.check_static_concat(wrapped(StaticKvOffByOne), FAMILY, VARIANT, "static")
+        CHECKS["family-P2"](wrapped(StaticKvOffByOne), FAMILY, VARIANT, "static")
 
 
 @pytest.mark.parametrize("path", ["concat", "static"])
@@ -188,7 +189,7 @@ def test_p3_kills_views_of_a_bigger_buffer(path):
     with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after prefill: layer 0 key \(2, 2, \d+, "
                                               r"8\) is a view of a buffer that is no fused projection's output of "
                                               rf"this step: its storage holds (\d+) bytes, .*path={path}"):
-        checks.check_no_pinned_storage(wrapped(ViewsOfABiggerBuffer), FAMILY, VARIANT, path)
+        CHECKS["family-P3"](wrapped(ViewsOfABiggerBuffer), FAMILY, VARIANT, path)
 
 
 def test_memory_names_the_excess_of_views_of_a_bigger_buffer():
@@ -196,7 +197,7 @@ def test_memory_names_the_excess_of_views_of_a_bigger_buffer():
     with pytest.raises(PropertyFailure, match=r"family-memory after prefill: the cache's distinct storages hold 6144 "
                                               r"bytes, the family's analytic K/V for 2 x 6 tokens 3072: \+3072 bytes; "
                                               r"layer 0 key \(2, 2, 6, 8\) is a view of a buffer .* 768 bytes pinned"):
-        checks.check_memory(wrapped(ViewsOfABiggerBuffer), FAMILY, VARIANT, "concat")
+        CHECKS["family-memory"](wrapped(ViewsOfABiggerBuffer), FAMILY, VARIANT, "concat")
 
 
 @pytest.mark.parametrize("path", ["concat", "static"])
@@ -204,13 +205,13 @@ def test_p4_kills_a_reused_logits_buffer(path):
     ReusedLogits.buffers.clear()
     with pytest.raises(PropertyFailure, match=r"family-P4: the logits \(2, 128\) returned by decode step 1 were "
                                               rf"overwritten by a later call .*path={path}"):
-        checks.check_outputs_not_reused(wrapped(ReusedLogits), FAMILY, VARIANT, path)
+        CHECKS["family-P4"](wrapped(ReusedLogits), FAMILY, VARIANT, path)
 
 
 def test_p4_is_satisfied_by_declared_graph_outputs():
     ReusedLogits.buffers.clear()
     caps = Capabilities(graph_outputs=True)
-    checks.check_outputs_not_reused(wrapped(ReusedLogits, capabilities=caps), FAMILY, VARIANT, "concat")
+    CHECKS["family-P4"](wrapped(ReusedLogits, capabilities=caps), FAMILY, VARIANT, "concat")
 
 
 @needs_5x
@@ -219,17 +220,17 @@ def test_ops_kills_a_reorder_of_the_keys_only(path):
     with pytest.raises(PropertyFailure, match=r"family-ops beam step 2 \(decode\): logits vs transformers' uncached "
                                               rf"forward over each row's surviving history .*path={path}.*batch=3.*"
                                               r"program=beam, step=2, operation=decode"):
-        checks.check_operations(wrapped(KeysOnlyReorder), FAMILY, VARIANT, path)
+        CHECKS["family-ops"](wrapped(KeysOnlyReorder), FAMILY, VARIANT, path)
 
 
 def test_ops_without_reorder_is_unsupported_after_the_assisted_program_ran(monkeypatch):
     ran = []
-    real = checks.run_program
-    monkeypatch.setattr(checks, "run_program", lambda c, name, ops: ran.append(name) or real(c, name, ops))
+    real = family.run_program
+    monkeypatch.setattr(family, "run_program", lambda runner, c, name, ops: ran.append(name) or real(runner, c, name, ops))
     caps = Capabilities({"reorder": "no beam search here"})
     with pytest.raises(Unsupported, match=r"wrapped/llama concat: beam program: no beam search here \(the other "
                                           r"program ran and held\)"):
-        checks.check_operations(wrapped(capabilities=caps), FAMILY, VARIANT, "concat")
+        CHECKS["family-ops"](wrapped(capabilities=caps), FAMILY, VARIANT, "concat")
     assert ran == ["assisted"]
 
 
@@ -239,16 +240,16 @@ def test_memory_kills_a_cache_kept_on_the_model():
                                               r"held \(4608 bytes: layer 0 key, layer 0 value, layer 1 key, layer 1 "
                                               r"value\) are still alive; the model or runner keeps "
                                               r"model\.last_cache\.layers\[0\]\.keys \(2, 2, 9, 8\)"):
-        checks.check_memory(wrapped(KeptOnTheModel), FAMILY, VARIANT, "concat")
+        CHECKS["family-memory"](wrapped(KeptOnTheModel), FAMILY, VARIANT, "concat")
 
 
 def test_p1_without_extend_is_unsupported_after_the_decode_steps_held():
     caps = Capabilities({"extend": "no k-token calls here"})
     with pytest.raises(Unsupported, match=r"wrapped/llama concat: the k-token cached call: no k-token calls here "
                                           r"\(the prefill and the decode steps held\)"):
-        checks.check_cached(wrapped(capabilities=caps), FAMILY, VARIANT, "concat")
+        CHECKS["family-P1"](wrapped(capabilities=caps), FAMILY, VARIANT, "concat")
     with pytest.raises(PropertyFailure, match="family-P1 decode step 1"):  # the decode steps are still checked
-        checks.check_cached(wrapped(MasklessDecode, capabilities=caps), FAMILY, VARIANT, "concat")
+        CHECKS["family-P1"](wrapped(MasklessDecode, capabilities=caps), FAMILY, VARIANT, "concat")
 
 
 def test_a_call_that_raises_is_a_failure_naming_it():
@@ -259,7 +260,7 @@ def test_a_call_that_raises_is_a_failure_naming_it():
     with pytest.raises(PropertyFailure, match=r"family-P1 decode step 1: the implementation's decode raised TypeError: "
                                               r"can only "
                                               r"concatenate tuple \(not Tensor\) to tuple .*operation=decode"):
-        checks.check_cached(wrapped(Crashes), FAMILY, VARIANT, "concat")
+        CHECKS["family-P1"](wrapped(Crashes), FAMILY, VARIANT, "concat")
 
 
 # --- implementations ---------------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ def test_the_runner_holds_the_weights_of_build():
     from mpt_kv.families import FAMILIES
 
     runner = transformers_runner(FAMILIES["llama"], "gqa")
-    model, _ = checks.build(FAMILIES["llama"], "gqa")
+    model, _ = build(FAMILIES["llama"], "gqa")
     for (name, a), b in zip(runner.model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
     assert runner.model is not model  # its own copy: the oracle is never the implementation's module

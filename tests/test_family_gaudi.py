@@ -21,7 +21,8 @@ from mpt_kv.errors import TargetUnavailable
 from mpt_kv.families import FAMILIES
 from mpt_kv.families import gaudi
 from mpt_kv.families.base import Family, GaudiPort
-from mpt_kv.families.checks import BATCH, PAD, PROMPT, build, prompt
+from mpt_kv.checks.family_driver import BATCH, PAD, PROMPT, prompt
+from mpt_kv.families.models import build
 
 HAVE_OH = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.habana") is not None
 needs_oh = pytest.mark.optimum_habana  # deselected where it is not installed (tests/conftest.py)
@@ -31,7 +32,7 @@ PORTS = ("mpt", "gpt2", "gpt_neox", "bloom", "codegen", "persimmon", "phi", "sta
 VARIANTS = [(n, v) for n in PORTS for v in FAMILIES[n].variants]
 STEPS = 3
 TOL = 1e-5  # fp32, same weights, same ops up to summation order
-# What optimum-habana 1.21.2's ports raise however they are driven (mpt_kv/families/known_failures.json
+# What optimum-habana 1.21.2's ports raise however they are driven (mpt_kv/findings/family_known_failures.json
 # has them as findings): (family, variant) -> (paths, "uncached" included, exception, message). A case
 # here must still raise exactly that: a release that fixes it fails the test, so the entry goes.
 CRASHES = {
@@ -248,7 +249,7 @@ def docs_fork() -> str:
 
 @needs_oh
 def test_a_fork_of_a_port_loads_and_its_views_are_found(tmp_path, monkeypatch):
-    from mpt_kv.families.checks import pinning_problems
+    from mpt_kv.checks.family_driver import pinning_problems
 
     (tmp_path / "gpt2_views_fork.py").write_text(docs_fork())
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -2,7 +2,7 @@
 gpt_bigcode, gptj, llama, qwen2, mistral, starcoder2), on CPU, fp32: each builds holding
 transformers' weights, its uncached logits are transformers', its cached decode (concat, static
 token_idx, reuse_cache where the port has it) gives its own uncached forward, and each real failure
-found in it (mpt_kv/families/known_failures.json, "implementation": "optimum-habana") reproduces
+found in it (mpt_kv/findings/family_known_failures.json, target "optimum-habana/...") reproduces
 here: the exception, its message, the upstream line it is raised from, and the entry whose pattern
 reads it as the family checks word it ("<operation> raised <Type>: <message>").
 
@@ -13,10 +13,8 @@ installed (the ohabana env) a port that does not load fails (PortError), never s
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,15 +22,16 @@ import torch
 from mpt_kv.checks.compare import assert_close, tolerance
 from mpt_kv.errors import TargetUnavailable
 from mpt_kv.families import FAMILIES, gaudi
-from mpt_kv.families.checks import BATCH, PROMPT, build, prompt
+from mpt_kv.checks.family_driver import BATCH, PROMPT, prompt
+from mpt_kv.families.models import build
+from mpt_kv.findings.raw import raw_entries, target_of
 
 HAVE_OH = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.habana") is not None
 NOT_INSTALLED = "optimum-habana is not installed (pip install --no-deps optimum-habana, or tox -e ohabana)"
 needs_oh = pytest.mark.optimum_habana  # deselected where it is not installed (tests/conftest.py)
 
 STEPS, EXTEND, MAX_LEN = 3, 3, 16
-KNOWN = Path(__file__).resolve().parent.parent / "mpt_kv" / "families" / "known_failures.json"
-ENTRIES = json.loads(KNOWN.read_text())
+ENTRIES = raw_entries()
 
 # every (family, variant) of this file's ports; which of them pass what (the rest: findings below)
 PORTS = [("falcon", "alibi"), ("falcon", "rotary-mqa"), ("falcon", "new-arch-gqa"), ("gpt_bigcode", "mqa"),
@@ -170,8 +169,8 @@ def raised_at(excinfo, where: str) -> bool:
 
 def entry_reading(name, variant, path, message) -> dict:
     """The optimum-habana entry of this family variant (for this path) whose pattern reads `message`."""
-    hits = [e for e in ENTRIES if e.get("implementation") == "optimum-habana" and e.get("path", path) == path
-            and (e["family"], e["variant"]) == (name, variant) and re.search(e["pattern"], message)]
+    hits = [e for e in ENTRIES if target_of(e) == ("optimum-habana", name, variant) and e.get("path", path) == path
+            and re.search(e["pattern"], message)]
     assert hits, f"no optimum-habana entry of {name}/{variant} ({path}) in known_failures.json reads: {message}"
     return hits[0]
 
@@ -299,8 +298,7 @@ def test_falcon_alibi_is_transformers_sdpa_and_the_eager_oracle_adds_alibi_twice
         to_sdpa = (got - sdpa(input_ids=ids, attention_mask=mask).logits)[real].abs().max().item()
         to_eager = (got - eager(input_ids=ids, attention_mask=mask).logits)[real].abs().max().item()
     assert to_sdpa <= 1e-5 < 1e-3 < to_eager, (to_sdpa, to_eager)
-    entry = next(e for e in ENTRIES if (e.get("implementation"), e["family"], e["variant"], e["property"])
-                 == ("optimum-habana", "falcon", "alibi", "family-P0"))
+    entry = next(e for e in ENTRIES if (*target_of(e), e["property"]) == ("optimum-habana", "falcon", "alibi", "family-P0"))
     assert "modeling_falcon.py:393-394" in entry["upstream"]
 
 

@@ -1,5 +1,5 @@
 """The findings table and what it says a finding costs (`python -m mpt_kv findings`,
-mpt_kv.families.costs): the cost formula against hand-computed values (starcoder) and against
+mpt_kv.findings.costs): the cost formula against hand-computed values (starcoder) and against
 the bytes family-P3 measures on the tiny configs (transformers 4.55, where the views are real;
 under 5.x with the <4.56 update put back); every real config builds offline; the README's block
 is what the command prints; the command's exit codes.
@@ -15,14 +15,17 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.cli import findings
-from mpt_kv.families import FAMILIES, costs
-from mpt_kv.families.checks import BATCH, PROMPT, build, check_no_pinned_storage
+from mpt_kv.families import FAMILIES
+from mpt_kv.findings import costs, raw
+from mpt_kv.findings.raw import raw_entries, target_of
+from mpt_kv.checks.family import CHECKS
+from mpt_kv.checks.family_driver import BATCH, PROMPT
+from mpt_kv.families.models import build
 
 transformers = pytest.importorskip("transformers")
 from packaging.version import Version  # noqa: E402
 
-VIEW_FINDINGS = [e for e in costs.known_entries()
-                 if e.get("views") and e.get("implementation", "transformers") == "transformers"]
+VIEW_FINDINGS = [e for e in raw_entries() if e.get("views") and target_of(e)[0] == "transformers"]
 MEASURED = re.compile(r"its storage holds (\d+) bytes, the cached tensors in it (\d+): "
                       r"(\d+) bytes pinned beyond the cache")
 
@@ -41,7 +44,7 @@ def test_starcoder_by_hand():
     assert costs.pinned_bytes_per_layer(family, config, ["key", "value"], 1, 1, torch.bfloat16) == 12288
     assert costs.pinned_bytes(family, config, ["key", "value"], 16, 1024, torch.bfloat16) == 8053063680
     assert costs.kv_bytes(family, config, 16, 1024, torch.bfloat16) == 335544320
-    entry = next(e for e in VIEW_FINDINGS if (e["family"], e["variant"]) == ("gpt_bigcode", "mqa"))
+    entry = next(e for e in VIEW_FINDINGS if target_of(e)[1:] == ("gpt_bigcode", "mqa"))
     cost = costs.finding_cost(entry, [(16, 1024), (1, None)], torch.bfloat16)
     assert cost.pinned == {(16, 1024): 8053063680, (1, None): 491520 * 8192}  # n_positions 8192
 
@@ -78,15 +81,16 @@ def test_fused_width_is_the_fused_modules_output(name):
 def measured_pins(entry) -> list[tuple[int, int, int]]:
     """(storage bytes, cached bytes, pinned bytes) per storage, as family-P3's failure names them."""
     with pytest.raises(PropertyFailure) as info:
-        check_no_pinned_storage("transformers", entry["family"], entry["variant"], entry.get("path", "concat"))
+        CHECKS["family-P3"](*target_of(entry), entry.get("path", "concat"))
     return [tuple(map(int, m)) for m in MEASURED.findall(str(info.value))]
 
 
 def assert_formula_gives(entry, measured):
     """The formula at the tiny config (batch BATCH, prompt PROMPT, fp32) gives every storage's
     bytes exactly, one storage per caching layer."""
-    family = FAMILIES[entry["family"]]
-    config = family.config(entry["variant"])
+    _, name, variant = target_of(entry)
+    family = FAMILIES[name]
+    config = family.config(variant)
     per_layer = costs.pinned_bytes_per_layer(family, config, entry["views"], BATCH, PROMPT, torch.float32)
     fused = costs.fused_width(family, config) * 4 * BATCH * PROMPT
     assert len(measured) == family.layers(config), measured
@@ -95,7 +99,7 @@ def assert_formula_gives(entry, measured):
 
 @pytest.mark.skipif(Version(transformers.__version__) >= Version("4.56"),
                     reason="transformers >= 4.56 copies on the first update: nothing pins to measure")
-@pytest.mark.parametrize("entry", VIEW_FINDINGS, ids=lambda e: f"{e['family']}-{e['variant']}")
+@pytest.mark.parametrize("entry", VIEW_FINDINGS, ids=lambda e: "-".join(target_of(e)[1:]))
 def test_formula_is_the_measured_pin(entry):
     """Under transformers 4.55 (the ohabana env) every view finding's failure names per storage
     the bytes the formula gives at the tiny config."""
@@ -117,7 +121,7 @@ def views_update(self, key_states, value_states, *args, **kwargs):
 @pytest.mark.skipif(not hasattr(getattr(pytest.importorskip("transformers.cache_utils"), "DynamicLayer", None),
                                 "lazy_initialization"),
                     reason="the <4.56 update is put back into transformers 5.x's DynamicLayer")
-@pytest.mark.parametrize("entry", VIEW_FINDINGS, ids=lambda e: f"{e['family']}-{e['variant']}")
+@pytest.mark.parametrize("entry", VIEW_FINDINGS, ids=lambda e: "-".join(target_of(e)[1:]))
 def test_formula_is_the_pin_with_the_bug_put_back(entry, monkeypatch):
     """Under 5.x with the <4.56 DynamicLayer.update put back, the same bytes."""
     from transformers.cache_utils import DynamicLayer
@@ -148,7 +152,7 @@ def test_real_config_builds_offline_with_its_fields(name):
 
 def test_a_real_config_of_another_variant_is_refused():
     """The MHA finding costed on starcoder (multi-query) would be wrong: an error naming the switch."""
-    entry = dict(next(e for e in VIEW_FINDINGS if (e["family"], e["variant"]) == ("gpt_bigcode", "mha")),
+    entry = dict(next(e for e in VIEW_FINDINGS if target_of(e)[1:] == ("gpt_bigcode", "mha")),
                  cost_config="starcoder")
     with pytest.raises(ValueError, match=r"multi_query=True \(variant mha: False\)"):
         costs.finding_cost(entry, [(16, 1024)], torch.bfloat16)
@@ -162,8 +166,8 @@ def test_every_view_finding_says_what_views_and_where_it_costs():
     # a view of a fused projection's output; not a view of another buffer ("no fused projection's
     # output": a sliding window's slice of its own concatenation, DeepSeek 4.55's V split from
     # kv_b_proj's output), whose bytes no fused width gives
-    p3 = [e for e in costs.known_entries() if e["property"] == "family-P3"
-          and e.get("implementation", "transformers") == "transformers" and "view" in e["pattern"]
+    p3 = [e for e in raw_entries() if e["property"] == "family-P3"
+          and target_of(e)[0] == "transformers" and "view" in e["pattern"]
           and "no fused projection" not in e["pattern"]]
     assert p3 and all(e.get("views") and e.get("cost_config") for e in p3), p3
     assert len(VIEW_FINDINGS) >= len(p3)
@@ -193,12 +197,12 @@ def test_the_docs_block_is_the_commands_output():
 
 def test_an_implementation_crash_is_shown_without_bytes(tmp_path, monkeypatch, capsys):
     """An optimum-habana finding without views (a crash): its error, "-" and why no bytes."""
-    crash = {"family": "codegen", "variant": "mha", "property": "family-P1", "implementation": "optimum-habana",
+    crash = {"target": "optimum-habana/codegen/mha", "property": "family-P1",
              "when": {"optimum-habana": "<=1.21.2"}, "pattern": r"TypeError: can only concatenate tuple \(not Tensor\)",
              "upstream": "optimum/habana/transformers/models/codegen/modeling_codegen.py:NN", "reason": "..."}
     path = tmp_path / "known_failures.json"
-    path.write_text(json.dumps(costs.known_entries()[:1] + [crash]))
-    monkeypatch.setattr(costs, "KNOWN_FAILURES", path)
+    path.write_text(json.dumps(raw_entries()[:1] + [crash]))
+    monkeypatch.setattr(raw, "FAMILY_FILE", path)
     assert findings.main([]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("codegen/mha"))

@@ -17,7 +17,8 @@ import torch
 
 from mpt_kv import PropertyFailure, TargetUnavailable
 from mpt_kv.families import FAMILIES
-from mpt_kv.families.checks import CHECKS, build
+from mpt_kv.checks.family import CHECKS
+from mpt_kv.families.models import build
 from mpt_kv.families.gaudi import fork_loader, gaudi_runner
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mpt_kv import versions
-from mpt_kv.checks.known_failures import parse_when
+from mpt_kv.findings.entries import parse_when
 from mpt_kv.errors import InputError, TargetUnavailable
-from mpt_kv.families import repros
+from mpt_kv.findings import repros, scripts
 from mpt_kv.model.config import ModelConfig, random_state_dict
 
 CFG = ModelConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32)
@@ -220,7 +220,7 @@ def test_its_repros_exit_1_where_their_finding_holds(tmp_path):
     """Each kept llm-foundry script, run against the installed release alone (no mpt_kv on its path)."""
     repros.write(tmp_path, [])
     paths = [str(tmp_path / r.slug / "repro.py") for r in FOUNDRY_REPROS]
-    run = subprocess.run([sys.executable, "-I", "-c", repros.DRIVER, "", *paths], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-I", "-c", scripts.DRIVER, "", *paths], capture_output=True, text=True,
                          cwd=tmp_path, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])

@@ -12,7 +12,7 @@ import torch
 from mpt_kv.catalogue.designs import DESIGNS
 from mpt_kv.catalogue.variants import VARIANTS
 from mpt_kv.checks import capture as K
-from mpt_kv.checks import known_failures
+from mpt_kv.findings import entries as known_failures
 from mpt_kv.checks.cases import Context
 from mpt_kv.checks.registry import CHECKS
 from mpt_kv.checks.strategies import STATIC_SHAPE_CASE as CASE

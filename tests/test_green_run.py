@@ -214,7 +214,7 @@ def test_the_opt_outs(results, allow_missing_device, allow_no_cache_check):
 def test_every_property_of_the_index_is_a_cache_check_or_not():
     """A property added to the index must be classified (or it never counts: a cache check that never greens)."""
     from mpt_kv.checks.registry import PROPERTIES
-    from mpt_kv.families.checks import CHECKS
+    from mpt_kv.checks.family import CHECKS
     from mpt_kv.plugin.report import PROPERTY_NAMES
 
     cache, other = set(gate.CACHE_PROPERTIES), set(gate.NOT_CACHE_PROPERTIES)

@@ -1,4 +1,4 @@
-"""A known-failures pattern names a failure, not any failure (mpt_kv.checks.known_failures.
+"""A known-failures pattern names a failure, not any failure (mpt_kv.findings.patterns.
 compile_pattern, the one rule of the MPT, families and project files): it requires a literal text
 of MIN_LITERAL characters and matches no generic failure line of the suite. Plus: the shipped
 files and the docs' snippets meet it and match what the checks really print, and
@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpt_kv.families import known_failures as family_known
-from mpt_kv.checks import known_failures as known
+from mpt_kv.findings import entries as known
+from mpt_kv.findings import patterns
 
 ROOT = Path(__file__).resolve().parents[1]
 VIEWS = "mpt_kv.catalogue.variants:kv_views_of_mixed_qkv"
 MPT_ENTRY = {"target": VIEWS, "property": "P3", "path": "concat", "reason": "test: k, v cached as views",
              "pattern": r"are views of layer \d+'s mixed_qkv"}
-FAMILY_ENTRY = {k: v for k, v in json.loads(family_known.FILE.read_text())[0].items()}
+FAMILY_ENTRY = {k: v for k, v in json.loads(known.FAMILY_FILE.read_text())[0].items()}
 
 # patterns that name no failure: each must be refused (the MPT file, the families' file)
 GENERIC = [".", "e", r"\w", "[a-z]", "P3", "error", "failed", "raised RuntimeError", "(a|.)", "mixed_qkv",
@@ -51,7 +51,7 @@ def test_an_mpt_pattern_that_names_no_failure_is_an_error_naming_the_entry(tmp_p
 def test_a_family_pattern_that_names_no_failure_is_an_error_naming_the_entry(tmp_path, pattern):
     path = write(tmp_path, [FAMILY_ENTRY, {**FAMILY_ENTRY, "pattern": pattern}])
     with pytest.raises(ValueError) as e:
-        family_known.load(path)
+        known.load_families(path)
     assert str(e.value).startswith(f"family known failures {path}: entry 1: 'pattern' {pattern!r} "), e.value
 
 
@@ -60,7 +60,7 @@ def test_a_family_pattern_that_names_no_failure_is_an_error_naming_the_entry(tmp
     ("(key|value) \\(", 5), ("ab(cd|efg)hi", 6), ("a{3}bc", 5), ("(?s)abc.*defgh", 5), ("a[.]b", 3),
     (r"raised KeyError: 'input_shape'", 30), (r"(?:x|yy)+z", 2)])
 def test_literal_run_is_the_literal_text_every_match_contains(pattern, run):
-    assert known.literal_run(pattern) == run, f"literal_run({pattern!r}) = {known.literal_run(pattern)}, expected {run}"
+    assert patterns.literal_run(pattern) == run, f"literal_run({pattern!r}) = {patterns.literal_run(pattern)}, expected {run}"
 
 
 @pytest.mark.parametrize("file", [known.FILE, ROOT / "examples" / "downstream" / "mpt_kv_known_failures.json"],
@@ -70,7 +70,7 @@ def test_the_shipped_mpt_files_meet_the_rule(file):
 
 
 def test_the_shipped_family_file_meets_the_rule():
-    assert len(family_known.load()) == len(json.loads(family_known.FILE.read_text()))
+    assert len(known.load_families()) == len(json.loads(known.FAMILY_FILE.read_text()))
 
 
 # --- the corpus is what the suite prints -------------------------------------------------------------------
@@ -87,7 +87,7 @@ def crash_of_run_op():
 
 
 def crash_of_family_call():
-    from mpt_kv.families.checks import call
+    from mpt_kv.checks.family_driver import call
 
     def prefill():
         raise KeyError("boom")
@@ -110,7 +110,7 @@ def test_generic_failure_lines_are_what_the_suite_prints(produce):
 
     with pytest.raises(PropertyFailure) as e:
         produce()
-    assert str(e.value) in known.generic_failures(), f"the suite prints {str(e.value)!r}, not in the corpus"
+    assert str(e.value) in patterns.generic_failures(), f"the suite prints {str(e.value)!r}, not in the corpus"
 
 
 # --- the docs' snippets -----------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def test_every_pattern_of_the_docs_is_in_a_json_snippet_the_test_reads():
 @pytest.mark.parametrize("doc,entry", doc_entries(), ids=lambda x: x if isinstance(x, str) else x["target"])
 def test_a_docs_pattern_meets_the_rule_and_matches_what_p3_prints(doc, entry, p3_message):
     assert entry["property"] == "P3", f"{doc}: an example of {entry['property']}: add what it prints to this test"
-    pattern = known.compile_pattern(entry["pattern"], lambda what: AssertionError(f"{doc}: {what}"))
+    pattern = patterns.compile_pattern(entry["pattern"], lambda what: AssertionError(f"{doc}: {what}"))
     assert pattern.search(p3_message), f"{doc}: /{entry['pattern']}/ does not match what P3 prints: {p3_message}"
 
 
@@ -210,7 +210,7 @@ def test_expected_failed_checks_xfails_a_finding_never_a_crash_the_check_wraps()
 
 def test_shipped_entries_are_upstreams_and_a_projects_are_its_own(tmp_path):
     from mpt_kv.plugin.known_failures import words_for
-    from mpt_kv.checks import known_failures
+    from mpt_kv.findings import entries as known_failures
 
     shipped = known_failures.load()[0]
     assert words_for(shipped) == ("known upstream failure", "upstream fixed it")

@@ -16,6 +16,7 @@ from mpt_kv.catalogue.designs import (DESIGNS, BlockGrowthConcatCache, BlockGrow
                                       model_with)
 from mpt_kv.catalogue.variants import VARIANTS, runner_factory
 from mpt_kv.checks import ceilings as C
+from mpt_kv.checks import accounting as A
 from mpt_kv.checks import properties as P
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.model.config import ModelConfig, random_state_dict
@@ -126,12 +127,12 @@ def test_p3_fails_block_slack_beyond_the_declared_block_naming_layer_and_bytes()
 
 def ops_p3(build, name):
     """6 positions (capacity 8), an extend of 8 (14: grown to 16), a crop of 6 back to 8, a decode."""
-    from mpt_kv.checks import programs
+    from mpt_kv.checks import operations, programs
 
     program = programs.Program(P.Case(CFG, (6, 2), 10, seed=22),
                                (programs.Op("extend", 8), programs.Op("crop", 6), programs.Op("decode")))
     runner = build(CFG, random_state_dict(CFG, seed=22), CPU, F32)
-    programs.check_program_aliasing(runner, P.Context(name, "cpu", F32, program.case, "concat"), program)
+    operations.check_program_aliasing(runner, P.Context(name, "cpu", F32, program.case, "concat"), program)
 
 
 class SliceCropBlockCache(BlockGrowthConcatCache):
@@ -229,8 +230,8 @@ def test_a_block_growth_cache_passes_memory_whatever_its_block_size(design, conf
 
 def test_the_block_growth_bound_counts_whole_blocks_and_says_so():
     cfg = C.CONFIGS[1].cfg
-    assert C.new_cache_length(17, 16) == 32 and C.new_cache_length(17, None) == 17 and C.new_cache_length(32, 16) == 32
-    assert C.decode_bound(cfg, 2, 17, 4, "concat", 16) - C.decode_bound(cfg, 2, 17, 4, "concat") == \
-        C.analytic.kv_cache_bytes(C.shape_of(cfg), 2, 15, 4)
-    assert "KV(32)" in C.decode_bound_text(cfg, 2, 17, 4, "concat", 16) and "whole blocks of 16" in \
-        C.decode_bound_text(cfg, 2, 17, 4, "concat", 16)
+    assert A.new_cache_length(17, 16) == 32 and A.new_cache_length(17, None) == 17 and A.new_cache_length(32, 16) == 32
+    assert A.decode_bound(cfg, 2, 17, 4, "concat", 16) - A.decode_bound(cfg, 2, 17, 4, "concat") == \
+        C.analytic.kv_cache_bytes(A.shape_of(cfg), 2, 15, 4)
+    assert "KV(32)" in A.decode_bound_text(cfg, 2, 17, 4, "concat", 16) and "whole blocks of 16" in \
+        A.decode_bound_text(cfg, 2, 17, 4, "concat", 16)

@@ -11,7 +11,7 @@ import torch
 
 from mpt_kv.catalogue import killmatrix as KM
 from mpt_kv.catalogue.variants import VARIANTS
-from mpt_kv.checks import index, programs
+from mpt_kv.checks import index, operations, programs
 from mpt_kv.checks.registry import CHECKS
 from mpt_kv.errors import PropertyFailure
 
@@ -47,7 +47,7 @@ def test_the_reference_retains_exactly_its_cache_before_and_after(check):
 def test_a_cache_kept_for_undo_is_the_whole_old_cache_named_by_attribute(operation, positions):
     """Exactly the cache before the operation (positions it held then), found where the session keeps
     it: session.cache.undo."""
-    after = positions if operation == "reorder" else positions - programs.MEMORY_CROP
+    after = positions if operation == "reorder" else positions - operations.MEMORY_CROP
     with pytest.raises(PropertyFailure) as e:
         CHECKS[f"ops-retained/concat/{operation}"](UNDO, "cpu", F32)
     msg = str(e.value)
@@ -84,7 +84,7 @@ def test_a_crop_that_slices_keeps_the_cropped_positions_beyond_the_cache():
             self.kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv]
 
     build = runner_factory("slice_crop", model_with(concat=SliceCrop))
-    cropped = kv_bytes(programs.MEMORY_CROP)
+    cropped = kv_bytes(operations.MEMORY_CROP)
     per_tensor = cropped // (2 * CFG.n_layers)
     with pytest.raises(PropertyFailure, match=rf"ops-retained crop -5 \(24 -> 19 positions\): {cropped} bytes more "
                                               rf".*layer 0 key \(3, 4, 19, 8\) lives in a storage of "

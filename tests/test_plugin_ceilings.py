@@ -27,10 +27,10 @@ def test_update_ceilings_is_refused_under_ci(monkeypatch, ci):
 
 def missing_measurement(**more) -> dict:
     """A memory measurement of a transformers version that has no stored ceilings."""
-    from mpt_kv.checks import ceilings as C
+    from mpt_kv.checks import stored_ceilings as S
 
-    baseline = C.baseline_path("cpu", ROOT / "mpt_kv_ceilings")
-    stored = next(iter(C.load_baseline(baseline, "cpu")))
+    baseline = S.baseline_path("cpu", ROOT / "mpt_kv_ceilings")
+    stored = next(iter(S.load_baseline(baseline, "cpu")))
     target, path, dtype, config, shape = stored.split("|")
     return {"target": "transformers", "target_version": "transformers 5.99", "device": "cpu", "dtype": dtype,
             "path": "concat", "bucket": None, "batch": 16, "max_input": 8, "max_new": 8, "problems": 0,
@@ -40,7 +40,7 @@ def missing_measurement(**more) -> dict:
 
 def test_a_version_without_stored_ceilings_says_in_one_line_how_to_record_it():
     """A required target's missing entry is a BaselineError ("error"): the line gives the command."""
-    from mpt_kv.checks import ceilings as C
+    from mpt_kv.checks import stored_ceilings as S
 
     m = missing_measurement(outcome="error")
     config = FakeConfig()
@@ -49,7 +49,7 @@ def test_a_version_without_stored_ceilings_says_in_one_line_how_to_record_it():
     assert lines == [f"memory ceilings: none stored for transformers (transformers 5.99) on cpu (2 cases failed for "
                      f"that alone): record them locally, not under CI, with `python -m pytest --pyargs "
                      f"mpt_kv.conformance -k memory --update-ceilings`, review the diff and commit "
-                     f"{C.baseline_path('cpu', ROOT / 'mpt_kv_ceilings')}"]
+                     f"{S.baseline_path('cpu', ROOT / 'mpt_kv_ceilings')}"]
 
 
 def test_an_analytic_memory_failure_is_never_offered_for_recording():

@@ -1,4 +1,4 @@
-"""Known failures (mpt_kv/plugin/known_failures.py, mpt_kv/targets/known_failures.py; docs/gate.md
+"""Known failures (mpt_kv/plugin/known_failures.py, mpt_kv/findings/entries.py; docs/gate.md
 rows 17-19): an entry xfails only the PropertyFailure its pattern names, an entry that matches
 nothing fails the run under --strict-known-failures, a malformed file is one usage error."""
 
@@ -14,7 +14,7 @@ import mpt_kv.plugin
 from mpt_kv.plugin import known_failures
 from mpt_kv.plugin.state import run_state
 from mpt_kv.checks.compare import PropertyFailure
-from mpt_kv.checks import known_failures as KF
+from mpt_kv.findings import entries as KF
 
 from plugin_testing import FakeConfig, output, subprocess_runner
 
@@ -76,7 +76,7 @@ def test_a_known_failure_xfails_only_the_failure_its_pattern_names(run, known_fi
 def test_strict_known_failures_makes_an_entry_that_matched_nothing_an_error(known_file, monkeypatch):
     config = FakeConfig(strict_known_failures=False)
     run = run_state(config)
-    run.required, run.profile = {}, "dev"
+    run.required = {}
     run.known, run.known_cases = KF.load(known_file), True
     run.known_covered = {run.known[0].key}  # entry 1 (the typo) covered no collected case
     session = type("Session", (), {"config": config, "exitstatus": pytest.ExitCode.OK})()
@@ -160,7 +160,7 @@ def test_the_configured_gate_turns_a_malformed_file_into_a_usage_error(tmp_path,
 
 
 def test_entry_explains_only_its_property_failure():
-    entry = KF._entry(ENTRY, 0, "f.json")
+    entry = KF.mpt_entry(ENTRY, 0, "f.json")
     known = PropertyFailure("layer 0 cached key (1, 4) is a view of mixed_qkv (1, 12)")
     assert entry.explains(known)
     assert not entry.explains(PropertyFailure("layer 0 cached key shares storage with layer 1"))

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from mpt_kv.checks import ceilings as C
+from mpt_kv.checks import accounting as A
 from mpt_kv.checks import reach, registry
 from mpt_kv.checks.strategies import EDGE_CASES
 from mpt_kv.model.config import random_state_dict
-from mpt_kv.checks import known_failures
+from mpt_kv.findings import entries as known_failures
 from mpt_kv.targets import build
 
 
@@ -129,7 +130,7 @@ def test_the_reference_keeps_nothing_on_the_model():
     runner = build("reference", case.cfg, random_state_dict(case.cfg), "cpu", torch.float32)
     assert C.measure(runner, case, "concat", "cpu", torch.float32).problems == []
     weights = {C.storage_key(t) for t in [*runner.model.parameters(), *runner.model.buffers()]}
-    assert C.model_state_tensors(runner, weights) == []  # weights and registered buffers only
+    assert A.model_state_tensors(runner, weights) == []  # weights and registered buffers only
 
 
 # --- known failures pinned to one check -----------------------------------------------------------------

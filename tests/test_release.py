@@ -121,7 +121,8 @@ opened = []
 sys.addaudithook(lambda event, args: opened.append(os.fsdecode(args[0]))
                  if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) else None)
 from mpt_kv import package_data
-from mpt_kv.checks import known_failures, reach
+from mpt_kv.checks import reach
+from mpt_kv.findings import entries as known_failures
 from mpt_kv.cli import findings
 root = str(package_data.PACKAGE_ROOT)
 with contextlib.redirect_stdout(io.StringIO()):
@@ -164,11 +165,11 @@ OWN_LOCATION_ALLOWED = {
 
 def test_no_module_finds_a_file_by_its_own_location_but_the_list():
     """A module that builds a path from its own `__file__` or `importlib.resources` opens a file the
-    list does not name, and a move leaves it behind. (The kept repro scripts are not modules of the
-    package: they run standalone, against another install.)"""
+    list does not name, and a move leaves it behind. (The kept repro scripts are templates, not modules of
+    the package: they run standalone, against another install.)"""
     own = re.compile(r"(?<![\w.])__file__|importlib\.resources|from importlib import resources|pkgutil\.get_data")
     found = [f"{name}:{n}: {line.strip()}" for name in package_files() if name.endswith(".py")
-             and not name.startswith("mpt_kv/targets/repros/") and name not in OWN_LOCATION_ALLOWED
+             and name not in OWN_LOCATION_ALLOWED
              for n, line in enumerate((REPO / name).read_text(encoding="utf-8").splitlines(), 1)
              if own.search(line.split("#", 1)[0])]
     assert not found, "\n".join(found)
@@ -259,18 +260,18 @@ def test_the_current_version_has_a_changelog_entry_in_keep_a_changelog_form():
 def known_failure_ids() -> dict[str, str]:
     """{id: which file} for every shipped known failure: an MPT target entry's `repro`; a family
     finding's repro folder (its entries grouped as `findings --repro` groups them)."""
-    from mpt_kv.families import repros
-    from mpt_kv.families.costs import known_entries
-    from mpt_kv.families.findings import grouped
+    from mpt_kv.findings import repros
+    from mpt_kv.findings.entries import raw_entries
+    from mpt_kv.findings.grouping import grouped
 
     ids = {}
     for entry in json.loads(package_data.MPT_KNOWN_FAILURES.read_text()):
         assert entry.get("repro"), f"an MPT target entry without its repro has no id: {entry}"
-        ids[entry["repro"]] = "mpt_kv/targets/known_failures.json"
-    for entries in grouped(known_entries()):
+        ids[entry["repro"]] = "mpt_kv/findings/known_failures.json"
+    for entries in grouped(raw_entries()):
         slug = repros.slug_of(entries)
         assert slug, f"a family finding without a repro has no id: {repros.describe(entries)}"
-        ids.setdefault(slug, "mpt_kv/families/known_failures.json")
+        ids.setdefault(slug, "mpt_kv/findings/family_known_failures.json")
     return ids
 
 

@@ -1,4 +1,4 @@
-"""`python -m mpt_kv findings --repro DIR` (mpt_kv/families/repros.py): every generated standalone
+"""`python -m mpt_kv findings --repro DIR` (mpt_kv/findings/repros.py): every generated standalone
 script, run in this environment, exits 1 where its finding's `when` holds for the installed
 versions and 0 where it does not; any other status fails with the script's output.
 
@@ -16,14 +16,13 @@ import sys
 
 import pytest
 
-from mpt_kv.checks.known_failures import parse_when
+from mpt_kv.findings.entries import parse_when, raw_entries, target_of
 from mpt_kv.cli import findings
-from mpt_kv.families import repros
-from mpt_kv.families.costs import known_entries
+from mpt_kv.findings import port_repros, repros, scripts
 from mpt_kv.targets.hf import static_path_missing
 from mpt_kv.versions import installed, versions_match
 
-GROUPS = findings.grouped(known_entries())
+GROUPS = findings.grouped(raw_entries())
 KEPT, TARGETS_MISSING, SHARED = repros.target_plan(repros.target_entries())
 PLANNED = [(repros.slug_of(entries), entries) for entries in GROUPS if repros.slug_of(entries)]
 PLANNED += [(r.slug, list(r.entries)) for r in KEPT]  # the MPT targets' kept scripts
@@ -94,7 +93,7 @@ WITH_REPROS = {
     "optimum-habana-persimmon-mha-static-prefill-kv-views", "optimum-habana-falcon-alibi-prefill-logits-vs-eager",
     "optimum-habana-falcon-alibi-concat-prefill-logits-vs-eager-then-extend-crash",
     "optimum-habana-falcon-alibi-static-prefill-logits-vs-eager-then-extend-crash",
-    # the MPT targets' findings (mpt_kv/targets/known_failures.json), scripts kept in mpt_kv/targets/repros/
+    # the MPT targets' findings (mpt_kv/findings/known_failures.json), scripts kept in mpt_kv/findings/sources/kept/
     "transformers-mpt-alibi-bias-max-ignored", "transformers-mpt-crop-keeps-cropped-positions",
     "transformers-mpt-static-decode-host-sync", "transformers-mpt-static-decode-breaks-compile",
     "transformers-mpt-static-reorder-moves-buffers",
@@ -108,11 +107,11 @@ WITH_REPROS = {
 }
 
 def is_optimum_habana(entries) -> bool:
-    return repros.implementation(entries[0]) == "optimum-habana"
+    return target_of(entries[0])[0] == "optimum-habana"
 
 
 def is_llm_foundry(entries) -> bool:
-    return repros.implementation(entries[0]) == "llm-foundry"
+    return target_of(entries[0])[0] == "llm-foundry"
 
 
 def marks(entries) -> list:
@@ -149,7 +148,7 @@ def driven(written):
     runnable.sort(key=lambda r: is_optimum_habana(r.entries))
     paths = [str(directory / r.slug / "repro.py") for r in runnable]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-I", "-c", repros.DRIVER, "", *paths], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-I", "-c", scripts.DRIVER, "", *paths], capture_output=True, text=True,
                          cwd=directory, env=env, timeout=600)
     assert run.returncode == 0, f"the driver failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     report = json.loads(run.stdout.splitlines()[-1])
@@ -170,7 +169,7 @@ def test_a_repro_exits_1_where_its_finding_holds_else_0(driven, slug, entries):
 
 
 def test_every_mpt_target_finding_names_a_repro_that_exists(written):
-    """Each entry of mpt_kv/targets/known_failures.json names its repro: a kept script, or the
+    """Each entry of mpt_kv/findings/known_failures.json names its repro: a kept script, or the
     folder of a family finding that is the same bug."""
     directory, _, _ = written
     assert TARGETS_MISSING == [], "entries without a repro: " + "; ".join(repros.describe([e]) for e in TARGETS_MISSING)
@@ -185,7 +184,7 @@ def test_the_findings_with_a_repro_are_these():
 
 
 @pytest.mark.optimum_habana
-@pytest.mark.parametrize("family", sorted(repros.PORT_PATCHES))
+@pytest.mark.parametrize("family", sorted(port_repros.PORT_PATCHES))
 def test_the_replayed_patches_are_the_installed_releases_lines(family):
     """The scripts replay adapt_transformers_to_gaudi's lines for the family, kept as data: they
     must be the installed release's own (read by mpt-kv's loader)."""
@@ -194,7 +193,7 @@ def test_the_replayed_patches_are_the_installed_releases_lines(family):
 
     port = FAMILIES[family]
     lines = [(p.name, p.attribute, p.value) for p in port_patches(port, load_port_module(port))]
-    assert lines == repros.PORT_PATCHES[family]
+    assert lines == port_repros.PORT_PATCHES[family]
 
 
 def test_no_repro_imports_mpt_kv(written, driven):

@@ -15,13 +15,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mpt_kv.checks import programs
+from mpt_kv.checks import family_driver, operations, programs
+from mpt_kv.checks.family import CHECKS
 from mpt_kv.checks.index import by_name
 from mpt_kv.checks.running import function_of
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.checks.properties import Context
-from mpt_kv.families import FAMILIES, checks
-from mpt_kv.families import known_failures as family_known
+from mpt_kv.families import FAMILIES
+from mpt_kv.findings import entries as family_known
 from mpt_kv.families.implementations import transformers_runner
 from mpt_kv.model.config import random_state_dict
 from mpt_kv.targets.reference import build as reference_build
@@ -30,7 +31,7 @@ pytest.importorskip("transformers")
 
 FAMILY, VARIANT = "llama", "gqa"
 # the port's shipped k-token extend crash (optimum-habana <= 1.21.2): the known failure a fork inherits
-EXTEND_CRASH = next(k for k in family_known.load()
+EXTEND_CRASH = next(k for k in family_known.load_families()
                     if k.property == "family-P1" and "extend raised" in k.pattern.pattern)
 CRASH = "The expanded size of the tensor (9) must match the existing size (6) at non-singleton dimension 3"
 
@@ -97,7 +98,7 @@ def crash_matches(message: str) -> bool:
 @pytest.mark.parametrize("path", ["concat", "static"])
 def test_p1_a_wrong_decode_before_a_crashing_extend_fails_naming_the_decode_step(path):
     with pytest.raises(PropertyFailure) as failure:
-        checks.check_cached(implementation(True, "extend"), FAMILY, VARIANT, path)
+        CHECKS["family-P1"](implementation(True, "extend"), FAMILY, VARIANT, path)
     message = str(failure.value)
     assert message.startswith("family-P1 decode step 1: cached logits vs transformers' uncached forward"), message
     assert "did not get past extend 3 (step 3), whose extend crashed with RuntimeError" in message, message
@@ -107,7 +108,7 @@ def test_p1_a_wrong_decode_before_a_crashing_extend_fails_naming_the_decode_step
 @pytest.mark.parametrize("path", ["concat", "static"])
 def test_p1_the_extend_crash_alone_is_still_its_known_failure_naming_the_steps_that_held(path):
     with pytest.raises(PropertyFailure) as failure:
-        checks.check_cached(implementation(False, "extend"), FAMILY, VARIANT, path)
+        CHECKS["family-P1"](implementation(False, "extend"), FAMILY, VARIANT, path)
     message = str(failure.value)
     assert crash_matches(message), f"pattern {EXTEND_CRASH.pattern.pattern!r} does not match: {message}"
     assert "(judged before it and held: prefill, decode step 1, decode step 2)" in message, message
@@ -116,7 +117,7 @@ def test_p1_the_extend_crash_alone_is_still_its_known_failure_naming_the_steps_t
 def test_p2_a_wrong_static_decode_before_a_crashing_concat_extend_fails_naming_the_decode_step():
     build = implementation(True, "extend", crash_path="concat", paths=("static",))
     with pytest.raises(PropertyFailure) as failure:
-        checks.check_static_concat(build, FAMILY, VARIANT, "static")
+        CHECKS["family-P2"](build, FAMILY, VARIANT, "static")
     message = str(failure.value)
     assert message.startswith("family-P2 decode step 1: static-path logits vs the concat path's"), message
     assert "crashed with RuntimeError" in message and not crash_matches(message), message
@@ -124,7 +125,7 @@ def test_p2_a_wrong_static_decode_before_a_crashing_concat_extend_fails_naming_t
 
 def test_p2_the_concat_extend_crash_alone_is_still_the_crash():
     with pytest.raises(PropertyFailure) as failure:
-        checks.check_static_concat(implementation(False, "extend", crash_path="concat"), FAMILY, VARIANT, "static")
+        CHECKS["family-P2"](implementation(False, "extend", crash_path="concat"), FAMILY, VARIANT, "static")
     message = str(failure.value)
     assert crash_matches(message) and "extend 3 (step 3)" in message, message
     assert "(judged before it and held: prefill, decode step 1, decode step 2)" in message, message
@@ -135,9 +136,9 @@ def test_ops_a_reorder_crash_names_the_steps_judged_before_it():
     with pytest.raises(PropertyFailure, match=r"family-ops beam step 1 \(reorder \[2, 0, 1\]\): the implementation's "
                                               r"reorder raised RuntimeError: .*\(judged before it and held: prefill, "
                                               r"step 0 \(decode\)\)"):
-        checks.check_operations(implementation(False, "reorder"), FAMILY, VARIANT, "concat")
+        CHECKS["family-ops"](implementation(False, "reorder"), FAMILY, VARIANT, "concat")
     with pytest.raises(PropertyFailure, match=r"^family-ops beam step 0 \(decode\): logits vs"):
-        checks.check_operations(implementation(True, "reorder"), FAMILY, VARIANT, "concat")
+        CHECKS["family-ops"](implementation(True, "reorder"), FAMILY, VARIANT, "concat")
 
 
 # --- the MPT operation programs ---------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def test_mpt_ops_a_reorder_crash_names_the_steps_judged_before_it(check):
 
 def test_mpt_ops_p1_a_wrong_decode_before_a_crashing_reorder_fails_naming_the_decode():
     with pytest.raises(PropertyFailure) as failure:
-        programs.check_program_cached(reference_target(True, "reorder"), context(), BEAM)
+        operations.check_program_cached(reference_target(True, "reorder"), context(), BEAM)
     message = str(failure.value)
     assert message.startswith("ops-P1 decode logits"), message
     assert "step=0" in message and "reorder raised" not in message, message
@@ -182,12 +183,12 @@ def test_a_family_copy_under_the_same_name_gets_its_own_runner_and_model():
     IndexError, a false failure); keyed by the Family object and the config it passes."""
     family = FAMILIES[FAMILY]
     copy = replace(family, tiny={**family.tiny, "vocab_size": 2 * family.config(VARIANT).vocab_size})
-    checks.check_cached("transformers", family, VARIANT, "concat")
-    checks.check_cached("transformers", copy, VARIANT, "concat")  # raised PropertyFailure (IndexError) keyed by name
-    runner = checks.runner_for("transformers", copy, VARIANT, torch.float32, {})
+    CHECKS["family-P1"]("transformers", family, VARIANT, "concat")
+    CHECKS["family-P1"]("transformers", copy, VARIANT, "concat")  # raised PropertyFailure (IndexError) keyed by name
+    runner = family_driver.runner_for("transformers", copy, VARIANT, torch.float32, {})
     assert runner.model.config.vocab_size == copy.config(VARIANT).vocab_size
-    assert checks.oracle_model(copy, VARIANT, torch.float32).config.vocab_size == copy.config(VARIANT).vocab_size
-    assert checks.runner_for("transformers", family, VARIANT, torch.float32, {}).model.config.vocab_size == \
+    assert family_driver.oracle_model(copy, VARIANT, torch.float32).config.vocab_size == copy.config(VARIANT).vocab_size
+    assert family_driver.runner_for("transformers", family, VARIANT, torch.float32, {}).model.config.vocab_size == \
         family.config(VARIANT).vocab_size
 
 

@@ -7,12 +7,11 @@ import re
 
 import pytest
 
-from mpt_kv.plugin.state import run_state
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from mpt_kv.plugin import options
-from mpt_kv.checks import strategies
+from mpt_kv.checks import profiles
 from mpt_kv.checks.strategies import (HPU_HEAD_COUNTS, HPU_HEAD_DIM, HPU_LAYERS, HPU_MAX_SEQ_LEN, HPU_NEW_TOKENS,
                                       HPU_PROMPT_BUCKET, cases)
 
@@ -66,17 +65,19 @@ def test_ci_profile_draws_the_same_examples_every_run():
 
 @pytest.mark.parametrize("env,profile", [({"CI": "true"}, "ci"), ({"CI": "1"}, "ci"), ({"CI": "false"}, "dev"),
                                          ({}, "dev"), ({"CI": "true", "MPT_KV_HYPOTHESIS_PROFILE": "thorough"}, "thorough")])
-def test_profile_selection(monkeypatch, request, env, profile):
+def test_profile_selection(monkeypatch, env, profile):
+    this_run = profiles.current()
     for var in ("CI", "MPT_KV_HYPOTHESIS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     try:
-        assert strategies.load_profile() == profile
+        assert profiles.load_profile() == profile
+        assert profiles.current() == profile
         assert settings.default.derandomize == (profile == "ci")
         assert settings.default.print_blob
     finally:
-        strategies.use_profile(run_state(request.config).profile)  # this run's own profile back, and its draws
+        profiles.use_profile(this_run)  # this run's own profile back, and its draws
 
 
 # every new shape compiles a graph on HPU: few shapes, the prompt padded to its bucket

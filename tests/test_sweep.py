@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from mpt_kv import releases
 from mpt_kv.cli import sweep
+from mpt_kv.findings import sweep as repro_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,12 +106,12 @@ def wheel(tmp_path, requires):
 ])
 def test_the_transformers_pin_comes_from_the_release_metadata(tmp_path, requires, pin):
     listing = {"transformers": [Version(v) for v in ("4.39.3", "4.40.0", "4.40.2", "4.41.0", "5.24.0")]}.get
-    assert sweep.transformers_pin(release("optimum-habana", "1.12.1"), wheel(tmp_path, requires), listing) == pin
+    assert releases.transformers_pin(release("optimum-habana", "1.12.1"), wheel(tmp_path, requires), listing) == pin
 
 
 def test_a_release_without_a_transformers_requirement_says_so(tmp_path):
     with pytest.raises(sweep.SweepError, match="has no Requires-Dist on transformers"):
-        sweep.transformers_pin(release("optimum-habana", "1.12.1"), wheel(tmp_path, ["torch"]), lambda p: [])
+        releases.transformers_pin(release("optimum-habana", "1.12.1"), wheel(tmp_path, ["torch"]), lambda p: [])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -223,10 +225,10 @@ def repro_row(version, codes, package="transformers", problem=None):
 def test_holds_range_is_the_first_and_last_release_that_exit_1_and_the_first_fixed_after():
     r = [release("transformers", v) for v in ("4.30.2", "4.40.2", "4.45.2", "4.55.4", "4.56.2", "5.0.0")]
     # cannot run (2) before the class exists, holds in 4.45-4.55, fixed (0) from 4.56
-    assert sweep.holds_range(list(zip(r, [2, 2, 1, 1, 0, 0]))) == (r[2], r[3], r[4])
-    assert sweep.holds_range(list(zip(r, [0, 1, 1, 1, 1, 1]))) == (r[1], r[5], None)  # still holds in the newest
-    assert sweep.holds_range(list(zip(r, [0, 0, 0, 0, 0, 2]))) == (None, None, None)  # never holds
-    assert sweep.holds_range(list(zip(r, [1, 0, 2, 1, 2, 0]))) == (r[0], r[3], r[5])  # a 2 is neither held nor fixed
+    assert repro_sweep.holds_range(list(zip(r, [2, 2, 1, 1, 0, 0]))) == (r[2], r[3], r[4])
+    assert repro_sweep.holds_range(list(zip(r, [0, 1, 1, 1, 1, 1]))) == (r[1], r[5], None)  # still holds in the newest
+    assert repro_sweep.holds_range(list(zip(r, [0, 0, 0, 0, 0, 2]))) == (None, None, None)  # never holds
+    assert repro_sweep.holds_range(list(zip(r, [1, 0, 2, 1, 2, 0]))) == (r[0], r[3], r[5])  # a 2 is neither held nor fixed
 
 
 def test_the_repro_table_is_finding_by_release_with_notes_for_what_cannot_run():
@@ -234,7 +236,7 @@ def test_the_repro_table_is_finding_by_release_with_notes_for_what_cannot_run():
             repro_row("4.56.2", {"t-mpt": 0, "t-phi3": 0}),
             repro_row("4.40.2", {}, problem="install: pip install transformers==4.40.2 failed: ERROR: offline")]
     rows[1].repros["t-phi3"] = (2, "cannot run the experiment: cannot import name 'Phi3Config'")
-    text = "\n".join(sweep.repro_table_lines(rows))
+    text = "\n".join(repro_sweep.repro_table_lines(rows))
     assert "| finding | 4.30.2 | 4.40.2 | 4.55.4 | 4.56.2 | holds first | holds last | fixed in |" in text, text
     assert "| t-mpt | 1 | - | 1 | 0 | 4.30.2 | 4.55.4 | 4.56.2 |" in text, text
     assert "| t-phi3 | 2a | - | 1 | 0 | 4.55.4 | 4.55.4 | 4.56.2 |" in text, text
@@ -267,11 +269,11 @@ def test_main_repros_runs_each_release_and_a_release_not_built_is_exit_1(tmp_pat
             return sweep.Row(rel, problem="install: pip install transformers==4.40.2 failed: ERROR: offline")
         return repro_row(str(rel.version), {slug: 1 for slug in seen[str(rel)]}, package=rel.package)
 
-    monkeypatch.setattr(sweep, "write_repro_scripts", lambda folder: {
+    monkeypatch.setattr(repro_sweep, "write_repro_scripts", lambda folder: {
         "transformers": [("t-mpt", folder / "t-mpt" / "repro.py")],
         "optimum-habana": [("oh-codegen", folder / "oh-codegen" / "repro.py")]})
-    monkeypatch.setattr(sweep, "base_env", lambda envs, timeout: (envs / "_base" / "venv", "digest"))
-    monkeypatch.setattr(sweep, "run_release_repros", fake_run_release_repros)
+    monkeypatch.setattr(repro_sweep, "base_env", lambda envs, timeout: (envs / "_base" / "venv", "digest"))
+    monkeypatch.setattr(repro_sweep, "run_release_repros", fake_run_release_repros)
     out = tmp_path / "out"
     code = sweep.main(["transformers==4.40.2", "transformers==5.24.0", "optimum-habana==1.21.2", "--repros",
                        "--envs", str(tmp_path / "e"), "--out", str(out)])
@@ -287,15 +289,15 @@ def test_a_repros_cannot_run_note_names_the_exception_not_the_pointer_to_it():
     output = ("torch 2.13.0, transformers 4.45.2\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
               "RuntimeError: expected scalar type BFloat16 but found Float\n"
               "cannot run the experiment (see the error above)\n")
-    assert sweep.output_last_line(output) == ("cannot run the experiment: RuntimeError: expected scalar type BFloat16 "
+    assert repro_sweep.output_last_line(output) == ("cannot run the experiment: RuntimeError: expected scalar type BFloat16 "
                                               "but found Float")
-    assert sweep.output_last_line("cannot run the experiment: cannot import name 'Phi3Config'\n") == (
+    assert repro_sweep.output_last_line("cannot run the experiment: cannot import name 'Phi3Config'\n") == (
         "cannot run the experiment: cannot import name 'Phi3Config'")
-    assert sweep.output_last_line("") == "(no output)"
-    assert sweep.output_last_line("cannot run the experiment: cannot import name 'MptConfig' from 'transformers' "
+    assert repro_sweep.output_last_line("") == "(no output)"
+    assert repro_sweep.output_last_line("cannot run the experiment: cannot import name 'MptConfig' from 'transformers' "
                                   "(/envs/transformers-4.30.2/venv/lib/transformers/__init__.py)\n") == (
         "cannot run the experiment: cannot import name 'MptConfig' from 'transformers'")
-    assert [sweep.note_id(n) for n in (0, 25, 26, 27)] == ["a", "z", "aa", "ab"]
+    assert [repro_sweep.note_id(n) for n in (0, 25, 26, 27)] == ["a", "z", "aa", "ab"]
 
 
 @pytest.mark.parametrize("requires, wanted", [
@@ -306,14 +308,14 @@ def test_a_repros_cannot_run_note_names_the_exception_not_the_pointer_to_it():
     (["transformers >=4.32.0"], []),
 ])
 def test_an_optimum_habana_env_gets_its_own_optimum_and_accelerate_requirements(tmp_path, requires, wanted):
-    assert sweep.runtime_requirements(wheel(tmp_path, requires)) == wanted
+    assert releases.runtime_requirements(wheel(tmp_path, requires)) == wanted
 
 
 def test_an_llm_foundry_env_is_its_transformers_pin_its_model_imports_and_the_release_without_deps(tmp_path, monkeypatch):
     """llm-foundry's requirements pin the training stack (composer, torch 2.7): the env holds only the transformers
     its wheel pins (0.18 on write it 'v4.49.0'), the three packages its model files import, and the wheel with --no-deps."""
     artifact = wheel(tmp_path, ["mosaicml[gcs,mlflow]<0.33,>=0.32.1", "transformers<4.52,>=v4.51.0", "torch<2.7.1,>=2.7.0"])
-    monkeypatch.setattr(sweep, "download", lambda rel, folder: artifact)
+    monkeypatch.setattr(releases, "download", lambda rel, folder: artifact)
     seen, calls = {}, []
 
     def ensure_venv(folder, lock, install, timeout):
@@ -322,11 +324,11 @@ def test_an_llm_foundry_env_is_its_transformers_pin_its_model_imports_and_the_re
         install(tmp_path / "venv", timeout)
         return {"installed": ["transformers==4.51.3"]}
 
-    monkeypatch.setattr(sweep, "ensure_venv", ensure_venv)
-    monkeypatch.setattr(sweep, "pip", lambda venv, args, timeout, what: calls.append(args) or "")
-    monkeypatch.setattr(sweep, "site_packages", lambda venv: tmp_path / "venv" / "lib" / "python3" / "site-packages")
+    monkeypatch.setattr(releases, "ensure_venv", ensure_venv)
+    monkeypatch.setattr(releases, "pip", lambda venv, args, timeout, what: calls.append(args) or "")
+    monkeypatch.setattr(releases, "site_packages", lambda venv: tmp_path / "venv" / "lib" / "python3" / "site-packages")
     listing = lambda p: [Version(v) for v in ("4.49.0", "4.51.0", "4.51.3", "4.52.0")]  # noqa: E731
-    _, pins = sweep.release_env(release("llm-foundry", "0.22.0"), tmp_path, (tmp_path / "base", "d"), 1e12, listing)
-    assert seen["requirements"] == ["transformers==4.51.3", *sweep.FOUNDRY_MODEL_IMPORTS] and pins == "transformers 4.51.3"
+    _, pins = releases.release_env(release("llm-foundry", "0.22.0"), tmp_path, (tmp_path / "base", "d"), 1e12, listing)
+    assert seen["requirements"] == ["transformers==4.51.3", *releases.FOUNDRY_MODEL_IMPORTS] and pins == "transformers 4.51.3"
     assert ["install", "-q", "--no-compile", "--no-deps", str(artifact)] in calls
     assert not [a for a in calls if any("mosaicml" in x or x.startswith("torch") for x in a)]

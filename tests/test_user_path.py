@@ -1,19 +1,16 @@
-"""How a user reaches each finding (mpt_kv.families.user_path): the findings table's column."""
-
-import json
+"""How a user reaches each finding (mpt_kv.findings.user_path): the findings table's column."""
 
 import pytest
 
-from mpt_kv.families import user_path
-from mpt_kv.families.known_failures import FILE
+from mpt_kv.findings import user_path
+from mpt_kv.findings.raw import raw_entries, target_of
 
-ENTRIES = json.loads(FILE.read_text())
+ENTRIES = raw_entries()
 
 
 def entry(implementation, family, variant, pattern_start, path=None):
     """The file's first entry of that finding (so a renamed or removed one fails here, not silently)."""
-    found = [e for e in ENTRIES if e.get("implementation", "transformers") == implementation
-             and (e["family"], e["variant"]) == (family, variant) and e["pattern"].startswith(pattern_start)
+    found = [e for e in ENTRIES if target_of(e) == (implementation, family, variant) and e["pattern"].startswith(pattern_start)
              and (path is None or e.get("path") == path)]
     assert found, f"no {implementation} {family}/{variant} entry whose pattern starts {pattern_start!r}"
     return found[0]
@@ -48,8 +45,7 @@ def test_every_entry_has_a_route_and_every_override_an_entry():
     for impl, family, variant, prefix in user_path.OVERRIDES:
         entry(impl, family, variant, prefix)  # a stale override (its entry gone) fails here
     for impl, family, variant in user_path.VARIANT_OPTIONS:
-        assert any((e.get("implementation", "transformers"), e["family"], e["variant"]) == (impl, family, variant)
-                   for e in ENTRIES), (impl, family, variant)
+        assert any(target_of(e) == (impl, family, variant) for e in ENTRIES), (impl, family, variant)
 
 
 def test_a_finding_takes_its_most_reachable_route():

@@ -11,13 +11,16 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.families import FAMILIES
-from mpt_kv.families import checks
-from mpt_kv.families.checks import check_cached, check_memory, check_no_pinned_storage, check_static_concat
+from mpt_kv.checks import family_driver as checks
+from mpt_kv.checks.family import CHECKS
+
+check_cached, check_memory = CHECKS["family-P1"], CHECKS["family-memory"]
+check_no_pinned_storage, check_static_concat = CHECKS["family-P3"], CHECKS["family-P2"]
 
 transformers = pytest.importorskip("transformers")
 cache_utils = pytest.importorskip("transformers.cache_utils")
 # the window and latent caches these patch are transformers 5.x's (4.55.4 keeps the whole history
-# and caches DeepSeek's expanded K/V: known failures, mpt_kv/families/known_failures.json)
+# and caches DeepSeek's expanded K/V: known failures, mpt_kv/findings/family_known_failures.json)
 needs_5x = pytest.mark.skipif(not hasattr(cache_utils, "DynamicSlidingWindowLayer")
                               or int(transformers.__version__.split(".")[0]) < 5,
                               reason="transformers 5.x's sliding-window and latent caches")

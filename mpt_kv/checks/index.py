@@ -9,9 +9,10 @@ and the catalogue (their columns), the reach table (its column order) and the kn
 (which properties an entry may name). No torch here: the plugin reads it before a worker's card is
 pinned, so a property's function is named by its dotted path, not imported.
 
-A new check is three files: its function (`fn(runner, c) -> notes` for an MPT check, where `c` is
-a `mpt_kv.checks.cases.Context`), its row below, and a catalogue variant it kills
-(`mpt_kv/catalogue/variants.py`, naming the row's `column`).
+A new check is three files: its function (`fn(runner, c) -> notes`, where `c` is a
+`mpt_kv.checks.cases.Context`; a family check's a `mpt_kv.checks.family_driver.FamilyContext`), its
+row below, and a catalogue variant it kills (`mpt_kv/catalogue/variants.py`, naming the row's
+`column`).
 """
 
 from __future__ import annotations
@@ -74,11 +75,6 @@ class Property:
         return self.runs == "family"
 
 
-def _family(name: str, title: str, line: str, function: str, paths=FAMILY_PATHS, cache: bool = True) -> Property:
-    return Property(name, title, line, "docs/families.md", f"mpt_kv.families.checks:{function}", "family", paths,
-                    cache=cache)
-
-
 PROPERTIES: tuple[Property, ...] = (
     Property("P0", "oracle", "uncached logits differ from the reference (same weights)", "docs/value-checks.md",
              "mpt_kv.checks.properties:check_oracle", "case", paths=("",), edges=("",), oracle="reference", cache=False,
@@ -110,36 +106,43 @@ PROPERTIES: tuple[Property, ...] = (
              "mpt_kv.checks.capture:check_graph_capture", "fixed", ("static",), column="graph-capture"),
     Property("ops-P1", "P1 over programs of decode/extend/crop/reorder", "after a k-token extend, a crop or a beam "
              "reorder, the logits differ from an uncached forward over each row's surviving history",
-             "docs/operations.md", "mpt_kv.checks.programs:check_program_cached", "program", oracle="twin", column="ops"),
+             "docs/operations.md", "mpt_kv.checks.operations:check_program_cached", "program", oracle="twin", column="ops"),
     Property("ops-P2", "P2 over programs", "static and concat disagree after the same program of operations",
-             "docs/operations.md", "mpt_kv.checks.programs:check_program_static_concat", "program", STATIC_PATHS,
+             "docs/operations.md", "mpt_kv.checks.operations:check_program_static_concat", "program", STATIC_PATHS,
              oracle="twin", column="ops"),
     Property("ops-P3", "P3 over programs", "after a crop or a reorder a cached tensor pins storage beyond the cache",
-             "docs/operations.md", "mpt_kv.checks.programs:check_program_aliasing", "program", column="ops"),
+             "docs/operations.md", "mpt_kv.checks.operations:check_program_aliasing", "program", column="ops"),
     Property("ops-static-storage", "static buffers stay through operations", "on the static path a crop, reorder "
              "or extend moves a cache buffer (a captured graph replays into the old address)", "docs/operations.md",
-             "mpt_kv.checks.programs:check_program_static_storage", "program", STATIC_PATHS, column="ops"),
+             "mpt_kv.checks.operations:check_program_static_storage", "program", STATIC_PATHS, column="ops"),
     Property("ops-memory", "reorder and extend transients", "a reorder or an extend's transient is a whole-cache "
-             "copy, not bounded per layer", "docs/operations.md", "mpt_kv.checks.programs:check_operation_memory",
+             "copy, not bounded per layer", "docs/operations.md", "mpt_kv.checks.operations:check_operation_memory",
              "operation", column="ops", operations=("reorder", "extend")),
     Property("ops-retained", "what a reorder and a crop retain", "after a reorder or a crop, bytes still allocated "
              "beyond the analytic cache of the surviving positions (an old cache kept referenced, a cropped tail "
-             "kept)", "docs/operations.md", "mpt_kv.checks.programs:check_operation_retained", "operation",
+             "kept)", "docs/operations.md", "mpt_kv.checks.operations:check_operation_retained", "operation",
              column="ops", operations=("reorder", "crop")),
-    _family("family-P0", "a family's uncached logits = transformers'", "another family's uncached logits differ from "
-            "transformers' model of the same weights", "check_uncached", paths=("concat",), cache=False),
-    _family("family-P1", "P1 on another decoder family (decode and extend)", "another family's cached prefill, decode "
-            "or 3-token extend differs from transformers' uncached forward of the same weights", "check_cached"),
-    _family("family-P2", "P2 on another decoder family", "another family's static path differs from its concat path "
-            "(logits, and K/V at the written positions)", "check_static_concat", paths=("static", "static+reuse")),
-    _family("family-P3", "P3 on another decoder family", "the seed bug class in another family: a cached tensor "
-            "pins the fused projection's output", "check_no_pinned_storage"),
-    _family("family-P4", "P4 on another decoder family", "another family's returned logits are overwritten by a later "
-            "call, or a cached tensor shares memory with them", "check_outputs_not_reused", cache=False),
-    _family("family-ops", "fixed beam and assisted programs", "P1 after a beam reorder or an assisted extend and "
-            "crop, in another family", "check_operations"),
-    _family("family-memory", "a family's cache bytes = its analytic K/V, nothing kept after", "another family's cache "
-            "holds more than its analytic K/V, or outlives its session", "check_memory"),
+    Property("family-P0", "a family's uncached logits = transformers'", "another family's uncached logits differ from "
+             "transformers' model of the same weights", "docs/families.md", "mpt_kv.checks.family:check_uncached",
+             "family", ("concat",), cache=False),
+    Property("family-P1", "P1 on another decoder family (decode and extend)", "another family's cached prefill, decode "
+             "or 3-token extend differs from transformers' uncached forward of the same weights", "docs/families.md",
+             "mpt_kv.checks.family:check_cached", "family", FAMILY_PATHS),
+    Property("family-P2", "P2 on another decoder family", "another family's static path differs from its concat path "
+             "(logits, and K/V at the written positions)", "docs/families.md",
+             "mpt_kv.checks.family:check_static_concat", "family", ("static", "static+reuse")),
+    Property("family-P3", "P3 on another decoder family", "the seed bug class in another family: a cached tensor "
+             "pins the fused projection's output", "docs/families.md", "mpt_kv.checks.family:check_no_pinned_storage",
+             "family", FAMILY_PATHS),
+    Property("family-P4", "P4 on another decoder family", "another family's returned logits are overwritten by a later "
+             "call, or a cached tensor shares memory with them", "docs/families.md",
+             "mpt_kv.checks.family:check_outputs_not_reused", "family", FAMILY_PATHS, cache=False),
+    Property("family-ops", "fixed beam and assisted programs", "P1 after a beam reorder or an assisted extend and "
+             "crop, in another family", "docs/families.md", "mpt_kv.checks.family:check_operations", "family",
+             FAMILY_PATHS),
+    Property("family-memory", "a family's cache bytes = its analytic K/V, nothing kept after", "another family's cache "
+             "holds more than its analytic K/V, or outlives its session", "docs/families.md",
+             "mpt_kv.checks.family:check_memory", "family", FAMILY_PATHS),
 )
 
 NAMES = tuple(p.name for p in PROPERTIES)

@@ -47,7 +47,7 @@ from mpt_kv.checks import ceilings as C
 from mpt_kv.checks import index, strategies
 from mpt_kv.checks import running as run_layer
 from mpt_kv.checks.index import BUCKET, MEMORY_BUCKET  # noqa: F401  (public here before the index)
-from mpt_kv.checks.ceilings import StoredCeilings, compare_stored  # noqa: F401  (public here before)
+from mpt_kv.checks.stored_ceilings import StoredCeilings, compare_stored  # noqa: F401  (public here before)
 from mpt_kv.checks.running import (SHRINKING_PROFILES, RunContext, hypothesis_profile,  # noqa: F401  (their
                                    one_thread, record, running)                              # home was here)
 from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE  # noqa: F401  (public here before)

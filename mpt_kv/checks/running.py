@@ -22,7 +22,9 @@ each (`DRIVERS`):
                another decoder family) on one path, cpu (family-P0 ... family-memory)
 
 The property's function, named in the index, checks one case: `fn(runner, c)`, where `c` is a
-`mpt_kv.checks.cases.Context` (a family check: `fn(implementation, family, variant, path, dtype)`). The rules every check shares are here: the one hypothesis driver
+`mpt_kv.checks.cases.Context` (a family check's: a `mpt_kv.checks.family_driver.FamilyContext`, its
+runner the implementation's, built once per process by `family_driver.runner_for`). The rules every
+check shares are here: the one hypothesis driver
 (`drive`: mpt-kv's profile, shrinking, the example database's key), the fp32-twin rule
 (`oracles`: a lower precision is compared with the same target in float32 from the rounded
 weights, the reference where the target declares no float32) and what a run under pytest plugs in
@@ -53,16 +55,21 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+from hypothesis import Phase, given, settings
 
-from mpt_kv.checks import index, programs, reach
+from mpt_kv.checks import family_driver, index, profiles, programs, reach
+from mpt_kv.checks.accounting import expected_kv_bytes, itemsize
 from mpt_kv.checks.cases import Case, Context, fp32_twin, reference_oracle
 from mpt_kv.checks.graphs import graphed
-from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_cases, load_profile
+from mpt_kv.checks.profiles import SHRINKING_PROFILES
+from mpt_kv.checks.storages import storage_key
+from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_cases
 from mpt_kv.devices import as_device
 from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.model.config import as_dtype, random_state_dict
-from mpt_kv.targets import (Capabilities, ResolvedTarget, Runner, Target, family_target, required_features,
-                            resolve_target)
+from mpt_kv.targets import (Capabilities, FamilyTarget, ResolvedTarget, Runner, Target, family_target,
+                            required_features, resolve_target)
+from mpt_kv.targets.layouts import QuantizedKV, layout_of, storage_tensors
 
 # --- what a run under pytest plugs in -------------------------------------------------------------------------
 
@@ -117,32 +124,17 @@ def one_thread(device: torch.device):
 
 # --- the one hypothesis driver ------------------------------------------------------------------------------
 
-# Shrinking reruns a failing check on ever smaller cases: about 20 s of CPU for one failure of
-# these tiny models, and on HPU every new shape is a graph compilation. Under the ci profile
-# (CI=true) a failure is reported as found: derandomized, so it reproduces, and its message names
-# the whole case (`run_one` reruns it). Locally (dev, thorough) hypothesis shrinks it to a
-# minimal case. An expected failure (xfail) is never shrunk: it only has to fail.
-SHRINKING_PROFILES = ("dev", "thorough")
-_profile_name: str | None = None
-
-
 def hypothesis_profile():
     """(settings, name) of mpt-kv's hypothesis profile (dev; ci under CI=true;
-    MPT_KV_HYPOTHESIS_PROFILE), loaded once per process (under pytest the plugin loads it too)."""
-    global _profile_name
-    from hypothesis import settings
-
-    if _profile_name is None:
-        _profile_name = load_profile()
-    return settings.default, _profile_name
+    MPT_KV_HYPOTHESIS_PROFILE): `mpt_kv.checks.profiles`, loaded once per process (under pytest the
+    plugin loads it)."""
+    return settings.default, profiles.current()
 
 
 def drive(key: str, strategy, one: Callable, argname: str = "case", fraction: int = 1) -> None:
     """Run `one(example)` on hypothesis's examples of `strategy` under mpt-kv's profile (`fraction`:
     a share of its examples, at least 2), the first failure only, never shrunk for an expected
     failure; `key` names the example database's entry (check, target, device, dtype)."""
-    from hypothesis import Phase, given, settings
-
     test = given(**{argname: strategy})(lambda **kw: one(kw[argname]))
     test.__name__ = f"one_{argname}"  # hypothesis prints "Falsifying example: one_case(case=...)"
     profile, name = hypothesis_profile()
@@ -227,7 +219,17 @@ class Run:
                        ceilings=stored, record=record, **inputs,
                        **oracles(self.target, self.caps, case.cfg, case.seed, self.device, self.dtype, self.prop.oracle))
 
-    def check_case(self, runner, c: Context) -> list[str]:
+    def family_case(self, check: str) -> tuple[Runner, family_driver.FamilyContext]:
+        """A family check's runner and context: the family target's implementation of its variant on
+        this path (`family_driver.runner_for`: built once per process for a named implementation and
+        this Family object) and what the check reads (`family_driver.context_of`); `check` names the
+        check in a failed call's message."""
+        t = self.target
+        c = family_driver.context_of(t.implementation, t.family, t.variant, self.check.path, self.dtype, check)
+        return family_driver.runner_for(t.implementation, c.family, c.variant, c.dtype, c.options), c
+
+    def check_case(self, runner, c) -> list[str]:
+        """The property's function on one case: `fn(runner, c)`, its notes (or the context's)."""
         return list(function_of(self.prop)(runner, c) or c.notes)
 
     def without_clip(self, case: Case) -> Case:
@@ -268,7 +270,7 @@ def cache_evidence(r: Run) -> dict:
     K/V bytes of the prefilled tokens, and a second read returns the same storages. A target whose
     "cache" keeps only the token ids and recomputes K and V at every call gives right values: the value
     checks pass it, and only this says it checked no cache. A family target: the family's analytic K/V
-    (`mpt_kv.families.checks.cache_evidence`)."""
+    (`mpt_kv.checks.family_driver.cache_evidence`)."""
     key = (r.target, str(r.device), r.dtype, r.check.path, r.check.bucket)
     try:
         if key in _evidence:
@@ -277,10 +279,7 @@ def cache_evidence(r: Run) -> dict:
         key = None
     try:
         if r.prop.family:
-            from mpt_kv.families.checks import cache_evidence as family_evidence
-
-            t = r.target
-            evidence = family_evidence(t.implementation, t.family, t.variant, r.check.path, r.dtype)
+            evidence = family_driver.cache_evidence(*r.family_case("cache-evidence"))
         else:
             evidence = mpt_cache_evidence(r)
     except (Exception, Unsupported) as e:  # noqa: BLE001  no evidence: the gate says why, the check's verdict stands
@@ -291,10 +290,6 @@ def cache_evidence(r: Run) -> dict:
 
 
 def mpt_cache_evidence(r: Run) -> dict:
-    from mpt_kv.checks.ceilings import expected_kv_bytes, itemsize
-    from mpt_kv.checks.storages import storage_key
-    from mpt_kv.targets.layouts import QuantizedKV, layout_of, storage_tensors
-
     case = r.without_clip(STATIC_SHAPE_CASE)  # a shape the static-shape check compiles anyway (HPU)
     runner = r.runner(case, r.features(case))
     ids, mask = case.inputs(r.device)
@@ -449,11 +444,32 @@ def by_family(r: Run) -> list[str]:
     """One family check on one family target: the family's tiny model, fp32 by default, cpu."""
     if r.device.type != "cpu":
         raise Unsupported(f"{r.name}: the family checks run on cpu (tiny models of transformers' configs)")
-    t = r.target
     try:
-        return list(function_of(r.prop)(t.implementation, t.family, t.variant, r.check.path, r.dtype) or [])
+        return r.check_case(*r.family_case(r.prop.name))
     except TargetUnavailable as e:  # the implementation has no port of the family here: unsupported, its reason
-        raise Unsupported(f"{t.name}: {e}") from e
+        raise Unsupported(f"{r.name}: {e}") from e
+
+
+@dataclass(frozen=True)
+class ByProperty:
+    """A family check called by its property and path (`call_family`), named as the registry's
+    check of that property and path would be."""
+
+    property: str
+    path: str
+    bucket: None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.property}/{self.path}"
+
+
+def call_family(prop: str, implementation, family, variant: str, path: str, dtype=torch.float32) -> list[str]:
+    """One family check called by property (`mpt_kv.checks.family.CHECKS`): the runner, context and
+    function `run` uses for a FamilyTarget, on cpu, without the report's records and on any path the
+    caller names (its check says what it takes); a builder's TargetUnavailable is raised as is."""
+    r = Run(ByProperty(prop, path), FamilyTarget(implementation, family, variant), torch.device("cpu"), as_dtype(dtype))
+    return r.check_case(*r.family_case(prop))
 
 
 DRIVERS: dict[str, Callable[[Run], list[str]]] = {
@@ -467,8 +483,6 @@ def drawn_records(checks, profile: str = "ci", device: str = "cpu", dtypes=(torc
     strategy as its driver draws it (its property, dtype, the profile's examples; the program checks'
     fixed programs and a third of the examples, every operation the built-in targets implement),
     each fixed case (edge cases, static-shape, graphs, memory configs, ops-memory's case) once."""
-    from hypothesis import given, settings
-
     out = []
     for check in checks:
         runs = index.by_name(check.property).runs

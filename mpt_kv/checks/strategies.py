@@ -31,13 +31,12 @@ decode crosses position 128); only the padding pattern, the mask dtype, clip_qkv
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from mpt_kv.checks import profiles
 from mpt_kv.checks.cases import MASK_DTYPES, Case
 from mpt_kv.model.config import ModelConfig
 
@@ -65,31 +64,6 @@ LONG_PROMPT = (65, 140)  # one drawn case in four: past 64 (a path chosen by len
 # bf16 cases are at least this wide: a layer norm over 4 features in bf16 put the logits 19% of
 # their scale from fp32 (8 and more: at most 7%; docs/calibration.md)
 BF16_MIN_D_MODEL = 8
-
-_common = dict(deadline=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                      HealthCheck.differing_executors])
-settings.register_profile("dev", max_examples=8, derandomize=False, **_common)  # explicit: hypothesis derandomizes under CI by default
-# CI: derandomized (the same examples every run, so a red run reproduces), fewer examples
-settings.register_profile("ci", max_examples=6, derandomize=True, **_common)
-settings.register_profile("thorough", max_examples=100, derandomize=False, **_common)
-_profile = "dev"
-
-
-def load_profile() -> str:
-    """MPT_KV_HYPOTHESIS_PROFILE wins; CI=true (or 1, yes) selects `ci`; else `dev`."""
-    in_ci = os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
-    return use_profile(os.environ.get("MPT_KV_HYPOTHESIS_PROFILE") or ("ci" if in_ci else "dev"))
-
-
-def use_profile(name: str) -> str:
-    """Load hypothesis profile `name` and draw as it says (`cases` reads `thorough` from it): the one
-    place both are set, so a test that loads another profile restores both."""
-    global _profile
-    _profile = name
-    settings.load_profile(name)
-    return name
-
 
 class HypothesisPicks:
     """`case_from`'s source of choices inside a hypothesis test (shrinkable)."""
@@ -186,7 +160,7 @@ def cases(draw, device: str = "cpu", *, thorough: bool | None = None, dtype: tor
     bf16 draws d_model >= BF16_MIN_D_MODEL. `capabilities` (mpt_kv.targets.Capabilities): a
     feature the target declares unsupported (clip_qkv) is not drawn, so the cases that do not
     need it still run. `prop`: the property the case is for (`case_from`)."""
-    thorough = _profile == "thorough" if thorough is None else thorough
+    thorough = profiles.thorough() if thorough is None else thorough
     min_d_model = BF16_MIN_D_MODEL if dtype == torch.bfloat16 else 1
     if thorough and device != "hpu" and draw(st.integers(0, 9)) == 0:
         case = long_case_from(HypothesisPicks(draw), min_d_model, prop)

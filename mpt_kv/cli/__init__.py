@@ -11,6 +11,8 @@
   calibrate   the tolerances' calibration: run (cpu, cuda), report, quantized, compiled (docs/calibration.md)
   checks      the index of checks: the README's table, every check id
   devicecheck the device check: the seed table, the suite and graph capture on a GPU, one command
+  gateprofile the per-PR gate profile: what it selects, --check (stale?), --update (recompute)
+  gatebench   the gate profile's and the whole run's cost, paired with transformers' own MPT test file
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ COMMANDS = {
     "calibrate": "mpt_kv.cli.calibrate",
     "checks": "mpt_kv.cli.checks",
     "devicecheck": "mpt_kv.cli.devicecheck",
+    "gateprofile": "mpt_kv.cli.gateprofile",
+    "gatebench": "mpt_kv.cli.gatebench",
 }
 
 

@@ -50,7 +50,7 @@ from mpt_kv.checks.quantized import QUANTIZED
 from mpt_kv.checks.strategies import BF16_MIN_D_MODEL, EDGE_CASES, RandomPicks, case_from, long_case_from
 from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import random_state_dict
-from mpt_kv.checks import known_failures
+from mpt_kv.findings import entries as known_failures
 from mpt_kv.targets import resolve_target
 from mpt_kv.outputs import dir_problem, mark_output, path_arg
 

@@ -1,5 +1,6 @@
-"""`python -m mpt_kv findings`: the findings of the family checks (mpt_kv/families/known_failures.json)
-as one table, with what each costs at a real config of its family (mpt_kv.families.costs).
+"""`python -m mpt_kv findings`: the findings of the family checks (mpt_kv/findings/family_known_failures.json)
+and the MPT targets' whose repros are kept as one table, with what each costs at a real config of its
+family (mpt_kv.findings.costs).
 
   python -m mpt_kv findings                  the table, as text
   python -m mpt_kv findings --markdown       the table of docs/findings.md
@@ -12,7 +13,7 @@ as one table, with what each costs at a real config of its family (mpt_kv.famili
                                              bug is there, 0 where not, 2 where it could not run) and a
                                              README.md (what reaches it, upstream line, cost, fix);
                                              DIR/README.md indexes them and lists the findings
-                                             without a repro (mpt_kv/families/repros.py)
+                                             without a repro (mpt_kv/findings/repros.py)
 
 Exit status 0; 1 for a stale block (--check) or a finding whose real config does not fit it; 2 for
 bad arguments or a doc that is missing, unwritable or has no block, or a --repro DIR that is a
@@ -31,9 +32,10 @@ import torch
 
 from mpt_kv import package_data
 from mpt_kv.cli import docblocks
-from mpt_kv.families import repros, user_path
-from mpt_kv.families.costs import finding_cost, known_entries, real_configs, sizes_per_token
-from mpt_kv.families.findings import DTYPE_NAME, POINTS, checks_seen, grouped, human, versions, what  # noqa: F401
+from mpt_kv.findings import repros, scripts, user_path
+from mpt_kv.findings.costs import finding_cost, real_configs, sizes_per_token
+from mpt_kv.findings.raw import raw_entries, target_of
+from mpt_kv.findings.grouping import DTYPE_NAME, POINTS, checks_seen, grouped, human, versions, what
 from mpt_kv.outputs import dir_problem, file_problem, mark_output, path_arg
 
 BEGIN, END = docblocks.markers("findings")
@@ -53,7 +55,7 @@ class Parser(argparse.ArgumentParser):
 def rows() -> list[list[str]]:
     """One row per finding (`grouped`), in the file's order of first appearance."""
     out = []
-    for entries in grouped(known_entries()):
+    for entries in grouped(raw_entries()):
         entry = entries[0]
         cost = finding_cost(entry, POINTS, getattr(torch, DTYPE_NAME))
         if cost.pinned is None:
@@ -70,7 +72,8 @@ def rows() -> list[list[str]]:
                 else:
                     pinned.append(human(n))
             kv = human(cost.kv[POINTS[0]])
-        out.append([f"{entry['family']}/{entry['variant']}", entry.get("implementation", "transformers"),
+        implementation, family, variant = target_of(entry)
+        out.append([f"{family}/{variant}", implementation,
                     versions(entry), checks_seen(entries), user_path.cell(entries), what(entry), config, *pinned, kv,
                     entry["upstream"]])
     return out
@@ -78,7 +81,7 @@ def rows() -> list[list[str]]:
 
 # MPT targets whose findings have rows too: the MPT implementations the family checks do not build
 # (llm-foundry's MPTForCausalLM, what the Hub's mosaicml/mpt-* run with trust_remote_code), one row per kept
-# repro of mpt_kv/targets/known_failures.json, its cost at mosaicml/mpt-7b where it is the views of Wqkv
+# repro of mpt_kv/findings/known_failures.json, its cost at mosaicml/mpt-7b where it is the views of Wqkv
 TARGET_ROWS = ("llm-foundry",)
 
 
@@ -89,9 +92,9 @@ def target_rows() -> list[list[str]]:
         entry = r.entries[0]
         if entry["target"] not in TARGET_ROWS:
             continue
-        constants = repros.script_constants(r.script)
+        constants = scripts.script_constants(r.script)
         views = ["key", "value"] if any(e["property"] == "P3" for e in r.entries) else []
-        cost = finding_cost({"family": "mpt", "variant": "alibi", "views": views, "cost_config": "mpt-7b"},
+        cost = finding_cost({"target": f"{entry['target']}/mpt/alibi", "views": views, "cost_config": "mpt-7b"},
                             POINTS, getattr(torch, DTYPE_NAME))
         if cost.pinned is None:
             config, pinned, kv = "-", [f"- ({cost.why_none})"] + ["-"] * (len(POINTS) - 1), "-"
@@ -164,7 +167,7 @@ REPRO_COMMAND = "findings --repro"
 
 def write_repros(directory: Path) -> int:
     """--repro DIR: the repro folders and their index; one line per folder and per finding without one."""
-    written, missing = repros.write(directory, grouped(known_entries()))
+    written, missing = repros.write(directory, grouped(raw_entries()))
     mark_output(directory, REPRO_COMMAND)  # a rerun may write here again; nothing else may
     for r in written:
         print(f"{directory / r.slug}/repro.py")

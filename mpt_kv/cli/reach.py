@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mpt_kv import package_data
 from mpt_kv.cli import docblocks
-from mpt_kv.checks import reach
+from mpt_kv.checks import profiles, reach
 from mpt_kv.outputs import file_problem, path_arg
 
 DOC = package_data.REACH_DOC
@@ -59,11 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         return reach.main(rest)
     if args.draw:
         from mpt_kv.checks.registry import drawn_records  # lazy: torch and the models only where this command needs them
-        from mpt_kv.checks.strategies import load_profile  # lazy: torch and the models only where this command needs them
 
         if args.report:
             usage_error("give a report file or --draw PROFILE, not both")
-        load_profile()
+        profiles.load_profile()
         print("\n".join(reach.table_lines(reach.summarize(drawn_records(args.draw)),
                                           reach.load_reference_model(args.reference_model))))
         return 0

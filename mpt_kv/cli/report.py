@@ -26,6 +26,7 @@ from mpt_kv.plugin.gate import run_problems
 from mpt_kv import versions
 from mpt_kv.plugin.report import header, matrix_lines, project_lines
 from mpt_kv.checks import reach
+from mpt_kv.checks.stored_ceilings import table
 from mpt_kv.plugin.report import reach_summary
 from mpt_kv.plugin.markdown import render
 
@@ -137,8 +138,6 @@ def main(argv: list[str]) -> int:
         print("=" * 34 + " mpt-kv reach " + "=" * 34)
         print("\n".join(reach.table_lines(reach.summarize(merged["reach"]), reach.load_reference_model())))
     if merged["memory"]:
-        from mpt_kv.checks.ceilings import table  # lazy: torch and the models only where this command needs them
-
         print("=" * 34 + " mpt-kv memory " + "=" * 33)
         print("\n".join(table(merged["memory"])))
     if args.json:

@@ -1,4 +1,4 @@
-"""The family checks (family-P0 ... family-memory of the index, `mpt_kv.families.checks`) on every
+"""The family checks (family-P0 ... family-memory of the index, `mpt_kv.checks.family`) on every
 implementation of every family variant of the registry, on every path the implementation has: tiny
 configs, fp32, CPU.
 
@@ -7,7 +7,7 @@ One case per (family target, check): a family target is an implementation of one
 and path), its checks the family checks of its cells (`mpt_kv.checks.registry.applies`: the paths the
 implementation has, family-P0 not for transformers itself, its oracle; family-P2 on the static paths).
 Each runs through the run layer like every MPT check (`check(target, device, dtype)`), and a failure
-upstream ships is a known failure of the one rule (`mpt_kv/families/known_failures.json`, applied by
+upstream ships is a known failure of the one rule (`mpt_kv/findings/family_known_failures.json`, applied by
 the plugin as for the MPT targets: a strict xfail of only the PropertyFailure its pattern finds).
 
 Which implementations run follows the run's targets, as for MPT (`mpt_kv.plugin.options`): the

@@ -6,7 +6,7 @@ ops-P1 against the target's own uncached forward over each row's surviving histo
 static path against its concat path after the same program; ops-P3 the storage of the cached K/V
 after crops and reorders; ops-static-storage the static cache's buffers staying where a captured
 graph replays into them; ops-memory the transient of one reorder and of one k-token extend
-(mpt_kv/checks/programs.py, docs/operations.md). Each test runs one check of
+(mpt_kv/checks/operations.py, docs/operations.md). Each test runs one check of
 `mpt_kv.checks.registry`, as test_properties.py does.
 """
 

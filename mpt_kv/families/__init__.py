@@ -1,5 +1,5 @@
 """The family registry: decoder architectures of transformers with a KV cache, checked with the
-same properties as MPT (family-P1, family-P3 in `mpt_kv.families.checks`).
+same properties as MPT (family-P1, family-P3 in `mpt_kv.checks.family`).
 
 One module per family (as transformers' `models/<family>/`), each with one `FAMILY`; adding a
 family is one small module and one line below (docs/families.md).

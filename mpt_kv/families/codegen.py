@@ -10,7 +10,7 @@ FAMILY = Family(
     # optimum-habana 1.21.2 models/codegen/modeling_codegen.py: every forward raises TypeError
     # (GaudiCodeGenAttention returns ((attn_output, present), attn_weights), line 100-102, and
     # gaudi_codegen_block_forward adds that tuple to a tensor, line 136): a known failure
-    # (mpt_kv/families/known_failures.json), not a gap of this entry
+    # (mpt_kv/findings/family_known_failures.json), not a gap of this entry
     gaudi=GaudiPort(module="optimum.habana.transformers.models.codegen.modeling_codegen",
                     causal_lm="GaudiCodeGenForCausalLM", hf_module="transformers.models.codegen.modeling_codegen"),
 )

@@ -15,7 +15,7 @@ mpt_kv/targets/gaudi.py loads MPT, generalized:
    model is built (`gaudi_classes`), undone afterwards: transformers' own classes stay untouched
    for the "transformers" implementation in the same process.
 3. `build_port(family, variant, dtype, seed)`: `GaudiPort.causal_lm` of the tiny config holding
-   the state_dict of transformers' model of that config (`mpt_kv.families.checks.build`, fp32,
+   the state_dict of transformers' model of that config (`mpt_kv.families.models.build`, fp32,
    eager), strict, cast to dtype, `model.generation_config` set as optimum-habana's generate sets it.
 4. `gaudi_runner(family, variant, dtype, *, seed, reuse_cache)`: a `GaudiPortRunner`, whose
    sessions drive the port as optimum-habana's generate does (`GaudiPortSession`): `past_key_values`

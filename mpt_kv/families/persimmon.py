@@ -17,7 +17,7 @@ FAMILY = Family(
     # optimum-habana 1.21.2 models/persimmon/modeling_persimmon.py: a DynamicCache whose layers
     # the token_idx path writes with index_copy_ (lines 105-106); the concat path (no token_idx)
     # calls DynamicCache.get_usable_length, which transformers 4.55 does not have (line 256): a
-    # known failure (mpt_kv/families/known_failures.json)
+    # known failure (mpt_kv/findings/family_known_failures.json)
     gaudi=GaudiPort(module="optimum.habana.transformers.models.persimmon.modeling_persimmon",
                     causal_lm="GaudiPersimmonForCausalLM", hf_module="transformers.models.persimmon.modeling_persimmon",
                     kv=dynamic_cache_kv),

@@ -22,7 +22,9 @@ from __future__ import annotations
 import pytest
 
 from mpt_kv import devices
+from mpt_kv.checks import profiles
 from mpt_kv.plugin import cards, ceilings, gate, known_failures, options, outcomes, parametrize, report, state
+from mpt_kv.plugin import profile as run_profile
 from mpt_kv.plugin import markdown as markdown_summary
 from mpt_kv.plugin.parametrize import missing_package  # noqa: F401  (mpt_kv.cli.bench)
 
@@ -30,6 +32,7 @@ from mpt_kv.plugin.parametrize import missing_package  # noqa: F401  (mpt_kv.cli
 
 def pytest_addoption(parser):
     options.add_options(parser)
+    run_profile.add_options(parser)  # --mpt-kv-profile, ini mpt_kv_profile
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -47,12 +50,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "no_target(reason): the placeholder of a conformance test with no target "
                                        "of this run (a run of such placeholders alone is a usage error)")
     options.check(config)
-    from mpt_kv.checks.strategies import load_profile  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
-
     run = state.start(config)  # this session's state (one per process): what every module below records
-    run.profile = load_profile()
+    profiles.load_profile()
     config.pluginmanager.register(Collector(run), "mpt_kv_collector")
     gate.configure(config)
+    run_profile.configure(config)  # gate: the stored profile matches the installed catalogue, or a usage error
     known_failures.configure(config)
     report.clear_stale_report(config)
 
@@ -116,10 +118,12 @@ def pytest_collection_modifyitems(config, items):
         if params is not None:
             known_failures.note_case(config, item, params)
     known_failures.tell_controller(config)
+    run_profile.select(config, items)  # --mpt-kv-profile gate: only its cases (after the known failures saw them all)
 
 
 def pytest_collection_finish(session):
     gate.check_collected(session)  # a run whose conformance tests have no target: a usage error before any test
+    run_profile.check_collected(session)  # a gate-profile run that kept no conformance case: a usage error
 
 
 # --- each case: its checks' records, its known failure, its outcome ---------------------------------------------
@@ -175,6 +179,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     report.summary(tw, config, run.results, run.extras)
     parametrize.summary(tw, config, run.results)
     gate.summary(tw, config)
+    run_profile.summary(tw, config)
     cards.summary(tw, config)
     known_failures.summary(tw, config)
     ceilings.summary(tw, config)

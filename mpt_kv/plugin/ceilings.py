@@ -1,4 +1,4 @@
-"""Memory ceilings in a run (mpt_kv/checks/ceilings.py, mpt_kv/conformance/test_memory.py): the
+"""Memory ceilings in a run (mpt_kv/checks/stored_ceilings.py, mpt_kv/conformance/test_memory.py): the
 project's stored ceilings given to the memory checks, --update-ceilings (on the controller: one
 writer, a safe merge whatever -n), the memory table, and what the summary says when memory cases
 fail: an analytic failure first (a bug, never a baseline to record), then how to record the
@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 from collections import defaultdict
 
+from mpt_kv.checks import stored_ceilings as ceiling_file
 from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.options import ceilings_dir, required_ceilings
 
@@ -18,10 +19,8 @@ def stored_ceilings(config):
     """The project's StoredCeilings for the memory checks (mpt_kv.checks.ceilings), made once."""
     state = run_state(config)
     if state.stored_ceilings is None:
-        from mpt_kv.checks.ceilings import StoredCeilings  # (torch: a memory check runs, it is imported)
-
-        state.stored_ceilings = StoredCeilings(ceilings_dir(config), required_ceilings(config),
-                                                        bool(config.getoption("update_ceilings")))
+        state.stored_ceilings = ceiling_file.StoredCeilings(ceilings_dir(config), required_ceilings(config),
+                                                            bool(config.getoption("update_ceilings")))
     return state.stored_ceilings
 
 
@@ -43,33 +42,32 @@ def update_ceilings(config) -> bool:
     fail (a loosening refused, or a corrupt file)."""
     if not config.getoption("update_ceilings") or getattr(config, "workerinput", None) is not None:
         return False
-    from mpt_kv.checks import ceilings  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
-
     memory = run_state(config).memory
     run_state(config).ceilings_diff = lines = []
     failed = False
     for kind in sorted({m["device"] for m in memory}):
-        path = ceilings.baseline_path(kind, ceilings_dir(config))
+        path = ceiling_file.baseline_path(kind, ceilings_dir(config))
         measured = [m for m in memory if m["device"] == kind and not m.get("problems")]
         broken = [m for m in memory if m["device"] == kind and m.get("problems")]
         if broken:
             lines.append(f"NOT recorded: {len(broken)} {kind} measurements failed the analytic check (a bug in the "
                          "target, never a baseline): fix it first")
         try:
-            written, refused = ceilings.update_baseline(path, kind, measured, config.getoption("allow_looser_ceilings"))
-        except ceilings.BaselineError as e:
+            written, refused = ceiling_file.update_baseline(path, kind, measured,
+                                                            config.getoption("allow_looser_ceilings"))
+        except ceiling_file.BaselineError as e:
             lines.append(f"NOT written: {e}")
             failed = True
             continue
         lines.append(f"{path}: {len(measured)} measurements, {len(written)} values written "
                      f"({sum(c.kind == 'new' for c in written)} new, {sum(c.kind == 'tighter' for c in written)} "
                      f"tighter, {sum(c.kind == 'looser' for c in written)} looser)")
-        lines += ceilings.diff_lines(written)
+        lines += ceiling_file.diff_lines(written)
         if refused:
             failed = True
             lines.append(f"NOT written: {len({c.key for c in refused})} entries would loosen their ceilings "
                          "(rerun with --allow-looser-ceilings to accept):")
-            lines += ceilings.diff_lines(refused)
+            lines += ceiling_file.diff_lines(refused)
     if not memory:
         lines.append("--update-ceilings: no memory measurement ran, nothing written")
     return failed
@@ -82,8 +80,6 @@ def failure_lines(config) -> list[str]:
     that records them locally, not under CI."""
     if config.getoption("update_ceilings"):
         return []
-    from mpt_kv.checks import ceilings  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
-
     stored, analytic, missing = {}, defaultdict(int), defaultdict(int)
     for m in run_state(config).memory:
         if m["outcome"] not in ("failed", "error"):
@@ -95,13 +91,13 @@ def failure_lines(config) -> list[str]:
         if m["outcome"] != "error":  # a stored ceiling exceeded: the failure says by how much
             continue
         if m["device"] not in stored:
-            path = ceilings.baseline_path(m["device"], ceilings_dir(config))
+            path = ceiling_file.baseline_path(m["device"], ceilings_dir(config))
             try:
-                stored[m["device"]] = (path, ceilings.load_baseline(path, m["device"]))
-            except ceilings.BaselineError:
+                stored[m["device"]] = (path, ceiling_file.load_baseline(path, m["device"]))
+            except ceiling_file.BaselineError:
                 stored[m["device"]] = (path, None)  # corrupt: its cases' errors say so; nothing to record over it
         path, entries = stored[m["device"]]
-        if entries is not None and ceilings.key_of(m) not in entries:
+        if entries is not None and ceiling_file.key_of(m) not in entries:
             missing[(m["device"], target, str(path))] += 1
     lines = [f"memory: {target} on {kind}: {n} cases failed the analytic memory check (the bytes it retains or "
              f"allocates are not what its KV cache needs: see each failure above); that is a bug to fix in the target, "
@@ -117,10 +113,8 @@ def summary(tw, config) -> None:
         return
     state = run_state(config)
     if state.memory and not config.getoption("no_mpt_kv_matrix"):
-        from mpt_kv.checks.ceilings import table  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
-
         tw.write_sep("=", "mpt-kv memory")
-        for line in table(state.memory):
+        for line in ceiling_file.table(state.memory):
             tw.write_line(line)
     diff = state.ceilings_diff
     if diff is not None:

@@ -1,6 +1,7 @@
-"""Known upstream failures, one rule for every conformance case (`mpt_kv.checks.known_failures`):
-the MPT targets' entries (mpt_kv/targets/known_failures.json, or the project's own file) and the
-family checks' (mpt_kv/families/known_failures.json, loaded with the first family case: the families'
+"""Known upstream failures in a run: the pytest side of the one rule for every conformance case
+(`mpt_kv.findings.entries`: the entry format, which entry applies to a case, what it explains). The
+MPT targets' entries (mpt_kv/findings/known_failures.json, or the project's own file) and the family
+checks' (mpt_kv/findings/family_known_failures.json, loaded with the first family case: the families'
 registry imports torch). A case an entry covers is a strict xfail that only the PropertyFailure its
 pattern names satisfies; a pass (upstream fixed it) or any other failure fails the case, saying why.
 Entries that cover no case of the run are listed (an error with --strict-known-failures).
@@ -18,10 +19,9 @@ from mpt_kv.plugin.parametrize import generated_targets
 from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.options import (BUILTIN_PACKAGES, ENV_KNOWN_FAILURES, ini_relative, strict_known_failures,
                                    target_specs)
-from mpt_kv.checks import known_failures
-from mpt_kv.checks.known_failures import FILE
+from mpt_kv.findings import entries as known_entries
 
-KNOWN = pytest.StashKey[object]()  # item -> its known_failures.Entry
+KNOWN = pytest.StashKey[object]()  # item -> its mpt_kv.findings.entries.Entry
 
 
 def path(config):
@@ -30,15 +30,15 @@ def path(config):
     lists the entries that apply to what it runs (copying mpt-kv's where it runs built-in targets)."""
 
     ini = config.getini("mpt_kv_known_failures")
-    return os.environ.get(ENV_KNOWN_FAILURES) or (ini_relative(config, ini) if ini else known_failures.FILE)
+    return os.environ.get(ENV_KNOWN_FAILURES) or (ini_relative(config, ini) if ini else known_entries.FILE)
 
 
 def configure(config) -> None:
     """Load the file (malformed: a usage error naming the file, the entry and the problem)."""
 
     try:
-        run_state(config).known = known_failures.load(path(config))
-    except known_failures.KnownFailuresError as e:
+        run_state(config).known = known_entries.load(path(config))
+    except known_entries.KnownFailuresError as e:
         raise pytest.UsageError(str(e)) from None
 
 
@@ -46,9 +46,7 @@ def family_entries(config) -> list:
     """The family checks' entries, loaded once (their registry imports torch, so not at configure)."""
     state = run_state(config)
     if state.family_known is None:
-        from mpt_kv.families import known_failures as family_file  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
-
-        state.family_known = family_file.load()
+        state.family_known = known_entries.load_families()
     return state.family_known
 
 
@@ -90,10 +88,9 @@ def from_worker(node) -> None:
 
 
 def match(params: dict, entries):
-    for e in entries:
-        if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket"), params.get("check")) and e.applies():
-            return e
-    return None
+    """The entry that applies to a conformance case (its parametrization), by the one rule."""
+    return known_entries.match(params["target"], params["property"], params.get("path"), entries,
+                                params.get("bucket"), params.get("check"))
 
 
 def expected_to_fail(item) -> bool:
@@ -103,10 +100,7 @@ def expected_to_fail(item) -> bool:
 def words_for(entry) -> tuple[str, str]:
     """How a case's entry is named: mpt-kv's own file records upstream's failures; a project's own
     file records the project's (its own bug kept on purpose, or an upstream one it depends on)."""
-
-    from mpt_kv.families.known_failures import FILE as FAMILY_FILE  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
-
-    if Path(entry.file).resolve() in (FILE.resolve(), FAMILY_FILE.resolve()):
+    if Path(entry.file).resolve() in (known_entries.MPT_FILE.resolve(), known_entries.FAMILY_FILE.resolve()):
         return "known upstream failure", "upstream fixed it"
     return f"known failure of this project ({Path(entry.file).name})", "it is fixed"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from mpt_kv import versions
+from mpt_kv.checks import profiles
 from mpt_kv.outputs import write_text
 from mpt_kv.plugin.report import absent_devices, matrix_lines, with_versions
 from mpt_kv.plugin.state import run_state
@@ -109,7 +110,7 @@ def write(config, path, results: list[dict], verdict: list[str]) -> str | None:
     """The run's Markdown summary (`--mpt-kv-markdown FILE`); returns why it could not be written."""
     results = with_versions([r for r in results if "property" in r])
     try:
-        write_text(path, render(results, verdict, absent_devices(config, results), run_state(config).profile))
+        write_text(path, render(results, verdict, absent_devices(config, results), profiles.current()))
     except OSError as e:
         return f"--mpt-kv-markdown {path}: the summary could not be written: {e}"
     return None

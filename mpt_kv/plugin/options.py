@@ -13,15 +13,18 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+from hypothesis.errors import InvalidArgument
 
 from mpt_kv import devices, versions
+from mpt_kv.checks import profiles
 from mpt_kv.plugin.state import run_state
 from mpt_kv.checks import reach
 
 ENV_REQUIRE = "MPT_KV_REQUIRE_DEVICE"
 ENV_KNOWN_FAILURES = "MPT_KV_KNOWN_FAILURES"
 ENV_CEILINGS_DIR = "MPT_KV_CEILINGS_DIR"  # also read by mpt_kv.checks.ceilings.baseline_path
-ENV_PROFILE = "MPT_KV_HYPOTHESIS_PROFILE"
+ENV_PROFILE = profiles.ENV  # MPT_KV_HYPOTHESIS_PROFILE
 DTYPE_NAMES = ("bf16", "fp32")  # the keys of mpt_kv.model.config.DTYPES (not imported here: it imports torch)
 # built-in targets and the distributions they wrap (mpt_kv.versions, the package map): absent, their
 # cases skip; present but not loading, they fail
@@ -171,12 +174,7 @@ def check_hypothesis_profile() -> None:
     name = os.environ.get(ENV_PROFILE)
     if not name:
         return
-    from hypothesis import settings
-    from hypothesis.errors import InvalidArgument
-
-    import mpt_kv.checks.strategies  # noqa: F401  (registers mpt-kv's profiles)
-
-    try:
+    try:  # mpt_kv.checks.profiles registered mpt-kv's own
         settings.get_profile(name)
     except InvalidArgument:
         raise pytest.UsageError(f"${ENV_PROFILE}={name!r}: no such hypothesis profile; mpt-kv's profiles are dev "

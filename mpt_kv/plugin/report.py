@@ -16,7 +16,7 @@ from collections import defaultdict
 
 from mpt_kv.outputs import write_text
 from mpt_kv import devices, versions
-from mpt_kv.checks import index
+from mpt_kv.checks import index, profiles
 from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.ceilings import record_command
 from mpt_kv.plugin.gate import kind_reason
@@ -199,7 +199,7 @@ def write_report(config, path, results: list[dict], memory: list[dict], extras: 
     results = with_versions([r for r in results if "property" in r])
     data = {"mpt_kv_version": versions.mpt_kv(),  # which mpt-kv judged this run (docs/releasing.md)
             "results": results, "memory": memory, "absent_devices": absent_devices(config, results),
-            "hypothesis_profile": run_state(config).profile, "environment": environment(),
+            "hypothesis_profile": profiles.current(), "environment": environment(),
             "written": time.strftime("%Y-%m-%d %H:%M:%S"),
             "allow_missing_device": bool(config.getoption("allow_missing_device")),
             "allow_no_cache_check": bool(config.getoption("allow_no_cache_check")),
@@ -245,7 +245,7 @@ def summary(tw, config, results: list[dict], extras: dict) -> None:
     if config.getoption("no_mpt_kv_matrix"):
         return
     results = with_versions([r for r in results if "property" in r])
-    lines = matrix_lines(results, absent_devices(config, results), run_state(config).profile)
+    lines = matrix_lines(results, absent_devices(config, results), profiles.current())
     if lines:
         tw.write_sep("=", header())
     for line in lines + project_lines(extras, config):

@@ -17,8 +17,7 @@ import pytest
 
 @dataclass
 class RunState:
-    # options: the hypothesis profile this process loaded, the reach table's real model (read once)
-    profile: str | None = None
+    # options: the reach table's real model (read once; the hypothesis profile: mpt_kv.checks.profiles)
     reference_model: dict | None = None
     # gate: device kind -> why the run requires it; the accelerator kinds probed (reason, cards)
     required: dict[str, str] = field(default_factory=dict)
@@ -27,7 +26,7 @@ class RunState:
     cards: object | None = None
     # parametrize: each target spec resolved once per process (a ResolvedTarget)
     resolved: dict = field(default_factory=dict)
-    # known failures (mpt_kv.checks.known_failures): the MPT file's entries, the families' once a family
+    # known failures (mpt_kv.findings.entries): the MPT file's entries, the families' once a family
     # case is collected (their registry imports torch); which entries (by key) covered a collected case;
     # whether any conformance case (any family case) was collected; cases each entry xfailed
     known: list = field(default_factory=list)

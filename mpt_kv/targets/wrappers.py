@@ -32,6 +32,7 @@ from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
 from mpt_kv.devices import sync
 from mpt_kv.targets.gaudi_generation import assisted_crop
 from mpt_kv.targets.gaudi_generation import temporary_reorder_cache
+from mpt_kv.targets.hf_generation import reorder_as_beam_search, reorder_route
 from mpt_kv.errors import AdapterError, Unsupported
 
 __all__ = ["GaudiStyleRunner", "GaudiStyleSession", "TransformersRunner", "TransformersSession",
@@ -181,6 +182,8 @@ class TransformersSession(Session):
         if path == "concat" and getattr(type(runner.model), "_supports_cache_class", None) is False:
             self.cache = None  # transformers <4.4x MPT: legacy tuples, None before the prefill
         elif path == "concat":
+            # transformers is imported where a transformers session is made, not with this module: every
+            # `import mpt_kv` imports it (the reference's runner), and importing transformers costs seconds
             from transformers import DynamicCache
 
             self.cache = DynamicCache(config=cfg) if transformers_major() >= 5 else DynamicCache()
@@ -266,8 +269,6 @@ class TransformersSession(Session):
         `_temporary_reorder_cache` (a tuple cache: the model's `_reorder_cache`; a Cache: its own
         `reorder_cache`, whatever the model defines); before, the model's `_reorder_cache`. A model
         whose own `_reorder_cache` is wrong is then seen where that release would call it."""
-        from mpt_kv.targets.hf_generation import reorder_as_beam_search
-
         self.mask = self.mask.index_select(0, index)
         self.cache = reorder_as_beam_search(self.runner.model, self.cache, index)
         self.runner.sync()
@@ -308,8 +309,6 @@ class TransformersRunner(ModelRunner):
         """How the installed release's beam search reorders the cache, which this runner follows
         (`mpt_kv.targets.hf_generation.reorder_route`): printed per target by `python -m mpt_kv
         run`, per release by the sweep."""
-        from mpt_kv.targets.hf_generation import reorder_route
-
         return reorder_route().describe()
 
     def session(self, path, max_len, bucket=None):

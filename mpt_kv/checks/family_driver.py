@@ -1,0 +1,439 @@
+"""What the family checks (`mpt_kv.checks.family`) run on, written once beside them: the family's
+tiny model and prompt, the implementation's runner and transformers' model of the same weights
+(the oracle), each cached by what it holds, one check's `FamilyContext`, the crash rule for an
+implementation's call, and the drive of a generation, the fixed beam and assisted programs and
+the storage accounting the checks judge.
+
+    runner = runner_for(implementation, family, variant, dtype, options)   # built once per process
+    c = context_of(implementation, family, variant, path, dtype, check)    # what a check reads
+    check(runner, c)                                                       # every family check
+
+The run layer (`mpt_kv.checks.running`) builds both for every family check, as it builds an MPT
+check's runner and Context.
+
+The caches are keyed by what they hold, never by a name two models can share (a fork of a port is
+a Family copy under the port's name): the implementation's builder and the Family object itself (by
+identity, the entry keeping it alive so its id is not reused), the variant, dtype and options; the
+oracle by the transformers config and dtype.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+
+from mpt_kv.checks import index
+from mpt_kv.checks.compare import NOT_CRASHES, Crash, assert_close, crash_of, describe, tolerance
+from mpt_kv.checks.programs import History, Op
+from mpt_kv.checks.results import snapshot
+from mpt_kv.checks.storages import covered_bytes, storage_key
+from mpt_kv.errors import InputError
+from mpt_kv.families.base import Family
+from mpt_kv.families.implementations import IMPLEMENTATIONS
+from mpt_kv.families.models import _built, build, config_key, family_of, named_kv
+from mpt_kv.model.config import as_dtype
+
+BATCH, PROMPT, PAD, STEPS, EXTEND = 2, 6, 2, 2, 3  # row 0 has PAD left-padding tokens
+MAX_LEN = 16          # every session's cache length: prompt + steps + extend + decode fit
+OPS_PADS = (2, 0, 1)  # family-ops: batch 3, each row's left padding
+OPS_PROMPT = 8
+PATHS = index.FAMILY_PATHS  # the matrix's paths; static+reuse = static, runner reuse_cache=True
+
+
+def prompt(config, seed: int = 0, pads=(PAD, 0), length: int = PROMPT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of a left-padded batch: row b starts with pads[b] padding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, config.vocab_size, (len(pads), length), generator=g)
+    mask = torch.ones(len(pads), length, dtype=torch.long)
+    for row, n in enumerate(pads):
+        mask[row, :n] = 0
+    return ids, mask
+
+
+def teacher_tokens(config, batch: int, k: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1009 + step)
+    return torch.randint(1, config.vocab_size, (batch, k), generator=g)
+
+
+# Keyed by what they hold, never by a name two models can share (a fork of a port is a Family copy
+# under the port's name): the implementation's builder and the Family object itself (by identity,
+# the entry keeping it alive so its id is not reused), and the transformers config.
+_runners: dict = {}   # (builder, id(family), variant, dtype, options) -> (family, Runner), per process
+_oracles: dict = {}   # (config, dtype) -> transformers' model (fp32)
+
+
+def clear_caches() -> None:
+    _runners.clear()
+    _oracles.clear()
+    _built.clear()
+
+
+def implementation_name(implementation) -> str:
+    if isinstance(implementation, str):
+        return implementation
+    return getattr(implementation, "implementation_name", None) or getattr(implementation, "__name__", "custom")
+
+
+def runner_for(implementation, family: Family, variant: str, dtype: torch.dtype, options: dict):
+    """The implementation's runner, built once per process for a named one and this Family object
+    (a callable, as the tests' broken wrappers, is built every time)."""
+    if not isinstance(implementation, str):
+        return implementation(family, variant, dtype, seed=0, **options)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r}: implementations {sorted(IMPLEMENTATIONS)}")
+    builder = IMPLEMENTATIONS[implementation]
+    key = (builder, id(family), variant, dtype, tuple(sorted(options.items())))
+    if key not in _runners:
+        _runners[key] = (family, builder(family, variant, dtype, seed=0, **options))
+    return _runners[key][1]
+
+
+def oracle_model(family: Family, variant: str, dtype: torch.dtype):
+    """transformers' model with the same weights, in fp32 (bf16: from the bf16-rounded weights);
+    for a remote-code family, the port's own model so, driven uncached as its runner drives it."""
+    key = (config_key(family.config(variant)), dtype)
+    if key not in _oracles:
+        model, config = build(family, variant)
+        if dtype != torch.float32:
+            model.to(dtype).to(torch.float32)
+        if family.remote_code:
+            from mpt_kv.families.gaudi import GaudiPortRunner, set_generation_settings
+
+            set_generation_settings(model, family.gaudi.generation)
+            model = GaudiPortRunner(family, variant, model, config)
+        _oracles[key] = model
+    return _oracles[key]
+
+
+@dataclass
+class FamilyContext:
+    """Where a family check runs, for its messages, and what it compares with: one implementation of
+    one family variant on one path (the family checks' `Context`; the runner comes beside it)."""
+
+    implementation: str
+    family: Family
+    variant: str
+    path: str           # the matrix's path: concat, static, static+reuse
+    dtype: torch.dtype
+    config: object
+    batch: int = BATCH
+    notes: list = field(default_factory=list)
+    check: str = ""     # the check id, first in a failed call's message
+
+    @property
+    def session_path(self) -> str:
+        return "static" if self.path.startswith("static") else "concat"
+
+    @property
+    def options(self) -> dict:
+        """The runner's options for this path (static+reuse: the static path with reuse_cache)."""
+        return {"reuse_cache": True} if self.path == "static+reuse" else {}
+
+    def ctx(self, **more) -> dict:
+        return dict(target=f"{self.implementation}/{self.family.name}", implementation=self.implementation,
+                    family=self.family.name, variant=self.variant, path=self.path,
+                    dtype=str(self.dtype).replace("torch.", ""), batch=self.batch, **more)
+
+    def tol(self, quantity: str):
+        return tolerance(self.dtype, quantity)
+
+    def oracle(self, ids, mask) -> torch.Tensor:
+        """transformers' uncached forward (fp32) over the tokens."""
+        model = oracle_model(self.family, self.variant, self.dtype)
+        with torch.inference_mode():
+            if self.family.remote_code:  # the port's runner: its uncached forward as generate calls it
+                return model.logits(ids, mask).float()
+            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+
+    def session(self, runner, path: str | None = None, max_len: int = MAX_LEN):
+        path = path or self.session_path
+        runner.require(path)
+        return runner.session(path, max_len)
+
+    def fused_modules(self, runner):
+        own = getattr(runner, "fused_modules", None)
+        return own() if callable(own) else self.family.fused_modules(runner.model)
+
+
+def context_of(implementation, family, variant: str, path: str, dtype=torch.float32, check: str = "") -> FamilyContext:
+    """The context of one family check (the run layer's `Run.family_case`; its runner: `runner_for`)."""
+    if path not in PATHS:
+        raise InputError(f"unknown path {path!r}: the family paths are {PATHS}")
+    dtype = as_dtype(dtype)
+    family = family_of(family)
+    return FamilyContext(implementation_name(implementation), family, variant, path, dtype, family.config(variant),
+                         check=check)
+
+
+def call(c: FamilyContext, what: str, step, operation: str, fn, *args):
+    """One call of the implementation; one that raises fails the property with its exception named
+    (the crash rule, `mpt_kv.checks.compare.Crash`; mpt-kv's own InputError and Unsupported pass
+    through)."""
+    try:
+        out = fn(*args)
+    except NOT_CRASHES:
+        raise
+    except Exception as e:  # noqa: BLE001  the implementation's own call crashed
+        prefix = "" if what.startswith("family-") else f"{c.check} "
+        raise crash_of(f"{prefix}{what}", "the implementation", operation, e,
+                       c.ctx(step=step, operation=operation)) from e
+    return out
+
+
+def copy_of(logits):
+    """The copy rule (`mpt_kv.checks.results.snapshot`), for what a family call returns."""
+    return None if logits is None else snapshot(logits)
+
+
+@dataclass
+class Step:
+    name: str           # "prefill", "decode step 1", "extend 3", ...
+    operation: str      # prefill | decode | extend
+    logits: torch.Tensor  # as returned: (B, S, V), (B, V) or (B, k, V)
+
+
+def drive(runner, c: FamilyContext, session, on_step, tokens_from=None, extend: bool = False,
+          judges: bool = True) -> list[Step]:
+    """Prefill the left-padded prompt, then STEPS greedy decodes, an EXTEND-token cached call and
+    a decode (extend=True: P1 and P2, where the implementation declares extend), or STEPS + 1
+    greedy decodes (P3, P4, memory: an extend that crashes is P1's finding, not three more).
+    `on_step(step, session, seq, mask)` after each (seq, mask: every row's tokens so far).
+    `tokens_from(step)`: the logits the next greedy token comes from (default: this session's last).
+    A call that crashes (`Crash`) ends the drive; with `judges` (on_step judges each step as it
+    comes) the crash names the steps before it, which on_step judged and which held; a check whose
+    on_step only records (P1) judges those itself first (`judged_before`)."""
+    extend = extend and runner.capabilities.reason("extend") is None
+    steps: list[Step] = []
+    try:
+        return _drive(c, session, on_step, tokens_from, extend, steps)
+    except Crash as crash:
+        raise crash.held([s.name for s in steps]) if judges and steps else crash
+
+
+def _drive(c: FamilyContext, session, on_step, tokens_from, extend: bool, steps: list[Step]) -> list[Step]:
+    ids, mask = prompt(c.config)
+    first = Step("prefill", "prefill", call(c, "prefill", "prefill", "prefill", session.prefill, ids, mask))
+    seq = ids
+    on_step(first, session, seq, mask)
+    steps.append(first)  # after on_step: `steps` are the steps on_step saw through
+    plan = [("decode", 1)] * STEPS + ([("extend", EXTEND), ("decode", 1)] if extend else [("decode", 1)])
+    for i, (op, k) in enumerate(plan, 1):
+        if op == "decode":
+            last = steps[-1].logits if tokens_from is None else tokens_from(i)
+            last = last[:, -1] if last.dim() == 3 else last
+            tokens = last.argmax(-1, keepdim=True)
+            name = f"decode step {i}"
+            logits = call(c, name, name, "decode", session.decode, tokens)
+        else:
+            tokens = teacher_tokens(c.config, c.batch, k, i)
+            name = f"extend {k} (step {i})"
+            logits = call(c, name, name, "extend", session.extend, tokens)
+        seq = torch.cat([seq, tokens], 1)
+        mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+        step = Step(name, op, logits)
+        on_step(step, session, seq, mask)
+        steps.append(step)
+    return steps
+
+
+def last_positions(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, None] if logits.dim() == 2 else logits
+
+
+class FusedCapture:
+    """Holds each fused projection's latest output, so its storage stays alive (and its identity
+    unique) until the check has compared the cache's storages with it."""
+
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]]):
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules]
+
+    def _hook(self, name):
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor):
+                self.outputs[name] = output
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        self.outputs = {}
+
+
+def pinning_problems(kv: list[tuple[int, str, torch.Tensor]], fused: dict[str, torch.Tensor]) -> list[str]:
+    """One line per storage of cached tensors with bytes none of them reaches: which tensors, the
+    fused projection whose output the storage is (if it is one), the bytes."""
+    by_storage: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
+    for entry in kv:
+        by_storage.setdefault(storage_key(entry[2]), []).append(entry)
+    outputs = {storage_key(t): (n, t) for n, t in fused.items()}
+    problems = []
+    for key, entries in by_storage.items():
+        storage = entries[0][2].untyped_storage()
+        covered = covered_bytes(storage.nbytes(), [t for _, _, t in entries])
+        if covered == storage.nbytes():
+            continue
+        names = " and ".join(f"layer {layer} {n} {tuple(t.shape)}" for layer, n, t in entries)
+        verb = "are views" if len(entries) > 1 else "is a view"
+        if key in outputs:
+            module, t = outputs[key]
+            what = f"{verb} of {module}'s output {tuple(t.shape)}"
+        else:
+            what = f"{verb} of a buffer that is no fused projection's output of this step"
+        problems.append(f"{names} {what}: its storage holds {storage.nbytes()} bytes, the cached tensors in it "
+                        f"{covered}: {storage.nbytes() - covered} bytes pinned beyond the cache")
+    return problems
+
+
+def check_fused_modules(c: FamilyContext, modules) -> None:
+    """The family entry describes the model: its fused projection exists once per layer."""
+    layers = c.family.layers(c.config)
+    if c.family.fused is not None and len(modules) != layers:
+        raise RuntimeError(f"family {c.family.name}: expected one `{c.family.fused}` module per layer ({layers}) in "
+                           f"{c.implementation}'s model, found {len(modules)}: {[n for n, _ in modules]}")
+
+
+def cache_tokens(c: FamilyContext, session) -> int:
+    """Positions per row the cache holds: written (concat) or the whole preallocated length (static)."""
+    return session.max_len if c.session_path == "static" else session.written
+
+
+def analytic_bytes(c: FamilyContext, session, stored: bool = False) -> int:
+    """The family's analytic cache bytes for this session now (`Family.cache_bytes`: per layer its
+    window's or the whole history's tokens, its K/V or latent width; static: the cache length);
+    stored: what transformers' cache holds where the entry declares more (stored_kv_heads,
+    stored_windows, stored_width)."""
+    static = session.max_len if c.session_path == "static" else None
+    return c.family.cache_bytes(c.config, c.dtype, c.batch, session.written, static, stored=stored)
+
+
+def check_entry_bytes(c: FamilyContext, session, kv) -> None:
+    """On transformers' implementation, the cache holds the K/V bytes the family entry says
+    (`stored_kv_bytes_per_token`): a wrong entry is an error, never a verdict."""
+    if c.implementation != "transformers":
+        return
+    tokens = cache_tokens(c, session)
+    held = sum(t.numel() * t.element_size() for _, _, t in kv)
+    expected = analytic_bytes(c, session, stored=True)
+    if held != expected:
+        raise RuntimeError(f"family {c.family.name}: the cache holds {held} bytes of K/V, the family entry says "
+                           f"{expected} ({c.batch} x {tokens} tokens): fix its kv_heads/head_dim/layers or "
+                           f"declare stored_kv_heads [{describe(c.ctx())}]")
+
+
+def beam_program():
+    ops = []
+    for order in ((2, 0, 1), (1, 1, 0)):
+        ops += [Op("decode"), Op("reorder", index=order)]
+    return "beam", ("reorder",), ops + [Op("decode")]
+
+
+def assisted_program():
+    return "assisted", ("extend", "crop"), [Op("extend", 3), Op("crop", 2), Op("decode"), Op("extend", 3)]
+
+
+def run_program(runner, c: FamilyContext, name: str, ops) -> None:
+    """One fixed program on a fresh session: P1 after every logits-producing operation."""
+    ids, mask = prompt(c.config, pads=OPS_PADS, length=OPS_PROMPT)
+    tol = c.tol(f"logits:{c.session_path}")
+    session = c.session(runner)
+    history = History(ids, mask)
+    out = copy_of(call(c, f"family-ops {name}", "prefill", "prefill", session.prefill, ids, mask))
+    assert_close(out, c.oracle(ids, mask), tol, f"family-ops {name} prefill logits vs transformers' uncached forward",
+                 c.ctx(program=name, step="prefill", operation="prefill"), where=mask.bool()[:, :, None])
+    held = ["prefill"]  # each step is judged as it comes: a crash names those before it
+    try:
+        program_steps(c, name, ops, session, history, tol, held)
+    except Crash as crash:
+        raise crash.held(held)
+
+
+def program_steps(c: FamilyContext, name: str, ops, session, history, tol, held: list) -> None:
+    for i, op in enumerate(ops):
+        what = f"family-ops {name} step {i} ({op.describe()})"
+        tokens = teacher_tokens(c.config, c.batch, op.k, i) if op.kind in ("decode", "extend") else None
+        if op.kind == "decode":
+            out = last_positions(copy_of(call(c, what, i, "decode", session.decode, tokens)))
+        elif op.kind == "extend":
+            out = copy_of(call(c, what, i, "extend", session.extend, tokens))
+        elif op.kind == "crop":
+            out = call(c, what, i, "crop", session.crop, session.written - op.k)
+        else:
+            out = call(c, what, i, "reorder", session.reorder, torch.tensor(op.index))
+        history.apply(op, tokens)
+        if out is not None:
+            full = c.oracle(history.ids, history.mask)
+            assert_close(out, full[:, -op.k:], tol, f"{what}: logits vs transformers' uncached forward over each "
+                         f"row's surviving history ({history.ids.shape[1]} positions)",
+                         c.ctx(program=name, step=i, operation=op.kind))
+            held.append(f"step {i} ({op.describe()})")  # a crop or reorder is judged by the next logits call
+
+
+def storage_report(c: FamilyContext, kv, fused: dict[str, torch.Tensor], tokens: int,
+                   analytic: int | None = None, stored: int | None = None) -> tuple[int, int, list[str]]:
+    """(bytes of the distinct storages the cache reaches, the analytic bytes, what the excess is)."""
+    by_storage: dict[int, list] = {}
+    for entry in kv:
+        by_storage.setdefault(storage_key(entry[2]), []).append(entry)
+    total = sum(entries[0][2].untyped_storage().nbytes() for entries in by_storage.values())
+    if analytic is None:
+        analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+    own = sum(covered_bytes(es[0][2].untyped_storage().nbytes(), [t for _, _, t in es]) for es in by_storage.values())
+    why = []
+    if own != analytic:
+        if stored is None:
+            stored = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+        declared = ""
+        if own == stored != analytic and c.family.stored_kv_heads is not None:
+            declared = (" (the family entry's stored_kv_heads: the heads transformers caches, "
+                        f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)")
+        elif own == stored != analytic and c.family.stored_width is not None:
+            declared = (" (the family entry's stored_width: transformers caches "
+                        f"{c.family.layer_width(c.config, stored=True)} elements per token per layer, vs the "
+                        f"architecture's {c.family.layer_width(c.config)})")
+        elif own == stored != analytic and c.family.stored_windows is not None:
+            declared = (" (the family entry's stored_windows: the windows transformers' cache keeps, "
+                        f"{c.family.layer_windows(c.config, stored=True)} per layer, vs the architecture's "
+                        f"{c.family.layer_windows(c.config)})")
+        why.append(f"the cached tensors themselves hold {own} bytes, {own - analytic:+d} vs the analytic K/V "
+                   f"{analytic} ({c.family.describe_cache(c.config)} x {c.batch} x {tokens} tokens){declared}")
+    why += pinning_problems(kv, fused)
+    return total, analytic, why
+
+
+def cache_evidence(runner, c: FamilyContext) -> dict:
+    """What shows the implementation keeps a cache on this path (the green-run rule,
+    `mpt_kv.checks.running.cache_evidence`): after a prefill, the distinct storages of `kv()` hold at
+    least the family's analytic K/V of the tokens written, and a second `kv()` returns the same ones."""
+    ids, mask = prompt(c.config)
+    with torch.inference_mode():
+        session = c.session(runner)
+        session.prefill(ids, mask)
+        first = named_kv(session.kv())
+        again = named_kv(session.kv())  # `first` still alive: a recomputed tensor cannot take its storage's address
+    storages = {storage_key(t): t.untyped_storage().nbytes() for _, _, t in first}
+    held, written = sum(storages.values()), session.written
+    analytic = analytic_bytes(c, session)
+    where = f"after a prefill of {c.batch} x {written} tokens on {c.path}, {str(c.dtype).replace('torch.', '')}:"
+    if held < analytic:
+        return {"shown": False, "why": f"{where} the cache's storages hold {held} bytes, less than the family's "
+                                       f"analytic K/V of the prefilled tokens ({analytic} bytes): no cache is kept"}
+    if set(storages) != {storage_key(t) for _, _, t in again}:
+        return {"shown": False, "why": f"{where} a second kv() returned other storages than the first: K/V made "
+                                       "at each read (recomputed from the tokens?), not kept"}
+    return {"shown": True, "why": f"{where} the cache's storages hold {held} bytes (analytic K/V {analytic}), the "
+                                  "same at a second kv()"}
+
+
+def warm_up(runner, c: FamilyContext) -> None:
+    """A prefill and a decode before measuring: state a model builds lazily once (rotary tables,
+    cached masks, a cache pool) is made here, not counted as kept by the measured generation."""
+    ids, mask = prompt(c.config)
+    with torch.inference_mode():
+        session = c.session(runner)
+        logits = call(c, "family-memory warm-up", "warm-up", "prefill", session.prefill, ids, mask)
+        call(c, "family-memory warm-up", "warm-up", "decode", session.decode, logits[:, -1].argmax(-1, keepdim=True))
+    del session, logits
+    gc.collect()

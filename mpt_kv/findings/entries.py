@@ -1,0 +1,323 @@
+"""What a known failure is: one entry format for every known-failures file, MPT targets and families
+alike, and the rule that applies an entry to a case. Known upstream failures are data: a JSON list
+of entries, one per (target, property, path) with the package versions it applies to.
+
+    {"target": "transformers", "property": "P3", "path": "concat",
+     "when": {"transformers": "<4.56"},
+     "pattern": "(key|value) \\([0-9, ]+\\) (is a view|are views) of (layer \\d+'s )?mixed_qkv",
+     "reason": "transformers <4.56: DynamicLayer.update stores the first K/V as is ...",
+     "repro": "transformers-mpt-alibi-kv-views"}
+    {"target": "transformers/mpt/alibi", "property": "family-P3", "path": "concat",
+     "when": {"transformers": ">=4.32.0,<4.56.0"},
+     "pattern": "layer 0 key .* (is a view|are views) of .*Wqkv's output",
+     "views": ["key", "value"], "cost_config": "mpt-7b",
+     "upstream": "transformers 4.55.4 cache_utils.py:99-100 ...", "reason": "..."}
+
+every entry  target, property, pattern (a regular expression of the PropertyFailure message, which
+             must name its failure: `mpt_kv.findings.patterns`), reason; optional path (absent:
+             any), when ({distribution: PEP 440 specifier}; absent: every version), upstream (the
+             upstream file and line)
+an MPT entry (a property of the MPT checks, P0 ... ops-*; its target a built-in target or a
+             project's own): optional bucket (true/false; absent: either), check (a registry check
+             id, e.g. "P0/alibi-bias-max-16": that check only; a caller that does not say which
+             check a case is matches no entry that names one), repro (the finding's standalone
+             repro, a folder of `python -m mpt_kv findings --repro DIR`)
+a family entry (a property family-*): target "<implementation>/<family>/<variant>" (the family
+             target the conformance run checks, `mpt_kv.targets.FamilyTarget`); when and upstream
+             required; optional views (which cached tensors view the fused output: key, value,
+             key_value, for the cost) and cost_config (a real config of mpt_kv/data/families/, or
+             mpt-7b: the cost is computed there)
+
+A family entry written before this format names its target by three fields, family, variant and
+implementation (default "transformers"), instead of `target`: it is read the same (`mpt_kv.findings.raw.normalized`).
+Any other field is an error naming it (a typo must not pass silently).
+
+The files: `MPT_FILE`, mpt-kv's own for its MPT targets (a project's own file replaces it: option
+`mpt_kv_known_failures`), read by `load`; `FAMILY_FILE`, the family checks', read by
+`load_families` (each of its entries must name a cell the family matrix has). A case an entry covers
+and applies to (the installed versions match `when`: `match`) is a strict xfail that only a
+`PropertyFailure` whose message the pattern finds satisfies (`Entry.explains`); a pass or any other
+failure fails the case. A malformed file is a `KnownFailuresError` naming the file, the entry and
+what is wrong. New entries go at the END of a file (an entry is named by its index there).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from mpt_kv import package_data, versions
+from mpt_kv.checks import index
+from mpt_kv.errors import KnownFailuresError, PropertyFailure
+from mpt_kv.findings.patterns import compile_pattern
+# the files and an entry as a file has it (re-exported: the findings' tables, costs and repros read them there)
+from mpt_kv.findings.raw import FAMILY_FILE, MPT_FILE, is_family, normalized, raw_entries, target_of  # noqa: F401
+
+FILE = MPT_FILE  # the plugin's default file
+
+PROPERTIES = tuple(p.name for p in index.PROPERTIES if not p.family)  # what an MPT entry may name
+FAMILY_PROPERTIES = tuple(p.name for p in index.PROPERTIES if p.family)
+PATHS = ("concat", "static")  # an MPT entry's paths (a bucketed case: "bucket": true)
+FAMILY_PATHS = index.FAMILY_PATHS
+VIEWS = ("key", "value", "key_value")
+
+# the one format: every entry's fields, and what each kind adds
+REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}
+OPTIONAL = {"path": str, "when": dict, "upstream": str}
+MPT_OPTIONAL = {**OPTIONAL, "bucket": bool, "check": str, "repro": str}
+FAMILY_REQUIRED = {**REQUIRED, "when": dict, "upstream": str}
+FAMILY_OPTIONAL = {"path": str, "views": list, "cost_config": str}
+# a family entry's target before this format: its three parts as fields (`mpt_kv.findings.raw.normalized`)
+
+
+@dataclass(frozen=True)
+class Entry:
+    index: int
+    target: str
+    property: str
+    reason: str
+    pattern: re.Pattern
+    path: str | None = None
+    bucket: bool | None = None
+    when: dict = field(default_factory=dict)  # distribution -> SpecifierSet
+    file: str = ""
+    check: str | None = None  # one registry check id only
+    # a family entry's: the upstream file and line, which cached tensors view the fused output, the
+    # real config its cost is computed at (an MPT entry may give its upstream too)
+    upstream: str = ""
+    views: tuple = ()
+    cost_config: str | None = None
+
+    @property
+    def implementation(self) -> str:
+        """The built-in target or family implementation the entry is about (a family entry's target is
+        "<implementation>/<family>/<variant>")."""
+        return self.target.split("/", 1)[0]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The entry's identity in a run that judges several files: (its file, its index there)."""
+        return (self.file, self.index)
+
+    @property
+    def family(self) -> str | None:
+        parts = self.target.split("/")
+        return parts[1] if len(parts) == 3 else None
+
+    @property
+    def variant(self) -> str | None:
+        parts = self.target.split("/")
+        return parts[2] if len(parts) == 3 else None
+
+    @property
+    def name(self) -> str:
+        where = "".join(f" {x}" for x in (self.path, {True: "bucket", False: "no bucket"}.get(self.bucket)) if x)
+        return f"entry {self.index} ({self.target} {self.check or self.property}{where})"
+
+    def applies(self) -> bool:
+        """True where every package of `when` is installed in a version it names."""
+        return installed_versions_match(self.when)
+
+    def covers(self, target: str, prop: str, path: str | None, bucket: int | None, check: str | None = None) -> bool:
+        """This entry is about the case (target, property, path, bucketed or not, check id)."""
+        return (self.target == target and self.property == prop and self.path in (None, path)
+                and self.bucket in (None, bucket is not None) and self.check in (None, check))
+
+    def explains(self, exc: BaseException | None) -> bool:
+        """The failure is the known one: a PropertyFailure (every one, when hypothesis reports
+        several) whose message the pattern finds."""
+        if exc is None:
+            return False
+        group = getattr(exc, "exceptions", None)  # an exception group of distinct failures
+        if group is not None and not isinstance(exc, PropertyFailure):
+            return bool(group) and all(self.explains(e) for e in group)
+        return isinstance(exc, PropertyFailure) and self.pattern.search(str(exc)) is not None
+
+
+# --- one entry as the file has it --------------------------------------------------------------------
+
+def check_fields(raw, required: dict, optional: dict, bad) -> None:
+    """An object with every required field, no unknown one (a typo must not pass silently), each of
+    its type; `bad(what)` makes the error that names the file and the entry."""
+    if not isinstance(raw, dict):
+        raise bad(f"expected an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(required) - set(optional))
+    if unknown:
+        raise bad(f"unknown field(s) {unknown}; fields are {sorted(required)} and optional {sorted(optional)}")
+    missing = sorted(set(required) - set(raw))
+    if missing:
+        raise bad(f"missing field(s) {missing}")
+    for name, kind in {**required, **optional}.items():
+        if name in raw and not isinstance(raw[name], kind):
+            raise bad(f"{name!r} must be a {kind.__name__}, got {raw[name]!r}")
+
+
+def parse_when(value: dict, bad) -> dict:
+    """{distribution: PEP 440 specifier} -> {distribution: SpecifierSet}."""
+    when = {}
+    for package, spec in value.items():
+        try:
+            when[package] = SpecifierSet(spec)
+        except (InvalidSpecifier, TypeError):
+            raise bad(f"'when' {package}: {spec!r} is not a version specifier (e.g. '<4.56')") from None
+    return when
+
+
+installed_versions_match = versions.versions_match  # every distribution of `when` installed, in its range
+
+
+def read(path, label: str) -> list:
+    """The file's JSON list (`label` names the file in an error)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise KnownFailuresError(f"{label} {path}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KnownFailuresError(f"{label} {path}: not valid JSON ({e})") from None
+    if not isinstance(data, list):
+        raise KnownFailuresError(f"{label} {path}: expected a JSON list of entries, got {type(data).__name__}")
+    return data
+
+
+# --- an MPT targets' file (mpt-kv's own, or a project's) ----------------------------------------------
+
+def mpt_entry(raw, i: int, file: str) -> Entry:
+    def bad(what: str):
+        label = f"entry {i}"
+        if isinstance(raw, dict) and isinstance(raw.get("target"), str) and isinstance(raw.get("property"), str):
+            label += f" ({raw['target']} {raw['property']})"
+        return KnownFailuresError(f"known failures file {file}: {label}: {what}")
+
+    check_fields(raw, REQUIRED, MPT_OPTIONAL, bad)
+    if raw["property"] not in PROPERTIES:
+        raise bad(f"unknown property {raw['property']!r}; expected one of {PROPERTIES}")
+    if raw.get("path", PATHS[0]) not in PATHS:
+        raise bad(f"unknown path {raw['path']!r}; expected one of {PATHS}")
+    if not raw["reason"].strip():
+        raise bad("'reason' is empty: say what upstream does wrong and since when")
+    pattern = compile_pattern(raw["pattern"], bad)
+    when = parse_when(raw.get("when", {}), bad)
+    if "check" in raw and raw["check"].split("/", 1)[0] != raw["property"]:
+        raise bad(f"'check' {raw['check']!r} is not a check of property {raw['property']!r}")
+    if "repro" in raw:
+        check_repro(raw["repro"], bad)
+    return Entry(i, raw["target"], raw["property"], raw["reason"], pattern, raw.get("path"), raw.get("bucket"),
+                 when, file, raw.get("check"), raw.get("upstream", ""))
+
+
+def check_repro(name: str, bad) -> None:
+    """'repro' names a folder `python -m mpt_kv findings --repro DIR` writes (a kept MPT script or a
+    family finding's repro): a name of none is refused, not kept as a dead link."""
+    # lazy: the repros read the family registry, which imports torch (the plugin loads an MPT file
+    # before an xdist worker's card is pinned; only an entry that names a repro needs them)
+    from mpt_kv.findings.repros import repro_names
+
+    names = repro_names()
+    if name not in names:
+        close = difflib.get_close_matches(name, sorted(names), n=3, cutoff=0.6)
+        raise bad(f"'repro' {name!r} names no repro of `python -m mpt_kv findings --repro DIR` "
+                  + (f"(closest: {', '.join(close)})" if close else f"({len(names)} exist; the list: docs/findings.md)")
+                  + ": name one, or drop the field while the finding has none")
+
+
+def load(path: str | Path = MPT_FILE) -> list[Entry]:
+    """Every entry of an MPT targets' file, checked; KnownFailuresError if the file or an entry is
+    malformed."""
+    return [mpt_entry(raw, i, str(path)) for i, raw in enumerate(read(path, "known failures file"))]
+
+
+# --- the family checks' file ---------------------------------------------------------------------------
+
+def family_entry(raw, i: int, path, families, implementations) -> Entry:
+    def bad(what):
+        return KnownFailuresError(f"family known failures {path}: entry {i}: {what}")
+
+    if isinstance(raw, dict) and "target" not in raw:  # the shape before this format: its fields checked as such
+        check_fields(raw, {k: v for k, v in FAMILY_REQUIRED.items() if k != "target"} | {"family": str, "variant": str},
+                     FAMILY_OPTIONAL | {"implementation": str}, bad)
+    raw = normalized(raw)
+    check_fields(raw, FAMILY_REQUIRED, FAMILY_OPTIONAL, bad)
+    implementation, family, variant = target_of(raw)
+    if family is None:
+        raise bad(f"'target' {raw['target']!r}: a family entry's target is '<implementation>/<family>/<variant>'")
+    if family not in families or variant not in families[family].variants:
+        raise bad(f"no family variant {family}/{variant}")
+    if raw["property"] not in FAMILY_PROPERTIES:
+        raise bad(f"unknown property {raw['property']!r}; expected one of {FAMILY_PROPERTIES}")
+    if implementation not in implementations:
+        raise bad(f"unknown implementation {implementation!r}; expected one of {tuple(implementations)}")
+    if raw.get("path", FAMILY_PATHS[0]) not in FAMILY_PATHS:
+        raise bad(f"unknown path {raw['path']!r}; expected one of {FAMILY_PATHS}")
+    views = raw.get("views", [])
+    if not views and "views" in raw or any(v not in VIEWS for v in views) or len(set(views)) != len(views):
+        raise bad(f"'views' {views!r}: a non-empty list of distinct names out of {VIEWS}")
+    if "cost_config" in raw and raw["cost_config"] not in cost_configs():
+        raise bad(f"'cost_config' {raw['cost_config']!r} is no real config of {package_data.REAL_CONFIGS} "
+                  f"(there: {sorted(cost_configs())})")
+    if not raw["reason"].strip():
+        raise bad("'reason' is empty: say what upstream does wrong and since when")
+    return Entry(i, raw["target"], raw["property"], raw["reason"], compile_pattern(raw["pattern"], bad),
+                 raw.get("path"), None, parse_when(raw["when"], bad), str(path), None, raw["upstream"], tuple(views),
+                 raw.get("cost_config"))
+
+
+def cost_configs() -> set[str]:
+    """The names of the real configs kept as data: mpt_kv/data/families/<name>.json, and the seed's
+    MPT config mpt_kv/data/mpt-7b.json."""
+    folder = package_data.REAL_CONFIGS
+    names = {p.stem for p in folder.glob("*.json")} if folder.is_dir() else set()
+    return names | ({"mpt-7b"} if package_data.MPT_7B_CONFIG.is_file() else set())
+
+
+def load_families(path: str | Path = FAMILY_FILE) -> list[Entry]:
+    """Every entry of a family known-failures file, checked (its fields, and that the matrix has its
+    cell): a malformed one is a KnownFailuresError (a ValueError) naming the file, the entry and why."""
+    # lazy: the family registry, its implementations and the check registry import torch (the
+    # plugin reads the family file when it collects the first family case)
+    from mpt_kv.families import FAMILIES
+    from mpt_kv.families.implementations import IMPLEMENTATIONS
+
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, list):
+        raise KnownFailuresError(f"family known failures {path}: expected a JSON list of entries, got "
+                                 f"{type(data).__name__}")
+    entries = [family_entry(raw, i, path, FAMILIES, IMPLEMENTATIONS) for i, raw in enumerate(data)]
+    check_entries_cover_cells(entries)
+    return entries
+
+
+def check_entries_cover_cells(entries) -> None:
+    """An entry about a cell the family matrix does not have (P0 of transformers, P2 on concat, a path
+    the implementation lacks: `mpt_kv.checks.registry.applies`) would never apply: an error naming it,
+    not an entry silently unused."""
+    # lazy: as load_families'
+    from mpt_kv.checks.registry import CHECKS, applies
+    from mpt_kv.families.implementations import PATHS as IMPLEMENTATION_PATHS
+    from mpt_kv.targets import FamilyTarget
+
+    for e in entries:
+        target = FamilyTarget(e.implementation, e.family, e.variant, IMPLEMENTATION_PATHS[e.implementation],
+                              oracle=e.implementation == "transformers")
+        if not any(c.property == e.property and e.path in (None, c.path) and applies(c, target) for c in CHECKS.values()):
+            raise KnownFailuresError(
+                f"family known failure {e.implementation} {e.family}/{e.variant} {e.property} path {e.path or 'any'}: "
+                f"the matrix has no such cell (paths of {e.implementation}: {IMPLEMENTATION_PATHS[e.implementation]}; "
+                "family-P0 only on concat and not for transformers; family-P2 only on static paths)")
+
+
+# --- the rule ----------------------------------------------------------------------------------------
+
+def match(target: str, prop: str, path: str | None, entries: list[Entry] | None = None,
+          bucket: int | None = None, check: str | None = None) -> Entry | None:
+    """The entry that applies (installed versions) to the case (target, property, path, bucketed or
+    not, check id), or None. Every case's, MPT and family alike (the pytest plugin asks here)."""
+    for e in load() if entries is None else entries:
+        if e.covers(target, prop, path, bucket, check) and e.applies():
+            return e
+    return None

@@ -1,0 +1,371 @@
+"""The standalone repros of optimum-habana's family findings (`mpt_kv.findings.repros` picks which):
+its port's module loaded on CPU under bare parent packages (the habana_frameworks stand-in where the
+port needs one), the lines of its `adapt_transformers_to_gaudi` replayed (`PORT_PATCHES`), then
+
+    templates/port.py.tmpl          the prefill forward or the beam-search reorder that raises
+                                    (`port_operation`: `FORWARD_CRASHES`, `REORDER_CRASH`)
+    templates/port_program.py.tmpl  a short program of generate's calls that raises (`crash_program`:
+                                    `PROGRAMS`, `PROGRAM_ERRORS`) or leaves views or wrong logits
+                                    behind (`observed_program`)
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass
+
+from mpt_kv.families import FAMILIES
+from mpt_kv.findings.raw import target_of
+from mpt_kv.findings.grouping import versions, what
+from mpt_kv.findings.scripts import (Repro, class_names, config_literal, fill, part, readme_text, slugify, template,
+                                     tiny_config)
+
+
+# What optimum-habana 1.21.2's adapt_transformers_to_gaudi (transformers/modeling_utils.py) writes
+# into each family's transformers module, (name, attribute or None for the class itself, the
+# port's name), in file order: the repro scripts replay these lines. tests/test_repros.py checks
+# them against the installed release's own lines (mpt_kv.targets.gaudi.model_patches).
+PORT_PATCHES = {
+    "mpt": [("MptForCausalLM", None, "GaudiMptForCausalLM"), ("MptModel", None, "GaudiMptModel"),
+            ("MptAttention", None, "GaudiMptAttention"), ("MptBlock", None, "GaudiMptBlock")],
+    "bloom": [("BloomAttention", "forward", "gaudi_bloom_attention_forward"),
+              ("BloomBlock", "forward", "gaudi_bloom_block_forward"),
+              ("BloomModel", "forward", "gaudi_bloom_model_forward"), ("BloomMLP", None, "GaudiBloomMLP"),
+              ("BloomForCausalLM", None, "GaudiBloomForCausalLM"),
+              ("BloomPreTrainedModel", "_convert_to_standard_cache", "gaudi_bloom_convert_to_standard_cache"),
+              ("BloomPreTrainedModel", "_convert_to_bloom_cache", "gaudi_bloom_convert_to_bloom_cache")],
+    "gpt2": [("GPT2Attention", None, "GaudiGPT2Attention"), ("GPT2Model", "forward", "gaudi_gpt2_forward"),
+             ("GPT2LMHeadModel", None, "GaudiGPT2LMHeadModel"),
+             ("GPT2DoubleHeadsModel", None, "GaudiGPT2DoubleHeadsModel"), ("GPT2Block", None, "GaudiGPT2Block")],
+    "phi": [("PhiForCausalLM", None, "GaudiPhiForCausalLM"), ("PhiAttention", None, "GaudiPhiAttention"),
+            ("PhiDecoderLayer", None, "GaudiPhiDecoderLayer"), ("PhiModel", None, "GaudiPhiModel")],
+    "falcon": [("FalconAttention", None, "GaudiFalconAttention"), ("FalconForCausalLM", None, "GaudiFalconForCausalLM"),
+               ("FalconMLP", None, "GaudiFalconMLP"), ("FalconModel", None, "GaudiFalconModel"),
+               ("FalconDecoderLayer", None, "GaudiFalconDecoderLayer"),
+               ("FalconLinear", "forward", "gaudi_falcon_linear_forward")],
+    "gpt_bigcode": [("GPTBigCodeAttention", None, "GaudiGPTBigCodeAttention"),
+                    ("GPTBigCodeForCausalLM", None, "GaudiGPTBigCodeForCausalLM"),
+                    ("GPTBigCodeBlock", "forward", "gaudi_gpt_bigcode_block_forward"),
+                    ("GPTBigCodeModel", "forward", "gaudi_gpt_bigcode_model_forward")],
+    "gptj": [("GPTJAttention", None, "GaudiGPTJAttention"), ("GPTJForCausalLM", None, "GaudiGPTJForCausalLM"),
+             ("GPTJBlock", None, "GaudiGPTJBlock"), ("GPTJModel", None, "GaudiGPTJModel")],
+    "starcoder2": [("Starcoder2ForCausalLM", None, "GaudiStarcoder2ForCausalLM"),
+                   ("Starcoder2Model", None, "GaudiStarcoder2Model"),
+                   ("Starcoder2Attention", None, "GaudiStarcoder2Attention"),
+                   ("Starcoder2DecoderLayer", None, "GaudiStarcoder2DecoderLayer")],
+    "llama": [("LlamaForCausalLM", None, "GaudiLlamaForCausalLM"), ("LlamaModel", None, "GaudiLlamaModel"),
+              ("LlamaAttention", None, "GaudiLlamaAttention"), ("LlamaMLP", None, "GaudiLlamaMLP"),
+              ("LlamaDecoderLayer", None, "GaudiLlamaDecoderLayer"),
+              ("LlamaRotaryEmbedding", None, "GaudiLlamaRotaryEmbedding"),
+              ("LlamaRMSNorm", "forward", "gaudi_llama_rmsnorm_forward")],
+    "codegen": [("CodeGenAttention", None, "GaudiCodeGenAttention"), ("CodeGenForCausalLM", None, "GaudiCodeGenForCausalLM"),
+                ("CodeGenModel", "forward", "gaudi_codegen_model_forward"),
+                ("CodeGenBlock", "forward", "gaudi_codegen_block_forward")],
+    "mistral": [("MistralForCausalLM", None, "GaudiMistralForCausalLM"), ("MistralAttention", None, "GaudiMistralAttention"),
+                ("MistralDecoderLayer", None, "GaudiMistralDecoderLayer"), ("MistralModel", None, "GaudiMistralModel"),
+                ("MistralRMSNorm", "forward", "gaudi_mistral_rmsnorm_forward")],
+    "gpt_neox": [("GPTNeoXAttention", None, "GaudiGPTNeoXAttention"), ("GPTNeoXForCausalLM", None, "GaudiGPTNeoXForCausalLM"),
+                 ("GPTNeoXLayer", None, "GaudiGPTNeoXLayer"), ("GPTNeoXModel", "forward", "gaudi_gpt_neox_model_forward")],
+    "persimmon": [("PersimmonAttention", None, "GaudiPersimmonAttention"),
+                  ("PersimmonDecoderLayer", None, "GaudiPersimmonDecoderLayer"),
+                  ("PersimmonForCausalLM", None, "GaudiPersimmonForCausalLM"),
+                  ("PersimmonModel", "forward", "gaudi_persimmon_model_forward")],
+    "stablelm": [("StableLmAttention", None, "GaudiStableLmAttention"),
+                 ("StableLmDecoderLayer", None, "GaudiStableLmDecoderLayer"),
+                 ("StableLmForCausalLM", None, "GaudiStableLmForCausalLM"),
+                 ("StableLmModel", "forward", "gaudi_stablelm_model_forward")],
+    "qwen2": [("Qwen2ForCausalLM", None, "GaudiQwen2ForCausalLM"),
+              ("Qwen2ForSequenceClassification", None, "GaudiQwen2ForSequenceClassification"),
+              ("Qwen2ForTokenClassification", None, "GaudiQwen2ForTokenClassification"),
+              ("Qwen2Model", None, "GaudiQwen2Model"), ("Qwen2Attention", None, "GaudiQwen2Attention"),
+              ("Qwen2MLP", None, "GaudiQwen2MLP"), ("Qwen2DecoderLayer", None, "GaudiQwen2DecoderLayer"),
+              ("Qwen2RMSNorm", "forward", "gaudi_qwen2_rmsnorm_forward")],
+}
+
+# optimum-habana findings whose error the port's prefill forward raises: (family, variant, a text of
+# the pattern) -> the folder's short name. Any forward of generate reaches them.
+FORWARD_CRASHES = {
+    ("codegen", "mha", "can only concatenate tuple"): "forward-typeerror",
+    ("phi", "gqa", "The size of tensor a"): "forward-size-mismatch",
+    ("llama", "fused-qkv", "'NoneType' object has no attribute 'weight'"): "forward-nonetype-weight",
+    ("mistral", "gqa", "The size of tensor a"): "forward-rope-size-mismatch",
+    ("starcoder2", "gqa", "KeyError: 'input_shape'"): "forward-keyerror-input-shape",
+}
+
+# The beam-search reorder of a legacy tuple cache calls the model's `_reorder_cache`
+# (generation/utils.py `_temporary_reorder_cache`), which these ports do not define; reached on the
+# default path (no static shapes): the findings whose checks see it there
+REORDER_CRASH = "no attribute '_reorder_cache'"
+
+# optimum-habana findings a short program of generate's calls raises (port_program.py.tmpl): the
+# call the pattern names ("<call> raised <error>"), after what the family checks run before it
+PROGRAMS = {
+    "prefill": [("prefill",)],
+    "decode": [("prefill",), ("extend", 1)],
+    "(prefill|decode)": [("prefill",), ("extend", 1)],
+    # family-P1/P2: the prefill, 2 greedy steps, then a chunk of 3 tokens in one cached call
+    "extend": [("prefill",), ("extend", 1), ("extend", 1), ("extend", 3)],
+    "reorder": [("prefill",), ("reorder",)],
+}
+
+PROGRAM_CALLS = {"prefill": "the prefill", "decode": "a decode step after the prefill",
+                 "(prefill|decode)": "the prefill or the decode step after it",
+                 "extend": "a 3-token cached call after the prefill and 2 decode steps",
+                 "reorder": "the beam-search cache reorder after the prefill"}
+
+# (a text of the error, its short name, a one-sentence suggested fix), the first that matches
+PROGRAM_ERRORS = [
+    ("The expanded size of the tensor", "causal-mask-expand",
+     "in GaudiAttentionMaskConverter._make_causal_mask (modeling_attn_mask_utils.py:53-54) pad the chunk's causal "
+     "mask with past_key_values_length zero columns (not past_key_values_length - tgt_len), as transformers' "
+     "AttentionMaskConverter does"),
+    ("The size of tensor a", "size-mismatch", None),
+    ("index_copy_", "index-copy",
+     "write the chunk's k slots (index_copy_ with token_idx - 1 + arange(k)) instead of one slot per call"),
+    ("index_add_", "index-add", "add the chunk's k slots (token_idx - 1 + arange(k)) instead of one index"),
+    ("INDICES element is out of DATA bounds", "index-out-of-bounds",
+     "index the multi-head layout's token axis (dim 2 of (B, H, T, 2 head_dim)), not dim 1, at "
+     "modeling_gpt_bigcode.py:358-361"),
+    ("is invalid for input of size", "view-shape",
+     "repeat the K/V heads to the query heads' groups for any num_kv_heads (modeling_falcon.py:301), not only 8"),
+    ("get_usable_length", "no-get-usable-length",
+     "use past_key_values.get_seq_length() (transformers >= 4.55 removed Cache.get_usable_length)"),
+    ("'_reorder_cache'", "no-reorder-cache",
+     "define `_reorder_cache` on the port (index_select of every layer's K and V along the batch), or have "
+     "_temporary_reorder_cache reorder a legacy tuple cache itself"),
+    ("'reorder_kv_cache'", "no-reorder-kv-cache",
+     "define `reorder_kv_cache(beam_idx)` on the port (index_select of each layer's preallocated K/V along the "
+     "batch, as the llama port does), or refuse reuse_cache with beam search up front"),
+    ("output with shape", "broadcast",
+     "allocate the reuse_cache K/V with the shape the attention writes (allocate_kv_cache, "
+     "modeling_falcon.py:257)"),
+    ("num_key_value_heads", "no-num-key-value-heads",
+     "read the K/V heads from the config in allocate_kv_cache (modeling_starcoder2.py:156): the attention "
+     "module has no num_key_value_heads"),
+]
+
+SIZE_MISMATCH_FIXES = {
+    ("extend", "3"): "with token_idx, build the chunk's causal mask against the whole cache (past_key_values_length = "
+                     "token_idx - 1) so that to_4d's masked_fill (modeling_attn_mask_utils.py:128) gets matching shapes",
+    ("extend", "2"): "have KVCache.update write a chunk of k tokens at token_idx - 1 (modeling_gptj.py:51-53), not one",
+    ("prefill", "1"): "allocate the reuse_cache K/V with the heads the attention writes (allocate_kv_cache, "
+                      "modeling_falcon.py:255)",
+}
+
+ALTERNATION_FIX = ("see the upstream lines: the concat path's causal mask (modeling_attn_mask_utils.py:53-54), the "
+                   "static path's to_4d (:128) and a one-slot index_copy_ each refuse a chunk of k > 1 tokens")
+
+
+@dataclass(frozen=True)
+class Program:
+    """An optimum-habana finding the program template covers: its calls, path, error and what is
+    observed after a call (the template's OBSERVE)."""
+
+    call: str        # the last call the finding needs: a key of PROGRAMS
+    path: str        # concat | static | static+reuse
+    paths: tuple     # the paths driven: (path,), or family-P2's ("concat", path)
+    short: str       # the folder's short name
+    expected: str | None  # the error's last line (a regular expression); None: no error is part of it
+    fix: str
+    observe: tuple = ()   # ((call, "views" | "memory" | "logits"), ...)
+    seen: str = ""        # what the observation sees, for the title
+
+
+def expected_errors(pattern: str) -> str:
+    """`expected_error` of a pattern that may be an alternation of "<call> raised <error>" texts."""
+    if pattern.startswith("(?:"):
+        return re.sub(r"the implementation's \w+ raised ", "", pattern)
+    return re.sub(r"^.*?raised ", "", pattern)
+
+
+def crash_program(entries: list[dict]) -> Program | None:
+    """The program of an optimum-habana crash finding: its call from the pattern, its path from the
+    entries (concat where an entry holds there, else static, else concat where an entry holds on
+    every path, else static+reuse)."""
+    entry = entries[0]
+    implementation, family, variant = target_of(entry)
+    if implementation != "optimum-habana" or family not in PORT_PATCHES:
+        return None
+    pattern = entry["pattern"].replace("\\", "")
+    found = re.search(r"(\(prefill\|decode\)|prefill|decode|extend|reorder) raised \w+", pattern)
+    if not found:
+        return None
+    call = found.group(1)
+    paths = {e.get("path") for e in entries}
+    # an entry without a path holds on every path the check drives (family-P2: concat, then static)
+    path = ("concat" if "concat" in paths else "static" if "static" in paths else "concat" if None in paths
+            else "static+reuse")
+    if pattern.startswith("(?:"):  # family-P2: the first of the concat and static paths' errors
+        error, fix = "mask-or-index-error", ALTERNATION_FIX
+    else:
+        error, fix = next(((name, fix) for text, name, fix in PROGRAM_ERRORS if text in pattern), (None, None))
+        if error is None:
+            return None
+        if error == "size-mismatch":
+            dim = re.search(r"dimension (\d)", pattern).group(1)
+            fix = SIZE_MISMATCH_FIXES.get((call, dim))
+            if fix is None:
+                return None
+    # family-P2 alone: the concat path first, then the static one (check_static_concat)
+    paths = ("concat", path) if path != "concat" and all(e.get("property") == "family-P2" for e in entries) else (path,)
+    prefix = re.match(r"(family-\w+) ", pattern)  # a second finding of the same error, seen by one check
+    short = "-".join(filter(None, [slugify("-then-".join(paths)), "beam-reorder" if call == "reorder" else slugify(call), error,
+                                   slugify(prefix.group(1)) if prefix else None]))
+    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix)
+
+
+# optimum-habana findings seen in what a call leaves, not in an error (port_program.py.tmpl's
+# OBSERVE): the seed bug class in a port (the cache views the fused projection's output after the
+# prefill), and a port's logits against the eager reference (transformers' eager Falcon ALiBi
+# attention adds ALiBi twice: not the port's error, its sdpa equals the port), with, for family-P1,
+# the crash that run meets after (the error's last line on each path, as the entry's reason says)
+VIEWS_FIX = ("copy the prefill's K/V out of the fused projection's output before caching them (index_select, "
+             "`.contiguous()` or `.clone()` of the slices), as optimum-habana's MPT port has done since it stopped "
+             "caching views of mixed_qkv")
+
+EAGER_ALIBI_FIX = ("in transformers' eager Falcon attention add ALiBi once: it is already folded into the causal "
+                   "mask (_update_causal_mask, modeling_falcon.py:911-916), so drop `attention_scores + alibi` "
+                   "(:393-394), as its sdpa path does")
+
+EAGER_ALIBI_SEEN = ("the prefill's logits equal transformers' sdpa forward, not its eager forward (mpt-kv's "
+                    "reference), which adds ALiBi twice")
+
+EXTEND_CRASHES = {"concat": r"RuntimeError: The expanded size of the tensor \(\d+\) must match the existing size",
+                  "static": r"RuntimeError: The size of tensor a \(\d+\) must match the size of tensor b"}
+
+EXTEND_CRASH_FIXES = {"concat": PROGRAM_ERRORS[0][2], "static": SIZE_MISMATCH_FIXES[("extend", "3")]}
+
+
+def observed_program(entries: list[dict]) -> Program | None:
+    """The program of an optimum-habana finding seen after a call (`views` or `logits`)."""
+    entry = entries[0]
+    implementation, family, variant = target_of(entry)
+    if implementation != "optimum-habana" or family not in PORT_PATCHES:
+        return None
+    path = next((e["path"] for e in entries if e.get("path")), "concat")
+    if entry.get("views") and path in ("concat", "static"):
+        memory = entry["pattern"].startswith("family-memory")
+        observe = (("prefill", "memory"), ("prefill", "views")) if memory else (("prefill", "views"),)
+        seen = ("the cache's storages hold more bytes than its K/V: " if memory else "") + what(entry).replace("`", "")
+        return Program("prefill", path, (path,), f"{path}-prefill-" + ("storage-bytes" if memory else "kv-views"),
+                       None, VIEWS_FIX, observe, f"after the prefill, {seen}")
+    if "vs transformers' uncached forward" in entry["pattern"] and (family, variant) == (
+            "falcon", "alibi"):
+        if "did not get past extend 3" not in entry["pattern"]:  # family-P0 and the ops' prefill
+            return Program("prefill", "concat", ("concat",), "prefill-logits-vs-eager", None, EAGER_ALIBI_FIX,
+                           (("prefill", "logits"),), EAGER_ALIBI_SEEN)
+        if path in EXTEND_CRASHES:  # family-P1: the prefill's logits, then the 3-token call's crash
+            return Program("extend", path, (path,), f"{path}-prefill-logits-vs-eager-then-extend-crash",
+                           EXTEND_CRASHES[path], f"{EAGER_ALIBI_FIX}; then {EXTEND_CRASH_FIXES[path]}",
+                           (("prefill", "logits"),), EAGER_ALIBI_SEEN)
+    return None
+
+
+def expected_error(entry: dict) -> str:
+    """The finding's pattern from the exception's type on: the last line of the error."""
+    return re.sub(r"^.*?raised ", "", entry["pattern"])
+
+
+def port_repro(entries: list[dict], slug: str) -> Repro:
+    """An optimum-habana finding its port's prefill forward or beam-search reorder raises."""
+
+    entry = entries[0]
+    _, family, variant = target_of(entry)
+    operation, _ = port_operation(entries)
+    port = FAMILIES[family].gaudi
+    config_class, _ = class_names(family)
+    expected = expected_error(entry)
+    what_fails = {"forward": "the prefill forward",
+                  "reorder": "the beam-search cache reorder after the prefill"}[operation]
+    title = f"optimum-habana {family}/{variant}: {what_fails} raises {expected.replace(chr(92), '')}"
+    patches = "\n".join(f"    hf.{name}{'.' + attribute if attribute else ''} = port.{value}"
+                        for name, attribute, value in PORT_PATCHES[family])
+    script = fill(
+        template("port.py.tmpl"), title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
+        family=family, variant=variant, config_class=config_class, hf_module=port.hf_module,
+        port_module=port.module, causal_lm=port.causal_lm, expected=repr(expected),
+        config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
+        generation_config=repr(dict(port.generation)), patches=patches,
+        load_module=part("load_with_standin" if port.standin else "load_plain"),
+        operation=part(f"port_{operation}"), what_fails=what_fails,
+        generation_function=part("generation_function") if operation == "reorder" else "")
+    calls = {"forward": "model.generate(input_ids, attention_mask=attention_mask) - any generate of the port, "
+                        "on an HPU or on CPU; here its first forward",
+             "reorder": "model.generate(input_ids, attention_mask=attention_mask, num_beams=2) - beam search "
+                        "with reuse_cache off (the default); here its first reorder"}
+    fixes = {"forward": f"see the upstream line: the port's forward must run the tiny {family} ({variant}) "
+                        "config that transformers' own model runs",
+             "reorder": f"define `_reorder_cache` on {port.causal_lm} (index_select of every layer's K and V "
+                        "along the batch, as transformers' legacy models did), or have "
+                        "_temporary_reorder_cache reorder a legacy tuple cache itself"}
+    readme = readme_text(entries, title, calls[operation], fixes[operation])
+    return Repro(slug, title, script, readme, tuple(entries))
+
+
+def program_repro(entries: list[dict], slug: str) -> Repro:
+    """An optimum-habana finding a short program of generate's calls raises (`crash_program`) or
+    leaves in its cache or logits (`observed_program`)."""
+
+    entry = entries[0]
+    _, family, variant = target_of(entry)
+    program = program_of(entries)
+    port = FAMILIES[family].gaudi
+    config_class, _ = class_names(family)
+    what_fails = PROGRAM_CALLS[program.call]
+    where = {"concat": "static shapes off", "static": "static shapes (token_idx)",
+             "static+reuse": "static shapes and reuse_cache"}[program.path]
+    if len(program.paths) > 1:
+        where = f"static shapes off, then {where}"
+    if program.observe:  # what is seen, then the error that follows it, if the finding has one
+        then = (f"; then {PROGRAM_CALLS[program.call]} raises {program.expected.replace(chr(92), '')}"
+                if program.expected else "")
+        title = f"optimum-habana {family}/{variant}, {where}: {program.seen}{then}"
+        what_fails = program.seen
+    else:
+        title = (f"optimum-habana {family}/{variant}, {where}: {what_fails} raises "
+                 f"{program.expected.replace(chr(92), '')}")
+    patches = "\n".join(f"    hf.{name}{'.' + attribute if attribute else ''} = port.{value}"
+                        for name, attribute, value in PORT_PATCHES[family])
+    script = fill(
+        template("port_program.py.tmpl"), title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
+        family=family, variant=variant, config_class=config_class, hf_module=port.hf_module,
+        port_module=port.module, causal_lm=port.causal_lm, expected=repr(program.expected),
+        config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
+        generation_config=repr(dict(port.generation)), patches=patches,
+        load_module=part("load_with_standin" if port.standin else "load_plain"), what_fails=what_fails,
+        program=repr(PROGRAMS[program.call]), paths=repr(program.paths), observe=repr(list(program.observe)),
+        fused=FAMILIES[family].fused, generation_function=part("generation_function"))
+    options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
+               "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
+    calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
+             "decode": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its first decode "
+                       "step",
+             "(prefill|decode)": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its "
+                                 "prefill and first decode step",
+             "extend": "model.generate(new_ids, attention_mask=mask, past_key_values=<an earlier generate's cache>, "
+                       f"{options}) - a cached call of k > 1 tokens; here a prefill, 2 greedy steps, then 3 tokens "
+                       "in one call",
+             "reorder": f"model.generate(input_ids, attention_mask=attention_mask, num_beams=2, {options}) - here "
+                        "its first reorder"}
+    readme = readme_text(entries, title, calls[program.call], program.fix)
+    return Repro(slug, title, script, readme, tuple(entries))
+
+
+def port_operation(entries: list[dict]) -> tuple[str, str] | None:
+    """(operation, short name) of an optimum-habana finding a port template covers, else None."""
+    entry = entries[0]
+    implementation, family, variant = target_of(entry)
+    if implementation != "optimum-habana" or family not in PORT_PATCHES:
+        return None
+    for (crash_family, crash_variant, text), short in FORWARD_CRASHES.items():
+        if (family, variant) == (crash_family, crash_variant) and text in entry["pattern"]:
+            return "forward", short
+    if REORDER_CRASH in entry["pattern"].replace("\\", "") and any(e.get("path") in (None, "concat") for e in entries):
+        return "reorder", "beam-reorder-no-reorder-cache"
+    return None
+
+
+def program_of(entries: list[dict]) -> Program | None:
+    """The program of an optimum-habana finding port_program.py.tmpl covers: a crash or an observation."""
+    return crash_program(entries) or observed_program(entries)
