@@ -34,6 +34,14 @@ WITH_REPROS = {
     "transformers-gpt-neox-mha-kv-views", "transformers-codegen-mha-kv-views", "transformers-persimmon-mha-kv-views",
     "transformers-phi3-gqa-kv-views", "transformers-dbrx-gqa-kv-views",
     # transformers_call.py.tmpl: a prefill shows them
+    # the zoo's windows, hybrids and latents (transformers_call.py.tmpl too: a prefill and decode steps)
+    *(f"transformers-{f}-{s}" for f in ("gemma2-hybrid-window4", "gemma3-hybrid-window9", "gpt-oss-hybrid-window7")
+      for s in ("window-slice-pins-evicted", "local-layers-cache-whole-history")),
+    "transformers-gpt-neo-global-local4-local-layers-cache-whole-history",
+    "transformers-gpt-neo-global-local4-static-local-layers-full-length",
+    *(f"transformers-gpt-neo-global-local4-static-cache-mask-from-key-length-{s}" for s in ("p1", "p2", "ops")),
+    *(f"transformers-{f}-mla-{s}" for f in ("deepseek-v2", "deepseek-v3")
+      for s in ("value-view-of-kv-b-proj", "caches-expanded-kv-not-latent", "static-cache-prefill-index-copy")),
     "transformers-falcon-new-arch-gqa-kv-cache-all-heads", "transformers-falcon-rotary-mqa-static-cache-prefill-index-copy",
     "optimum-habana-codegen-mha-forward-typeerror", "optimum-habana-phi-gqa-forward-size-mismatch",
     "optimum-habana-llama-fused-qkv-forward-nonetype-weight", "optimum-habana-mistral-gqa-forward-rope-size-mismatch",

@@ -91,12 +91,18 @@ def runner_for(implementation, family: Family, variant: str, dtype: torch.dtype,
 
 
 def oracle_model(family: Family, variant: str, dtype: torch.dtype):
-    """transformers' model with the same weights, in fp32 (bf16: from the bf16-rounded weights)."""
+    """transformers' model with the same weights, in fp32 (bf16: from the bf16-rounded weights);
+    for a remote-code family, the port's own model so, driven uncached as its runner drives it."""
     key = (config_key(family.config(variant)), dtype)
     if key not in _oracles:
-        model, _ = build(family, variant)
+        model, config = build(family, variant)
         if dtype != torch.float32:
             model.to(dtype).to(torch.float32)
+        if family.remote_code:
+            from mpt_kv.families.gaudi import GaudiPortRunner, set_generation_settings
+
+            set_generation_settings(model, family.gaudi.generation)
+            model = GaudiPortRunner(family, variant, model, config)
         _oracles[key] = model
     return _oracles[key]
 
@@ -137,6 +143,8 @@ class FamilyContext:
         """transformers' uncached forward (fp32) over the tokens."""
         model = oracle_model(self.family, self.variant, self.dtype)
         with torch.inference_mode():
+            if self.family.remote_code:  # the port's runner: its uncached forward as generate calls it
+                return model.logits(ids, mask).float()
             return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
 
     def session(self, runner, path: str | None = None, max_len: int = MAX_LEN):
@@ -292,6 +300,15 @@ def cache_tokens(c: FamilyContext, session) -> int:
     return session.max_len if c.session_path == "static" else session.written
 
 
+def analytic_bytes(c: FamilyContext, session, stored: bool = False) -> int:
+    """The family's analytic cache bytes for this session now (`Family.cache_bytes`: per layer its
+    window's or the whole history's tokens, its K/V or latent width; static: the cache length);
+    stored: what transformers' cache holds where the entry declares more (stored_kv_heads,
+    stored_windows, stored_width)."""
+    static = session.max_len if c.session_path == "static" else None
+    return c.family.cache_bytes(c.config, c.dtype, c.batch, session.written, static, stored=stored)
+
+
 def check_entry_bytes(c: FamilyContext, session, kv) -> None:
     """On transformers' implementation, the cache holds the K/V bytes the family entry says
     (`stored_kv_bytes_per_token`): a wrong entry is an error, never a verdict."""
@@ -299,7 +316,7 @@ def check_entry_bytes(c: FamilyContext, session, kv) -> None:
         return
     tokens = cache_tokens(c, session)
     held = sum(t.numel() * t.element_size() for _, _, t in kv)
-    expected = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+    expected = analytic_bytes(c, session, stored=True)
     if held != expected:
         raise RuntimeError(f"family {c.family.name}: the cache holds {held} bytes of K/V, the family entry says "
                            f"{expected} ({c.batch} x {tokens} tokens): fix its kv_heads/head_dim/layers or "
@@ -354,23 +371,34 @@ def program_steps(c: FamilyContext, name: str, ops, session, history, tol, held:
             held.append(f"step {i} ({op.describe()})")  # a crop or reorder is judged by the next logits call
 
 
-def storage_report(c: FamilyContext, kv, fused: dict[str, torch.Tensor], tokens: int) -> tuple[int, int, list[str]]:
+def storage_report(c: FamilyContext, kv, fused: dict[str, torch.Tensor], tokens: int,
+                   analytic: int | None = None, stored: int | None = None) -> tuple[int, int, list[str]]:
     """(bytes of the distinct storages the cache reaches, the analytic bytes, what the excess is)."""
     by_storage: dict[int, list] = {}
     for entry in kv:
         by_storage.setdefault(storage_key(entry[2]), []).append(entry)
     total = sum(entries[0][2].untyped_storage().nbytes() for entries in by_storage.values())
-    analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+    if analytic is None:
+        analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
     own = sum(covered_bytes(es[0][2].untyped_storage().nbytes(), [t for _, _, t in es]) for es in by_storage.values())
     why = []
     if own != analytic:
-        stored = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
-        declared = (" (the family entry's stored_kv_heads: the heads transformers caches, "
-                    f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)"
-                    if own == stored != analytic else "")
+        if stored is None:
+            stored = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+        declared = ""
+        if own == stored != analytic and c.family.stored_kv_heads is not None:
+            declared = (" (the family entry's stored_kv_heads: the heads transformers caches, "
+                        f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)")
+        elif own == stored != analytic and c.family.stored_width is not None:
+            declared = (" (the family entry's stored_width: transformers caches "
+                        f"{c.family.layer_width(c.config, stored=True)} elements per token per layer, vs the "
+                        f"architecture's {c.family.layer_width(c.config)})")
+        elif own == stored != analytic and c.family.stored_windows is not None:
+            declared = (" (the family entry's stored_windows: the windows transformers' cache keeps, "
+                        f"{c.family.layer_windows(c.config, stored=True)} per layer, vs the architecture's "
+                        f"{c.family.layer_windows(c.config)})")
         why.append(f"the cached tensors themselves hold {own} bytes, {own - analytic:+d} vs the analytic K/V "
-                   f"{analytic} ({c.family.layers(c.config)} layers x {c.family.kv_heads(c.config)} K/V heads x "
-                   f"head dim {c.family.head_dim(c.config)} x {c.batch} x {tokens} tokens){declared}")
+                   f"{analytic} ({c.family.describe_cache(c.config)} x {c.batch} x {tokens} tokens){declared}")
     why += pinning_problems(kv, fused)
     return total, analytic, why
 
@@ -387,7 +415,7 @@ def cache_evidence(runner, c: FamilyContext) -> dict:
         again = named_kv(session.kv())  # `first` still alive: a recomputed tensor cannot take its storage's address
     storages = {storage_key(t): t.untyped_storage().nbytes() for _, _, t in first}
     held, written = sum(storages.values()), session.written
-    analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * written
+    analytic = analytic_bytes(c, session)
     where = f"after a prefill of {c.batch} x {written} tokens on {c.path}, {str(c.dtype).replace('torch.', '')}:"
     if held < analytic:
         return {"shown": False, "why": f"{where} the cache's storages hold {held} bytes, less than the family's "

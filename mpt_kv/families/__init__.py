@@ -7,8 +7,9 @@ family is one small module and one line below (docs/families.md).
 
 from __future__ import annotations
 
-from mpt_kv.families import (bloom, codegen, dbrx, falcon, gpt2, gpt_bigcode, gpt_neox, gptj, llama, mistral, mpt,
-                             persimmon, phi, phi3, qwen2, stablelm, starcoder2)
+from mpt_kv.families import (baichuan, bloom, codegen, cohere, dbrx, deepseek_v2, deepseek_v3, falcon, gemma, gemma2, gemma3,
+                             gpt2, gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, llama, mistral, mixtral, mpt, opt,
+                             persimmon, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stablelm, starcoder2, xglm)
 from mpt_kv.errors import Registry
 from mpt_kv.families.base import TINY, Family
 
@@ -31,6 +32,23 @@ FAMILIES: dict[str, Family] = Registry("family", {f.name: f for f in (
     gptj.FAMILY,
     stablelm.FAMILY,
     dbrx.FAMILY,
+    # the Gaudi zoo (optimum-habana 1.21.2's text decoders): windows, hybrids, latents, experts
+    gemma.FAMILY,
+    gemma2.FAMILY,
+    gemma3.FAMILY,
+    qwen3.FAMILY,
+    qwen3_moe.FAMILY,
+    qwen2_moe.FAMILY,
+    mixtral.FAMILY,
+    deepseek_v2.FAMILY,
+    deepseek_v3.FAMILY,
+    cohere.FAMILY,
+    gpt_neo.FAMILY,
+    gpt_oss.FAMILY,
+    opt.FAMILY,
+    xglm.FAMILY,
+    # remote code: optimum-habana's own copy is the model and the oracle
+    baichuan.FAMILY,
 )})
 
 

@@ -75,7 +75,11 @@ class GaudiPort:
     `mpt_kv.targets.gaudi.load_gaudi_mpt_module`); None: `mpt_kv.families.gaudi.load_port_module`;
     state_dict: (transformers' state_dict, config) -> the same weights in the port's parameter
     layout, where a variant's port names them otherwise (llama's fused_qkv: one qkv_proj);
-    None: transformers' state_dict as it is.
+    None: transformers' state_dict as it is;
+    needs_hpu: why the port cannot run off an HPU (an HPU kernel its forward calls with no CPU
+    fallback: the mixture-of-experts ports' `torch.ops.hpu.mixture_of_experts`), with its upstream
+    line; without a real habana_frameworks the runner is then `TargetUnavailable` with that reason
+    (on a Gaudi machine it runs). None: it runs on CPU.
     """
 
     module: str
@@ -93,6 +97,7 @@ class GaudiPort:
     prepare: Callable | None = None
     load: Callable | None = None
     state_dict: Callable | None = None
+    needs_hpu: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,28 @@ class Family:
     head_dim(config): their head dim; layers(config): layers that cache; stored_kv_heads(config):
     the K/V heads transformers' implementation actually caches where that is more than kv_heads
     (a known excess over the analytic size, kept as data with its upstream line), else None;
-    gaudi: optimum-habana's port of the family (`GaudiPort`), None where there is none."""
+    gaudi: optimum-habana's port of the family (`GaudiPort`), None where there is none;
+    windows(config): each caching layer's sliding window (None: a global layer), where the
+    architecture has local layers (gemma2/3, gpt_oss: hybrid; mistral: every layer); such a layer
+    holds at most the window (`layer_tokens`), and its oracle is the uncached forward with the
+    window's mask (transformers' own); latent_width(config): the elements per token one layer
+    caches where it caches a compressed latent instead of K and V (multi-head latent attention,
+    deepseek_v2/v3: kv_lora_rank + qk_rope_head_dim), else None; design: the cache design in a
+    word, for the matrix and docs ("full", "window", "hybrid", "latent", with "+moe", "+sinks" ...);
+    remote_code: where transformers ships the architecture only as Hub remote code, which Hub
+    files it is (the port's own modeling file is then the model, and its uncached forward the
+    oracle: there is no "transformers" implementation); remote_config: the port's config class
+    there, "<module>:<class>" (its tiny config is built from it, not from AutoConfig); pad_static_mask: whether
+    transformers' runner passes the 2D mask padded to the cache length on the static path (as
+    Bloom's generate does), False where the model derives positions from the mask (OPT's
+    cumsum: a padded mask is a shape error, and generate passes the written part); stored_windows(config):
+    only where transformers' cache keeps more of a local layer than its window (gpt_neo's local
+    layers cache the whole history: a known excess, kept as data like stored_kv_heads); a function
+    may return None where the installed transformers keeps the windows; stored_width(config):
+    likewise the elements per token per layer transformers caches where it is not `layer_width`
+    (transformers 4.x's DeepSeek caches the expanded K and V, not the latent), or None; port_note:
+    where `gaudi` is None although optimum-habana ships a port, why mpt-kv does not drive it yet
+    (the matrix's reason)."""
 
     name: str
     model_type: str
@@ -118,19 +144,103 @@ class Family:
     tiny: dict = field(default_factory=lambda: dict(TINY))
     stored_kv_heads: Callable | None = None
     gaudi: GaudiPort | None = None  # optimum-habana's port of this family (mpt_kv/families/gaudi.py)
+    windows: Callable | None = None
+    latent_width: Callable | None = None
+    design: str = "full"
+    remote_code: str | None = None
+    remote_config: str | None = None
+    pad_static_mask: bool = True
+    stored_windows: Callable | None = None
+    stored_width: Callable | None = None
+    port_note: str | None = None
 
     def config(self, variant: str):
         """The tiny config of one variant, built without the hub."""
         if variant not in self.variants:
             raise ValueError(f"family {self.name} has no variant {variant!r}: variants {sorted(self.variants)}")
+        if self.remote_config is not None:  # the port's own config class (optimum-habana's copy of the Hub files)
+            import importlib
+
+            from mpt_kv.families.gaudi import load_port_module
+
+            load_port_module(self)  # imports the config module beside it (under the stand-in where needed)
+            module, name = self.remote_config.split(":")
+            return getattr(importlib.import_module(module), name)(**{**self.tiny, **self.variants[variant]})
         from transformers import AutoConfig
 
         return AutoConfig.for_model(self.model_type, **{**self.tiny, **self.variants[variant]})
 
-    def kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
-        """Analytic cached bytes per token per sequence: K and V of every layer."""
+    def layer_windows(self, config, stored: bool = False) -> list:
+        """Each caching layer's window (None: global), checked: a window is an int >= 2 (stored:
+        the windows transformers' cache keeps, `stored_windows`, where the entry declares them)."""
+        layers = self.layers(config)
+        windows = self.stored_windows(config) if stored and self.stored_windows is not None else None
+        if windows is None:
+            windows = [None] * layers if self.windows is None else list(self.windows(config))
+        if len(windows) != layers:
+            raise ValueError(f"family entry {self.name}: windows(config) gives {len(windows)} layers, layers(config) "
+                             f"{layers}")
+        for w in windows:
+            if w is not None:
+                check_size(f"family entry {self.name}: a window of windows(config)", w - 1)
+        return windows
+
+    def layer_tokens(self, config, written: int, static_len: int | None = None, stored: bool = False) -> list[int]:
+        """The positions per row each caching layer holds after `written` tokens: a global layer all
+        of them (static: the cache length); a local layer of window w the w - 1 latest on the concat
+        path (the next query attends to itself and w - 1 before it: what transformers' 5.x
+        DynamicSlidingWindowLayer keeps, cache_utils.py:244-247) and min(cache length, w) slots on
+        the static path (StaticSlidingWindowLayer's buffer, cache_utils.py:540)."""
+        out = []
+        for w in self.layer_windows(config, stored):
+            if static_len is not None:
+                out.append(static_len if w is None else min(static_len, w))
+            else:
+                out.append(written if w is None else min(written, w - 1))
+        return out
+
+    def layer_width(self, config, stored: bool = False) -> int:
+        """Elements per token one caching layer stores: K and V of its heads (2 x K/V heads x head
+        dim), or its latent's width (multi-head latent attention)."""
+        if stored and self.stored_width is not None and self.stored_width(config) is not None:
+            return self.stored_width(config)
+        if self.latent_width is not None:
+            width = self.latent_width(config)
+            check_size(f"family entry {self.name}: latent_width(config)", width)
+            return width
+        return 2 * self.cache_dims(config, stored=stored and self.stored_kv_heads is not None) // self.layers(config)
+
+    def cache_bytes(self, config, dtype: torch.dtype, batch: int, written: int, static_len: int | None = None,
+                    stored: bool = False) -> int:
+        """The analytic bytes of a cache for `batch` rows after `written` tokens (static: of a
+        cache of `static_len` slots): per layer its tokens (`layer_tokens`: a window's or the whole
+        history) x its width (`layer_width`: K/V heads x head dim x 2, or a latent's); stored: what
+        transformers' cache holds where the entry declares more (stored_kv_heads, stored_windows)."""
         size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.cache_dims(config) * size
+        width = self.layer_width(config, stored)
+        return sum(width * tokens for tokens in self.layer_tokens(config, written, static_len, stored)) * batch * size
+
+    @property
+    def declares_stored(self) -> bool:
+        return any(f is not None for f in (self.stored_kv_heads, self.stored_windows, self.stored_width))
+
+    def describe_cache(self, config) -> str:
+        """The analytic layout in words, for a failure's message."""
+        if self.latent_width is not None:
+            what = f"{self.layers(config)} layers x a latent of {self.latent_width(config)} per token"
+        else:
+            what = (f"{self.layers(config)} layers x {self.kv_heads(config)} K/V heads x head dim "
+                    f"{self.head_dim(config)}")
+        windows = self.layer_windows(config)
+        if any(w is not None for w in windows):
+            what += f", windows per layer {windows}"
+        return what
+
+    def kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
+        """Analytic cached bytes per token per sequence: K and V (or the latent) of every layer,
+        windows aside (`cache_bytes` counts them)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return self.layers(config) * self.layer_width(config) * size
 
     def stored_kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
         """The bytes per token per sequence transformers' cache holds (the analytic size unless

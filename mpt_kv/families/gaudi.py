@@ -36,6 +36,7 @@ exception chained: an error, never a skip.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -62,8 +63,9 @@ __all__ = ["PortError", "load_port_module", "port_patches", "fork_loader", "buil
 
 def _port(family: Family):
     if family.gaudi is None:
+        why = f": {family.port_note}" if family.port_note else ""
         raise TargetUnavailable(f"mpt-kv has no optimum-habana port entry for family {family.name} (no gaudi= in "
-                                f"mpt_kv/families/{family.name}.py; docs/families.md, \"optimum-habana's ports\")")
+                                f"mpt_kv/families/{family.name}.py; docs/families.md, \"optimum-habana's ports\"){why}")
     return family.gaudi
 
 
@@ -158,11 +160,12 @@ def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32,
     if cls is None:
         raise PortError(f"{gaudi_target.release()}: {port.module} has no {port.causal_lm} (mpt_kv/families/"
                         f"{family.name}.py names it)")
-    patches = port_patches(family, module)
+    # a remote-code family's model is the port's own class: no transformers class to patch
+    patches = [] if family.remote_code else port_patches(family, module)
     try:
         with gaudi_target.gaudi_classes(module, patches):
             torch.manual_seed(seed)
-            model = cls(config)
+            model = cls(copy.deepcopy(config) if family.remote_code else config)
         patch_instances(model, module, patches)
         weights = reference.state_dict()
         if port.state_dict is not None:  # the same weights in the port's layout (llama's fused_qkv)
@@ -218,6 +221,9 @@ def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float3
     reuse_cache=True is optimum-habana's reuse_cache (`allocate_kv_cache`; path "static+reuse"),
     TargetUnavailable naming why for a port without it."""
     port = _port(family)
+    if port.needs_hpu and importlib.util.find_spec("habana_frameworks") is None:
+        raise TargetUnavailable(f"{gaudi_target.release()}'s port of {family.name} ({port.causal_lm}) cannot run off "
+                                f"an HPU: {port.needs_hpu}")
     if reuse_cache and port.reuse_cache is not None:
         raise TargetUnavailable(f"{gaudi_target.release()}'s port of {family.name} ({port.causal_lm}) has no "
                                 f"reuse_cache: {port.reuse_cache}")
@@ -229,6 +235,14 @@ def takes(model, name: str) -> bool:
     """Whether the model's forward names the keyword `name` (a **kwargs catch-all does not count:
     every port has one, and a keyword it swallows is a keyword it ignores)."""
     return name in inspect.signature(model.forward).parameters
+
+
+def batch_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
+    """Each row's positions, a tensor of its own (as generate's `position_ids`, made from the
+    mask's cumsum): XGLM's sinusoidal embedding adds its offset into them in place (transformers
+    4.55.4 models/xglm/modeling_xglm.py, `position_ids += self.offset`), which an expanded view
+    refuses."""
+    return positions.unsqueeze(0).repeat(batch, 1)
 
 
 class GaudiPortSession(GaudiStyleSession):
@@ -256,7 +270,7 @@ class GaudiPortSession(GaudiStyleSession):
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         extra = dict(self.port.forward_kwargs)
         if self.runner.takes("position_ids"):  # BLOOM (ALiBi) takes none: its generate passes none
-            extra["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+            extra["position_ids"] = batch_positions(positions, input_ids.shape[0])
         if self.runner.takes("cache_position"):  # generate always passes one (_get_initial_cache_position)
             extra["cache_position"] = positions
         if token_idx is not None:
@@ -327,7 +341,7 @@ class GaudiPortRunner(ModelRunner):
             # while a port may count them from the mask instead (gpt_bigcode,
             # models/gpt_bigcode/modeling_gpt_bigcode.py:569-572): another function on padded rows
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            extra["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+            extra["position_ids"] = batch_positions(positions, input_ids.shape[0])
         out = self.model(input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         self.sync()
         return out

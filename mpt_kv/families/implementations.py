@@ -78,6 +78,9 @@ def transformers_runner(family: Family, variant: str, dtype: torch.dtype = torch
     except ImportError as e:
         raise TargetUnavailable(f"transformers is not installed ({e})") from e
 
+    if family.remote_code:
+        raise TargetUnavailable(f"transformers ships no {family.name} model: the architecture is Hub remote code "
+                                f"({family.remote_code}); optimum-habana's port is its model and oracle")
     model, config = build(family, variant, seed)
     model.to(dtype)
     unsupported = {}
@@ -85,7 +88,7 @@ def transformers_runner(family: Family, variant: str, dtype: torch.dtype = torch
     if reason:
         unsupported["static"] = reason
     return TransformersRunner(model, capabilities=Capabilities(unsupported), cfg=limits_of(config),
-                              pad_static_mask=True)
+                              pad_static_mask=family.pad_static_mask)
 
 
 def installed(distribution: str) -> bool:
@@ -117,8 +120,13 @@ PATHS = {"transformers": ("concat", "static"), "optimum-habana": ("concat", "sta
 
 def family_targets(implementations=tuple(IMPLEMENTATIONS)) -> list[FamilyTarget]:
     """Every variant of every family of the registry on each implementation, with its paths;
-    transformers is family-P0's oracle (no P0 cell of its own)."""
-    return [FamilyTarget(impl, family, variant, PATHS[impl], oracle=impl == "transformers")
+    transformers is family-P0's oracle (no P0 cell of its own), and a remote-code family's port
+    is its own."""
+    from mpt_kv.families import FAMILIES
+
+    # a remote-code family's oracle is the port's own uncached forward: no P0 cell for it either
+    return [FamilyTarget(impl, family, variant, PATHS[impl],
+                         oracle=impl == "transformers" or bool(FAMILIES[family].remote_code))
             for impl in implementations for family, variant in variants()]
 # the distribution whose absence makes an implementation's cases skip (the package map: mpt_kv.versions)
 PACKAGES = {name: BUILTIN[name].requires[0] for name in IMPLEMENTATIONS}

@@ -23,7 +23,8 @@ def family_of(name) -> Family:
 
 def build(family: Family, variant: str, seed: int = 0):
     """transformers' model of a tiny config, random weights (seeded), eager attention (a fully
-    padded query row gives uniform weights there, not the NaN of an all -inf softmax)."""
+    padded query row gives uniform weights there, not the NaN of an all -inf softmax); for a
+    remote-code family (`Family.remote_code`), the port's own model class (seeded)."""
     from transformers import AutoModelForCausalLM
 
     config = family_of(family).config(variant)
@@ -31,7 +32,24 @@ def build(family: Family, variant: str, seed: int = 0):
     if key in _built:  # a copy of the model built once per process: the same weights, its own modules
         return copy.deepcopy(_built[key]), config
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # no dtype: 4.x does not take it
+    if family_of(family).remote_code:  # the port's own model: transformers has none
+        from mpt_kv.families.gaudi import load_port_module
+
+        port = family_of(family).gaudi
+        # a copy: transformers' PreTrainedModel takes the legacy `gradient_checkpointing` off the config
+        # it is given, which the remote code reads (Baichuan: modeling_baichuan.py:929), so the port's
+        # runner could not build a second model from the same config
+        model = getattr(load_port_module(family_of(family)), port.causal_lm)(copy.deepcopy(config))
+        # remote code leaves some parameters as torch.empty for a checkpoint to fill (Baichuan's
+        # RMSNorm weight, modeling_baichuan.py:169, which its _init_weights does not reach): whatever
+        # memory held, NaN included. A tiny random model's 1-D weights (the norms') are set to 1 and
+        # its 1-D biases to 0, as their own init does elsewhere: the same model in every process
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() == 1:
+                    param.fill_(1.0 if name.endswith("weight") else 0.0)
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # no dtype: 4.x does not take it
     _built[key] = model.to(torch.float32).eval()
     return copy.deepcopy(model), config
 

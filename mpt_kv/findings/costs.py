@@ -122,9 +122,12 @@ def stored_kv_heads(family: Family, config) -> int:
 
 def fused_width(family: Family, config) -> int:
     """Elements per token of the fused projection's output: the query heads and the K and V heads,
-    each head_dim wide (MQA/GQA aware). Checked against each tiny model's fused module."""
+    each head_dim wide (MQA/GQA aware), or a latent family's latent (kv_lora_rank + qk_rope_head_dim:
+    deepseek's kv_a_proj_with_mqa). Checked against each tiny model's fused module."""
     if family.fused is None:
         raise ValueError(f"family {family.name} has no fused q/k/v projection")
+    if family.latent_width is not None:  # multi-head latent attention: the latent and the rope key part
+        return family.latent_width(config)
     return (config.num_attention_heads + 2 * family.kv_heads(config)) * family.head_dim(config)
 
 

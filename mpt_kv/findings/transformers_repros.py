@@ -61,7 +61,66 @@ TRANSFORMERS_CALLS = {
         "config.num_kv_heads, absent from num_key_value_heads), as transformers 4.56 does"),
 }
 
-TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every query head, not num_kv_heads"}
+# the Gaudi zoo's findings: windows, hybrids, latents (a text "<pattern text>:static" covers only the
+# finding on the static path: gpt_neo's stored windows, where the static cache preallocates them)
+WINDOW_FIX = ("keep the window's positions as a tensor of their own (`.clone()` the slice, or a preallocated ring "
+              "buffer written in place), so the concatenation's evicted positions are freed")
+for _family, _variant in (("gemma2", "hybrid-window4"), ("gemma3", "hybrid-window9"), ("gpt_oss", "hybrid-window7")):
+    TRANSFORMERS_CALLS[(_family, _variant, "is a view of a buffer that is no fused")] = (
+        "window-slice-pins-evicted", "cached_tensors", "window_slice_pins_evicted",
+        "model.generate(input_ids, attention_mask=attention_mask) - transformers 5.x's default DynamicCache; here "
+        "the prefill and greedy decode steps", WINDOW_FIX)
+    TRANSFORMERS_CALLS[(_family, _variant, "stored_windows")] = (
+        "local-layers-cache-whole-history", "cached_tensors", "local_layers_history_hybrid",
+        "model.generate(input_ids, attention_mask=attention_mask) - the default cache (4.55: DynamicCache() "
+        "without the config); here the prefill and greedy decode steps",
+        "make generate's default cache from the model's config (a sliding-window layer per local layer), as "
+        "transformers 5.x does")
+TRANSFORMERS_CALLS[("gpt_neo", "global-local4", "stored_windows")] = (
+    "local-layers-cache-whole-history", "cached_tensors", "local_layers_history_gpt_neo",
+    "model.generate(input_ids, attention_mask=attention_mask) - the default cache; here the prefill and greedy "
+    "decode steps",
+    "give GPTNeoConfig layer_types (sliding_attention for its local layers) so the cache keeps a window there")
+TRANSFORMERS_CALLS[("gpt_neo", "global-local4", "stored_windows:static")] = (
+    "static-local-layers-full-length", "cached_tensors", "static_local_layers_gpt_neo",
+    "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - here its prefill",
+    "preallocate window_size slots for the local layers (StaticSlidingWindowLayer), from layer_types")
+for _text, _seen in (("family-P1 prefill", "p1"), ("family-P2 prefill", "p2"), ("family-ops beam prefill", "ops")):
+    TRANSFORMERS_CALLS[("gpt_neo", "global-local4", _text)] = (
+        f"static-cache-mask-from-key-length-{_seen}", None, "static_mask_from_key_length",
+        "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - here its "
+        "prefill",
+        "take the causal/local mask rows from the queries' positions (cache_position), not from the key length "
+        "(modeling_gpt_neo.py:116)")
+for _family in ("deepseek_v2", "deepseek_v3"):
+    TRANSFORMERS_CALLS[(_family, "mla", "is a view of a buffer that is no fused")] = (
+        "value-view-of-kv-b-proj", "cached_tensors", "latent_value_view",
+        "model.generate(input_ids, attention_mask=attention_mask) - the default DynamicCache; here its prefill",
+        "cache the latent (as transformers 5.x does), or at least copy V out of kv_b_proj's output")
+    TRANSFORMERS_CALLS[(_family, "mla", "stored_width")] = (
+        "caches-expanded-kv-not-latent", "cached_tensors", "latent_expanded_kv",
+        "model.generate(input_ids, attention_mask=attention_mask) - the default DynamicCache; here its prefill",
+        "cache the compressed latent and the rope key part and expand them with kv_b_proj after the cache "
+        "update, as transformers 5.x does")
+    TRANSFORMERS_CALLS[(_family, "mla", "index_copy_")] = (
+        "static-cache-prefill-index-copy", None, "static_cache_prefill_index_copy",
+        "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - here its "
+        "prefill",
+        "preallocate StaticCache's K (qk_nope + qk_rope) and V (v_head_dim) as the model caches them, or the "
+        "latent")
+
+TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every query head, not num_kv_heads",
+                      "window-slice-pins-evicted": "a sliding-window layer's cached K/V are slices that pin the "
+                                                   "positions they evicted",
+                      "local-layers-cache-whole-history": "the local (sliding-window) layers cache the whole history",
+                      "static-local-layers-full-length": "the StaticCache preallocates the local layers to the cache "
+                                                         "length, not the window",
+                      "value-view-of-kv-b-proj": "the cached V is a view of kv_b_proj's output, pinning its K part",
+                      "caches-expanded-kv-not-latent": "the cache holds the expanded K and V, not the latent",
+                      "static-cache-prefill-index-copy": "the prefill into a StaticCache raises in index_copy_",
+                      **{f"static-cache-mask-from-key-length-{seen}": "with a StaticCache the prefill's logits are "
+                         f"wrong: the attention mask is taken from the key length (seen by {check})"
+                         for seen, check in (("p1", "family-P1"), ("p2", "family-P2"), ("ops", "family-ops"))}}
 
 
 def transformers_call(entries: list[dict]):
@@ -69,8 +128,13 @@ def transformers_call(entries: list[dict]):
     implementation, *where = target_of(entry)
     if implementation != "transformers":
         return None
-    return next((value for (family, variant, text), value in TRANSFORMERS_CALLS.items()
-                 if where == [family, variant] and text in entry["pattern"]), None)
+    found = [(text, value) for (family, variant, text), value in TRANSFORMERS_CALLS.items()
+             if where == [family, variant] and text.split(":")[0] in entry["pattern"]]
+    if entry.get("path") == "static" and any(text.endswith(":static") for text, _ in found):
+        found = [(text, value) for text, value in found if text.endswith(":static")]
+    else:
+        found = [(text, value) for text, value in found if not text.endswith(":static")]
+    return found[0][1] if found else None
 
 
 def transformers_repro(entries: list[dict], slug: str) -> Repro:

@@ -227,16 +227,29 @@ class TransformersSession(Session):
         return self._forward(input_ids, self.mask)
 
     def _extend(self, tokens):
+        # a k-token cached call is assisted decoding's verification, and transformers 5.x's assisted
+        # decoding records the past of the cache's sliding-window layers so that its crop can roll
+        # them back (generation/utils.py:3983, `cache.activate_past_recording()`; a cache without
+        # such layers has nothing to record); a decode (one token, `_decode`) does not record
+        if tokens.shape[1] > 1 and hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1]).expand(-1, tokens.shape[1])], dim=1)
         return self._forward(tokens, self.mask)
 
     def _crop(self, n):
         """transformers' own `Cache.crop`: 5.x takes the number of tokens to remove as a negative
         int (`DynamicLayer.crop` slices, `StaticLayer.crop` moves `cumulative_length` back),
-        4.x the length to keep (`DynamicCache.crop(max_length)`)."""
+        4.x the length to keep (`DynamicCache.crop(max_length)`). A 5.x cache that says it cannot
+        crop (a StaticSlidingWindowLayer longer than its window: `is_croppable` False) is refused,
+        as transformers' assisted decoding refuses it (generation/utils.py:4098, ValueError)."""
         if self.path == "static" and transformers_major() < 5:
             raise Unsupported(f"{self.runner.name}: transformers {transformers_version()}: StaticCache cannot crop "
                               "(Cache.crop calls StaticLayer.crop, which 4.x does not have: AttributeError)")
+        if getattr(self.cache, "is_croppable", True) is False:
+            raise Unsupported(f"{self.runner.name}: transformers {transformers_version()}: this {type(self.cache).__name__} "
+                              "is not croppable (a sliding-window layer of a static cache longer than its window "
+                              "cannot restore the evicted states: StaticSlidingWindowLayer.is_croppable); generate's "
+                              "assisted decoding refuses it (generation/utils.py:4098)")
         self.mask = self.mask[:, :n].clone()
         if isinstance(self.cache, (tuple, list)):
             # a model that still returns legacy tuples (MPT before 4.5x): what transformers' assisted

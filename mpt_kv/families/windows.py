@@ -1,0 +1,20 @@
+"""The windows of a family's layers, read from its config (`Family.windows`)."""
+
+
+def hybrid_windows(config) -> list:
+    """transformers' `layer_types` ("sliding_attention" / "full_attention" per layer): the
+    config's `sliding_window` on each sliding layer, None on a full one."""
+    types = config.layer_types
+    if types is None or len(types) != config.num_hidden_layers:
+        raise ValueError(f"{config.model_type}: layer_types {types!r} does not name each of the "
+                         f"{config.num_hidden_layers} layers")
+    return [config.sliding_window if t == "sliding_attention" else None for t in types]
+
+
+def history_before_5(config) -> list | None:
+    """What transformers 4.x's cache keeps of a hybrid model's local layers: the whole history
+    (4.55.4 generate makes a plain `DynamicCache()`, generation/utils.py:2087-2093, and its
+    StaticCache preallocates every layer to the cache length); None (the windows) from 5.0 on."""
+    from mpt_kv.versions import transformers_major
+
+    return [None] * config.num_hidden_layers if transformers_major() < 5 else None

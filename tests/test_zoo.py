@@ -1,0 +1,293 @@
+"""The Gaudi zoo's cache designs under the family checks: sliding windows, hybrid local/global
+caches, multi-head latent attention, mixtures of experts. Each generalization of a check has a
+must-pass design (a legitimate cache of that design passes) and a must-kill variant (a broken one
+fails, naming what broke), on transformers' real implementation with one of its cache classes
+patched; the tiny configs reach each design's edges (a window shorter than the prompt, crossed
+during decode, crossed by the k-token call; a latent smaller than the head dim; 2 of 4 experts).
+"""
+
+import pytest
+import torch
+
+from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.families import FAMILIES
+from mpt_kv.checks import family_driver as checks
+from mpt_kv.checks.family import CHECKS
+
+check_cached, check_memory = CHECKS["family-P1"], CHECKS["family-memory"]
+check_no_pinned_storage, check_static_concat = CHECKS["family-P3"], CHECKS["family-P2"]
+
+transformers = pytest.importorskip("transformers")
+cache_utils = pytest.importorskip("transformers.cache_utils")
+# the window and latent caches these patch are transformers 5.x's (4.55.4 keeps the whole history
+# and caches DeepSeek's expanded K/V: known failures, mpt_kv/findings/family_known_failures.json)
+needs_5x = pytest.mark.skipif(not hasattr(cache_utils, "DynamicSlidingWindowLayer")
+                              or int(transformers.__version__.split(".")[0]) < 5,
+                              reason="transformers 5.x's sliding-window and latent caches")
+ZOO = ("gemma", "gemma2", "gemma3", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
+       "cohere", "gpt_neo", "gpt_oss", "opt", "xglm")
+
+
+@pytest.fixture(autouse=True)
+def fresh_runners():
+    """Each test patches a cache class: no runner or oracle built under another test's patch."""
+    checks.clear_caches()
+    yield
+    checks.clear_caches()
+
+
+def config(name):
+    family = FAMILIES[name]
+    return family, family.config(next(iter(family.variants)))
+
+
+# --- the analytic bytes of window, hybrid and latent caches --------------------------------------------------
+
+def test_analytic_bytes_of_a_hybrid_cache_count_each_layer_its_own_tokens():
+    family, c = config("gemma2")  # layer 0 sliding (window 4), layer 1 global; 2 K/V heads x head dim 8
+    assert family.layer_windows(c) == [4, None]
+    per_position = 2 * 2 * 8 * 4  # K and V, fp32
+    # concat: the window keeps its last w - 1 positions, the global layer all of them
+    assert family.layer_tokens(c, written=6) == [3, 6]
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * per_position * (3 + 6)
+    assert family.layer_tokens(c, written=2) == [2, 2]  # before the edge, a window holds everything
+    # static: a window's buffer has w slots, the global layer's the cache length
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6, static_len=16) == 2 * per_position * (4 + 16)
+
+
+def test_analytic_bytes_of_a_latent_cache_are_the_latent_not_k_and_v():
+    family, c = config("deepseek_v2")
+    assert c.kv_lora_rank < c.qk_nope_head_dim + c.qk_rope_head_dim  # the latent is smaller than a head
+    assert family.layer_width(c) == c.kv_lora_rank + c.qk_rope_head_dim == 8
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * 8 * 2 * 6 * 4
+    assert family.kv_bytes_per_token(c, torch.bfloat16) == 2 * 8 * 2
+    assert "a latent of 8 per token" in family.describe_cache(c)
+
+
+def test_declared_excess_windows_are_the_stored_bytes_not_the_analytic_ones():
+    family, c = config("gpt_neo")  # transformers caches the local layer's whole history
+    assert family.layer_windows(c) == [None, 4] and family.layer_windows(c, stored=True) == [None, None]
+    assert family.cache_bytes(c, torch.float32, 2, 6, stored=True) > family.cache_bytes(c, torch.float32, 2, 6)
+
+
+def test_a_window_entry_that_does_not_fit_the_layers_is_an_error():
+    import dataclasses
+
+    family, c = config("gemma2")
+    wrong = dataclasses.replace(family, windows=lambda c: [4])
+    with pytest.raises(ValueError, match=r"family entry gemma2: windows\(config\) gives 1 layers, layers\(config\) 2"):
+        wrong.cache_bytes(c, torch.float32, 2, 6)
+
+
+# --- the tiny configs reach each design's edges ----------------------------------------------------------------
+
+def test_the_tiny_windows_reach_each_edge_of_the_checks_program():
+    prompt, decode_end = checks.PROMPT, checks.PROMPT + checks.STEPS
+    extend_end = decode_end + checks.EXTEND
+    edges = {}
+    for name in ("gemma2", "gemma3", "gpt_oss", "gpt_neo"):
+        family, c = config(name)
+        window = min(w for w in family.layer_windows(c) if w is not None)
+        # the window slides once a query sees more than `window` positions
+        edges[name] = ("shorter than the prompt" if window < prompt else
+                       "crossed during decode" if window < decode_end else
+                       "crossed by the k-token call" if window < extend_end else "never crossed")
+    assert edges == {"gemma2": "shorter than the prompt", "gpt_neo": "shorter than the prompt",
+                     "gpt_oss": "crossed during decode", "gemma3": "crossed by the k-token call"}
+    # family-ops' assisted program crops back 2 positions after a 3-token call past every window
+    # (its prompt is 8): the crop rolls a window back below its edge
+    assert all(min(w for w in config(n)[0].layer_windows(config(n)[1]) if w) < checks.OPS_PROMPT + 3
+               for n in ("gemma2", "gemma3", "gpt_oss"))
+
+
+def test_the_mixtures_of_experts_route_2_of_4():
+    for name, experts, top in (("mixtral", "num_local_experts", "num_experts_per_tok"),
+                               ("qwen2_moe", "num_experts", "num_experts_per_tok"),
+                               ("qwen3_moe", "num_experts", "num_experts_per_tok"),
+                               ("deepseek_v2", "n_routed_experts", "num_experts_per_tok"),
+                               ("gpt_oss", "num_local_experts", "num_experts_per_tok")):
+        _, c = config(name)
+        assert (getattr(c, experts), getattr(c, top)) == (4, 2), name
+
+
+def test_the_zoo_is_registered():
+    assert set(ZOO) <= set(FAMILIES)
+    assert {FAMILIES[n].design for n in ("gemma2", "gemma3", "gpt_oss", "deepseek_v2")} == {
+        "hybrid+softcap", "hybrid+qk-norm", "hybrid+sinks+moe", "latent+moe"}
+
+
+# --- must-pass designs and must-kill variants ------------------------------------------------------------------
+
+def copying_window_update(self, key_states, value_states, *args, **kwargs):
+    """DynamicSlidingWindowLayer.update that keeps its last sliding_window - 1 positions as
+    tensors of their own (a legitimate window: what the slice of transformers 5.24 should be)."""
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+    self.cumulative_length += key_states.shape[-2]
+    full_keys = torch.cat([self.keys, key_states], dim=-2)
+    full_values = torch.cat([self.values, value_states], dim=-2)
+    self.keys = full_keys[:, :, -self.sliding_window + 1:, :].clone()
+    self.values = full_values[:, :, -self.sliding_window + 1:, :].clone()
+    return full_keys, full_values
+
+
+def roomy_window_update(self, key_states, value_states, *args, **kwargs):
+    """A window layer that keeps one position more than it needs (sliding_window, not
+    sliding_window - 1) and attends as transformers' does: right values, excess bytes."""
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+    before = self.cumulative_length
+    self.cumulative_length += key_states.shape[-2]
+    full_keys = torch.cat([self.keys, key_states], dim=-2)
+    full_values = torch.cat([self.values, value_states], dim=-2)
+    self.keys = full_keys[:, :, -self.sliding_window:, :].clone()
+    self.values = full_values[:, :, -self.sliding_window:, :].clone()
+    visible = min(before, self.sliding_window - 1) + key_states.shape[-2]  # what get_mask_sizes told the mask
+    return full_keys[:, :, -visible:, :], full_values[:, :, -visible:, :]
+
+
+def short_window_update(self, key_states, value_states, *args, **kwargs):
+    """A window that keeps one position too few (sliding_window - 2) and stands zeros in for the
+    one it lost: exact while the cache holds fewer than sliding_window - 1 positions, wrong from
+    the first call whose queries need all of them."""
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+    before = self.cumulative_length
+    self.cumulative_length += key_states.shape[-2]
+    full_keys = torch.cat([self.keys, key_states], dim=-2)
+    full_values = torch.cat([self.values, value_states], dim=-2)
+    self.keys = full_keys[:, :, -self.sliding_window + 2:, :].clone()
+    self.values = full_values[:, :, -self.sliding_window + 2:, :].clone()
+    visible = min(before, self.sliding_window - 1) + key_states.shape[-2]  # what get_mask_sizes told the mask
+    lost = visible - full_keys.shape[-2]
+    if lost > 0:
+        pad = (0, 0, lost, 0)
+        full_keys, full_values = (torch.nn.functional.pad(t, pad) for t in (full_keys, full_values))
+    return full_keys[:, :, -visible:, :], full_values[:, :, -visible:, :]
+
+
+@needs_5x
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
+def test_window_memory_passes_a_copying_window_and_kills_the_slice_and_the_history(monkeypatch, name):
+    variant = next(iter(FAMILIES[name].variants))
+    monkeypatch.setattr(cache_utils.DynamicSlidingWindowLayer, "update", copying_window_update)
+    check_no_pinned_storage("transformers", name, variant)  # must-pass: the window's own bytes, nothing pinned
+    check_memory("transformers", name, variant)
+    monkeypatch.undo()
+    checks.clear_caches()
+    # must-kill 1: transformers 5.24's own slice pins the evicted positions (a known failure)
+    with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after .*layer 0 key \(2, 2, \d, 8\) is "
+                                              r"a view of a buffer that is no fused projection's output"):
+        check_no_pinned_storage("transformers", name, variant)
+    # must-kill 2: a window that keeps a position too many: the excess named against the window's bytes
+    monkeypatch.setattr(cache_utils.DynamicSlidingWindowLayer, "update", roomy_window_update)
+    checks.clear_caches()
+    check_cached("transformers", name, variant)  # its values are right
+    checks.clear_caches()
+    with pytest.raises(RuntimeError, match=rf"family {name}: the cache holds \d+ bytes of K/V, the family entry says"):
+        check_no_pinned_storage("transformers", name, variant)  # the entry check: not what transformers caches
+    with pytest.raises(PropertyFailure, match=r"family-memory after .*: \+\d+ bytes; the cached tensors themselves hold "
+                                              r"\d+ bytes, \+\d+ vs the analytic K/V \d+ \(2 layers x 2 K/V heads x "
+                                              r"head dim 8, windows per layer \[\d, None\] x 2 x \d+ tokens\)"):
+        check_memory("transformers", name, variant)
+
+
+@needs_5x
+@pytest.mark.parametrize("name, first_wrong", [
+    # the first call whose queries need the w - 1 positions before them from the cache
+    ("gemma2", "decode step 1"),      # window 4 < prompt 6: the first cached call
+    ("gpt_oss", "decode step 1"),     # window 7: the prompt's 6 positions are w - 1
+    ("gemma3", r"extend 3 \(step 3\)")])  # window 9: the 3-token call, after 8 positions
+def test_p1_across_the_window_edge_kills_a_window_one_short(monkeypatch, name, first_wrong):
+    variant = next(iter(FAMILIES[name].variants))
+    check_cached("transformers", name, variant)  # must-pass: transformers' window, past its edge
+    monkeypatch.setattr(cache_utils.DynamicSlidingWindowLayer, "update", short_window_update)
+    checks.clear_caches()
+    with pytest.raises(PropertyFailure, match=rf"family-P1 {first_wrong}: cached logits vs transformers' uncached "
+                                              rf"forward over each row's tokens differ"):
+        check_cached("transformers", name, variant)
+
+
+@needs_5x
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_hybrid_static_memory_passes_window_slots_and_kills_full_length_local_layers(monkeypatch, name):
+    variant = next(iter(FAMILIES[name].variants))
+    check_memory("transformers", name, variant, "static")  # must-pass: w slots for the local layer
+    check_static_concat("transformers", name, variant, "static")  # P2: the window layer by its logits
+    original = cache_utils.StaticSlidingWindowLayer.__init__
+
+    def full_length(self, max_cache_len, sliding_window, **kwargs):
+        original(self, max_cache_len=max_cache_len, sliding_window=max_cache_len, **kwargs)
+
+    monkeypatch.setattr(cache_utils.StaticSlidingWindowLayer, "__init__", full_length)
+    checks.clear_caches()
+    with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .* \+\d+ vs the analytic K/V \d+ \(2 layers "
+                                              r"x 2 K/V heads x head dim 8, windows per layer \[\d, None\] x 2 x 16 "
+                                              r"tokens\)"):
+        check_memory("transformers", name, variant, "static")
+
+
+def store_as_given(self, key_states, value_states, *args, **kwargs):
+    """DynamicLayer.update as in transformers <4.56: the first K/V stored as they come."""
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return self.keys, self.values
+    self.keys = torch.cat([self.keys, key_states], dim=-2)
+    self.values = torch.cat([self.values, value_states], dim=-2)
+    return self.keys, self.values
+
+
+@needs_5x
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_latent_p3_passes_the_latent_and_kills_a_view_of_the_fused_latent_projection(monkeypatch, name):
+    """P3's fused-projection rule on the latent projection: `kv_a_proj_with_mqa` makes the latent
+    and the rope key part in one output; a cache that keeps the latent as a view of it (here: the
+    latent's norm made an identity, so the cached latent is the split itself) pins the rope part."""
+    check_no_pinned_storage("transformers", name, "mla")  # must-pass: 5.x caches the normed latent, its own tensor
+    check_memory("transformers", name, "mla")
+    module = __import__(f"transformers.models.{name}.modeling_{name}", fromlist=["x"])
+    norm = getattr(module, "DeepseekV2RMSNorm" if name == "deepseek_v2" else "DeepseekV3RMSNorm")
+    original = norm.forward
+    monkeypatch.setattr(norm, "forward", lambda self, x: x if x.shape[-1] == self.weight.shape[0] == 4 else
+                        original(self, x))  # the kv_a_layernorm alone: width kv_lora_rank (4)
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", store_as_given)  # and a cache that stores it as given
+    checks.clear_caches()
+    with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after prefill: layer 0 key \(2, 1, 6, 4\) "
+                                              r"is a view of model\.layers\.0\.self_attn\.kv_a_proj_with_mqa's output "
+                                              r"\(2, 6, 8\): its storage holds 384 bytes, the cached tensors in it 192"):
+        check_no_pinned_storage("transformers", name, "mla")
+
+
+# --- a remote-code family: the port's own model is the model and its oracle -------------------------------------
+
+def test_a_remote_code_family_has_no_transformers_implementation():
+    from mpt_kv.errors import TargetUnavailable
+    from mpt_kv.families.implementations import family_targets, transformers_runner
+
+    with pytest.raises(TargetUnavailable, match=r"transformers ships no baichuan model: the architecture is Hub "
+                                                r"remote code .*optimum-habana's port is its model and oracle"):
+        transformers_runner(FAMILIES["baichuan"], "alibi")
+    # the port is its own oracle: no family-P0 cell for it
+    assert all(t.oracle for t in family_targets(["optimum-habana"]) if t.family_name == "baichuan")
+    assert not any(t.oracle for t in family_targets(["optimum-habana"]) if t.family_name == "qwen3")
+
+
+@pytest.mark.optimum_habana
+def test_a_remote_code_family_is_checked_against_its_ports_uncached_forward():
+    """baichuan: the tiny model is the port's own (seeded, its norms set to 1, finite), the oracle its
+    runner's uncached forward; P3 on the concat path sees the K/V views of W_pack's output."""
+    from mpt_kv.families.models import build
+
+    model, config = build(FAMILIES["baichuan"], "alibi")
+    assert type(model).__module__ == "optimum.habana.transformers.models.baichuan.modeling_baichuan"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    check_no_pinned_storage("optimum-habana", "baichuan", "alibi", "static")  # the static buffers: nothing pinned
+    with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after prefill: layer 0 key \(2, 4, 6, 8\) "
+                                              r"and layer 0 value \(2, 4, 6, 8\) are views of model\.layers\.0\.self_attn"
+                                              r"\.W_pack's output \(2, 6, 96\)"):
+        check_no_pinned_storage("optimum-habana", "baichuan", "alibi", "concat")
+    # P1 judges the prefill and both decode steps against the oracle before the k-token call's crash
+    with pytest.raises(PropertyFailure, match=r"extend raised RuntimeError: .*\(judged before it and held: prefill, "
+                                              r"decode step 1, decode step 2\)"):
+        check_cached("optimum-habana", "baichuan", "alibi", "concat")
