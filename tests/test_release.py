@@ -129,6 +129,8 @@ with contextlib.redirect_stdout(io.StringIO()):
     codes = [findings.main(["--repro", sys.argv[1]]), findings.main(["--configs"])]
 known_failures.load()
 reach.load_reference_model()
+from mpt_kv.catalogue import gate_profile
+gate_profile.load()
 modules = {os.path.realpath(m.__file__) for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
 data = {os.path.realpath(p) for p in opened if not p.endswith(".pyc")} - modules
 print(json.dumps({"codes": codes, "root": root, "opened": sorted(os.path.relpath(p, root) for p in data
@@ -141,7 +143,7 @@ print(json.dumps({"codes": codes, "root": root, "opened": sorted(os.path.relpath
 def test_the_installed_wheel_opens_the_files_of_its_list_and_no_other(wheel_venv, tmp_path):
     """The openers run from the wheel's copy, outside the repository (`findings --repro` writes every
     standalone repro from the templates and the kept scripts; `findings --configs` reads every real
-    config; the known failures and the reach table's reference model load): each file of the list is
+    config; the known failures, the reach table's reference model and the gate profile load): each file of the list is
     in the wheel and opened, and no other file of the package is."""
     done = subprocess.run([str(wheel_venv.python), "-c", PROBE, str(tmp_path / "repros")], cwd=tmp_path,
                           env=wheel_venv.env(), capture_output=True, text=True, timeout=300)
