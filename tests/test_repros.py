@@ -58,6 +58,8 @@ WITH_REPROS = {
     "optimum-habana-gemma3-hybrid-window9-static-beam-reorder-no-reorder-cache",
     "optimum-habana-gpt-neo-global-local4-concat-extend-causal-mask-expand",
     "optimum-habana-opt-mha-concat-decode-attention-mask-length",
+    "optimum-habana-gemma2-hybrid-window4-concat-decode-size-mismatch",
+    "optimum-habana-gemma3-hybrid-window9-concat-decode-size-mismatch",
     "optimum-habana-mpt-alibi-beam-reorder-no-reorder-cache", "optimum-habana-bloom-alibi-beam-reorder-no-reorder-cache",
     "optimum-habana-gpt2-mha-beam-reorder-no-reorder-cache", "optimum-habana-phi-mha-beam-reorder-no-reorder-cache",
     "optimum-habana-falcon-rotary-mqa-beam-reorder-no-reorder-cache",
