@@ -81,6 +81,42 @@ PORT_PATCHES = {
               ("Qwen2Model", None, "GaudiQwen2Model"), ("Qwen2Attention", None, "GaudiQwen2Attention"),
               ("Qwen2MLP", None, "GaudiQwen2MLP"), ("Qwen2DecoderLayer", None, "GaudiQwen2DecoderLayer"),
               ("Qwen2RMSNorm", "forward", "gaudi_qwen2_rmsnorm_forward")],
+    "gemma": [("GemmaForCausalLM", None, "GaudiGemmaForCausalLM"), ("GemmaMLP", None, "GaudiGemmaMLP"),
+              ("GemmaAttention", None, "GaudiGemmaAttention"), ("GemmaDecoderLayer", None, "GaudiGemmaDecoderLayer"),
+              ("GemmaModel", None, "GaudiGemmaModel")],
+    "gemma2": [("Gemma2ForCausalLM", None, "GaudiGemma2ForCausalLM"), ("Gemma2MLP", None, "GaudiGemma2MLP"),
+               ("Gemma2Attention", None, "GaudiGemma2Attention"),
+               ("Gemma2DecoderLayer", None, "GaudiGemma2DecoderLayer"), ("Gemma2Model", None, "GaudiGemma2Model"),
+               ("Gemma2RotaryEmbedding", None, "GaudiGemma2RotaryEmbedding"),
+               ("Gemma2RMSNorm", "forward", "gaudi_gemma2_rmsnorm_forward")],
+    "gemma3": [("Gemma3ForCausalLM", None, "GaudiGemma3ForCausalLM"), ("Gemma3MLP", None, "GaudiGemma3MLP"),
+               ("Gemma3Attention", None, "GaudiGemma3Attention"),
+               ("Gemma3DecoderLayer", None, "GaudiGemma3DecoderLayer"),
+               ("Gemma3TextModel", None, "GaudiGemma3TextModel"), ("Gemma3Model", None, "GaudiGemma3Model"),
+               ("Gemma3ForConditionalGeneration", None, "GaudiGemma3ForConditionalGeneration"),
+               ("Gemma3RMSNorm", "forward", "gaudi_gemma3_rmsnorm_forward")],
+    "qwen3": [("Qwen3ForCausalLM", None, "GaudiQwen3ForCausalLM"), ("Qwen3Model", None, "GaudiQwen3Model"),
+              ("Qwen3ForSequenceClassification", None, "GaudiQwen3ForSequenceClassification"),
+              ("Qwen3ForTokenClassification", None, "GaudiQwen3ForTokenClassification"),
+              ("Qwen3Attention", None, "GaudiQwen3Attention"), ("Qwen3MLP", None, "GaudiQwen3MLP"),
+              ("Qwen3DecoderLayer", None, "GaudiQwen3DecoderLayer"),
+              ("Qwen3RMSNorm", "forward", "gaudi_qwen3_rmsnorm_forward")],
+    "gpt_neo": [("GPTNeoForCausalLM", None, "GaudiGPTNeoForCausalLM"),
+                ("GPTNeoModel", "forward", "gaudi_gpt_neo_model_forward"),
+                ("GPTNeoBlock", "forward", "gaudi_gpt_neo_block_forward"),
+                ("GPTNeoAttention", "forward", "gaudi_gpt_neo_attention_forward"),
+                ("GPTNeoSelfAttention", "forward", "gaudi_gpt_neo_selfattention_forward")],
+    "opt": [("OPTAttention", "forward", "gaudi_opt_attention_forward"),
+            ("OPTDecoder", "forward", "gaudi_opt_decoder_forward"), ("OPTForCausalLM", None, "GaudiOPTForCausalLM"),
+            ("OPTModel", "forward", "gaudi_opt_model_forward"), ("OPTDecoderLayer", None, "GaudiOPTDecoderLayer"),
+            ("OPTLearnedPositionalEmbedding", None, "GaudiOPTLearnedPositionalEmbedding")],
+    "cohere": [("CohereDecoderLayer", None, "GaudiCohereDecoderLayer"),
+               ("CohereForCausalLM", None, "GaudiCohereForCausalLM"),
+               ("CohereModel", "forward", "gaudi_cohere_model_forward"),
+               ("CohereAttention", None, "GaudiCohereAttention")],
+    "xglm": [("XGLMForCausalLM", None, "GaudiXGLMForCausalLM"), ("XGLMModel", "forward", "gaudi_xglm_model_forward"),
+             ("XGLMAttention", "forward", "gaudi_xglm_attention_forward"),
+             ("XGLMDecoderLayer", "forward", "gaudi_xglm_decoder_layer_forward")],
 }
 
 # optimum-habana findings whose error the port's prefill forward raises: (family, variant, a text of
@@ -91,6 +127,8 @@ FORWARD_CRASHES = {
     ("llama", "fused-qkv", "'NoneType' object has no attribute 'weight'"): "forward-nonetype-weight",
     ("mistral", "gqa", "The size of tensor a"): "forward-rope-size-mismatch",
     ("starcoder2", "gqa", "KeyError: 'input_shape'"): "forward-keyerror-input-shape",
+    ("cohere", "gqa-qk-norm", "unexpected keyword argument 'output_attentions'"): "forward-unexpected-output-attentions",
+    ("xglm", "mha", "has no attribute '_shape'"): "forward-no-attribute-shape",
 }
 
 # The beam-search reorder of a legacy tuple cache calls the model's `_reorder_cache`
@@ -141,20 +179,37 @@ PROGRAM_ERRORS = [
      "allocate the reuse_cache K/V with the shape the attention writes (allocate_kv_cache, "
      "modeling_falcon.py:257)"),
     ("num_key_value_heads", "no-num-key-value-heads",
-     "read the K/V heads from the config in allocate_kv_cache (modeling_starcoder2.py:156): the attention "
+     "read the K/V heads from the config in allocate_kv_cache (the upstream line): the attention "
      "module has no num_key_value_heads"),
+    ("'torch.Size' object has no attribute 'shape'", "past-size-has-no-shape",
+     "with reuse_cache the past is the preallocated cache's shape (a torch.Size): read its length as "
+     "past_key_value[0][-2] there (or from token_idx), not past_key_value[0].shape[-2] (modeling_gemma.py:316)"),
+    ("The provided attention mask has length", "attention-mask-length",
+     "compare the attention mask against past_key_values_length + seq_length (modeling_opt.py:273-288), as "
+     "transformers' OPT does: mask_seq_length = past_key_values_length leaves out the call's own tokens"),
 ]
 
 SIZE_MISMATCH_FIXES = {
     ("extend", "3"): "with token_idx, build the chunk's causal mask against the whole cache (past_key_values_length = "
                      "token_idx - 1) so that to_4d's masked_fill (modeling_attn_mask_utils.py:128) gets matching shapes",
     ("extend", "2"): "have KVCache.update write a chunk of k tokens at token_idx - 1 (modeling_gptj.py:51-53), not one",
+    ("decode", "3"): "build the sliding-window causal mask for the call's own query length against the whole cache: "
+                     "to_4d (modeling_attn_mask_utils.py:98) builds one for every query length once sliding_window is "
+                     "set, a mask of the decode step's 1 query against its past-only length",
     ("prefill", "1"): "allocate the reuse_cache K/V with the heads the attention writes (allocate_kv_cache, "
                       "modeling_falcon.py:255)",
 }
 
 ALTERNATION_FIX = ("see the upstream lines: the concat path's causal mask (modeling_attn_mask_utils.py:53-54), the "
                    "static path's to_4d (:128) and a one-slot index_copy_ each refuse a chunk of k > 1 tokens")
+
+
+# optimum-habana findings whose pattern names no call (every check met it at the same call): (family,
+# variant, a text of the pattern) -> the call that raises it, as the family checks drive the port
+UNNAMED_CALLS = {
+    ("gemma2", "hybrid-window4", "The size of tensor a"): "decode",
+    ("gemma3", "hybrid-window9", "The size of tensor a"): "decode",
+}
 
 
 @dataclass(frozen=True)
@@ -189,9 +244,10 @@ def crash_program(entries: list[dict]) -> Program | None:
         return None
     pattern = entry["pattern"].replace("\\", "")
     found = re.search(r"(\(prefill\|decode\)|prefill|decode|extend|reorder) raised \w+", pattern)
-    if not found:
+    call = found.group(1) if found else next(
+        (c for (f, v, text), c in UNNAMED_CALLS.items() if (f, v) == (family, variant) and text in pattern), None)
+    if call is None:
         return None
-    call = found.group(1)
     paths = {e.get("path") for e in entries}
     # an entry without a path holds on every path the check drives (family-P2: concat, then static)
     path = ("concat" if "concat" in paths else "static" if "static" in paths else "concat" if None in paths
