@@ -270,10 +270,8 @@ def known_failure_ids() -> dict[str, str]:
     for entry in json.loads(package_data.MPT_KNOWN_FAILURES.read_text()):
         assert entry.get("repro"), f"an MPT target entry without its repro has no id: {entry}"
         ids[entry["repro"]] = "mpt_kv/findings/known_failures.json"
-    for entries in grouped(raw_entries()):
-        slug = repros.slug_of(entries)
-        assert slug, f"a family finding without a repro has no id: {repros.describe(entries)}"
-        ids.setdefault(slug, "mpt_kv/findings/family_known_failures.json")
+    for entries in grouped(raw_entries()):  # its repro's folder, or the one the index names it by until it has one
+        ids.setdefault(repros.finding_id(entries), "mpt_kv/findings/family_known_failures.json")
     return ids
 
 

@@ -66,6 +66,14 @@ def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
     return repros, missing
 
 
+def finding_id(entries: list[dict]) -> str:
+    """The id a changelog and a downstream project name a family finding by: its repro's folder, or,
+    for a finding no template covers yet, the folder its repro would take from its property and path
+    (the index lists it under "no standalone repro yet")."""
+    entry = entries[0]
+    return slug_of(entries) or slug(entry, f"{entry['property']}-{entry.get('path') or 'any'}")
+
+
 def describe(entries: list[dict]) -> str:
     """One line naming a finding, for the list of findings without a repro."""
 
@@ -93,7 +101,8 @@ def index_text(repros: list[Repro], missing: list[list[dict]], shared: dict | No
         lines += [f"- {', '.join(dict.fromkeys(e['target'] + ' ' + e['property'] for e in entries))}: "
                   f"[{slug}]({slug}/README.md)" for slug, entries in shared.items()]
     lines += ["", f"## Findings without a standalone repro ({len(missing)})", ""]
-    lines += [f"- no standalone repro yet: {describe(entries)}".replace("|", "\\|") for entries in missing]
+    lines += [f"- no standalone repro yet: `{finding_id(entries)}`: {describe(entries)}".replace("|", "\\|")
+              for entries in missing]
     return "\n".join(lines) + "\n"
 
 
