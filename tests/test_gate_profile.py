@@ -167,7 +167,9 @@ def test_gatebench_pairs_whole_processes_round_by_round(tmp_path, monkeypatch, c
     (tree / gatebench.PEER_FILE).write_text("def test_nothing():\n    pass\n")
     argv = gatebench.commands("transformers", tree)
     assert argv["gate"][0][-2:] == ["--mpt-kv-profile", "gate"] and "--mpt-kv-profile" not in argv["full"][0]
-    assert argv["peer"] == ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    # the peer runs as its developers run it: without our plugin, and with xdist loaded (transformers'
+    # conftest.py registers an xdist hook)
+    assert argv["peer"] == ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:mpt_kv.plugin",
                              str(gatebench.PEER_FILE)], tree)
     sleep = "import time; time.sleep({})"
     monkeypatch.setattr(gatebench, "commands", lambda target, tree: {
