@@ -90,7 +90,7 @@ except gate_profile.ProfileError:  # test_the_stored_profile_is_current fails, s
 
 @pytest.fixture
 def ci_profile():
-    from mpt_kv.checks.strategies import load_profile
+    from mpt_kv.checks.profiles import load_profile
 
     gate_profile.use_data_profile()
     yield

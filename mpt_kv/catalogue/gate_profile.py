@@ -229,7 +229,7 @@ def use_data_profile() -> None:
     drawn under, in every process that computes it (a database would replay failures of earlier runs)."""
     from hypothesis import settings
 
-    from mpt_kv.checks.strategies import use_profile
+    from mpt_kv.checks.profiles import use_profile
 
     use_profile("ci")
     settings.register_profile("mpt-kv-gate-data", settings.get_profile("ci"), database=None)
