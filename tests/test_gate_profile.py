@@ -167,7 +167,9 @@ def test_gatebench_pairs_whole_processes_round_by_round(tmp_path, monkeypatch, c
     (tree / gatebench.PEER_FILE).write_text("def test_nothing():\n    pass\n")
     argv = gatebench.commands("transformers", tree)
     assert argv["gate"][0][-2:] == ["--mpt-kv-profile", "gate"] and "--mpt-kv-profile" not in argv["full"][0]
-    assert argv["peer"] == ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    # the peer runs as its developers run it: without our plugin, and with xdist loaded (transformers'
+    # conftest.py registers an xdist hook)
+    assert argv["peer"] == ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:mpt_kv.plugin",
                              str(gatebench.PEER_FILE)], tree)
     sleep = "import time; time.sleep({})"
     monkeypatch.setattr(gatebench, "commands", lambda target, tree: {
@@ -180,7 +182,22 @@ def test_gatebench_pairs_whole_processes_round_by_round(tmp_path, monkeypatch, c
     assert [len(result["runs"][n]) for n in ("gate", "full", "peer")] == [2, 2, 2]
     assert result["ratios"]["gate/full"]["median"] < 1 < result["ratios"]["full/peer"]["median"]
     assert {m["exit"] for m in result["runs"]["peer"]} == {1}
+    # CPU-second ratios beside wall (the steadier figure on a shared machine), the load around each run
+    assert set(result["ratios"]) == {"gate/peer", "full/peer", "gate/full", "gate/peer cpu", "full/peer cpu",
+                                     "gate/full cpu"}
+    assert all(len(m["load"]) == 2 and m["summary"] == "" for ms in result["runs"].values() for m in ms)
     assert "a command did not pass: peer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gatebench.main(["--transformers-tests", str(tmp_path)])
     assert "no tests/models/mpt/test_modeling_mpt.py there" in capsys.readouterr().err
+
+
+def test_gatebench_keeps_pytest_summary_line_without_its_time():
+    """What each run passed, skipped and failed is recorded beside its time (a failing peer is visible)."""
+    from mpt_kv.cli.gatebench import summary_line
+
+    assert summary_line("....\n= 13 failed, 111 passed, 193 skipped in 277.77s (0:04:37) =\n") == \
+        "13 failed, 111 passed, 193 skipped"
+    assert summary_line("mpt-kv cost per check\n14 passed, 4 skipped, 4 xfailed in 6.07s\n") == \
+        "14 passed, 4 skipped, 4 xfailed"
+    assert summary_line("Traceback (most recent call last):\nImportError: no module\n") == ""
