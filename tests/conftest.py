@@ -156,9 +156,15 @@ OPTIMUM_HABANA_TESTS = pytest.StashKey[int]()  # config -> how many tests marked
 
 
 def optimum_habana_installed() -> bool:
-    import importlib.util
+    """By its distribution, not find_spec: the port loader puts bare parent packages (no __spec__) into
+    sys.modules, where find_spec("optimum.habana") raises ValueError (an INTERNALERROR at collection)."""
+    import importlib.metadata
 
-    return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.habana") is not None
+    try:
+        importlib.metadata.distribution("optimum-habana")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def pytest_collection_modifyitems(config, items):
