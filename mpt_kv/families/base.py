@@ -72,7 +72,7 @@ class GaudiPort:
     port then returns no tensors as past_key_values; only where reuse_cache is None);
     prepare: (model) -> None: run once after the weights are loaded (optional);
     load: () -> the port's module, for a family whose loader exists already (mpt:
-    `mpt_kv.targets.gaudi.load_gaudi_mpt_module`); None: `mpt_kv.families.gaudi.load_port_module`;
+    `mpt_kv.targets.gaudi.load_gaudi_mpt_module`); None: `mpt_kv.families.ports.load_port_module`;
     state_dict: (transformers' state_dict, config) -> the same weights in the port's parameter
     layout, where a variant's port names them otherwise (llama's fused_qkv: one qkv_proj);
     None: transformers' state_dict as it is;
@@ -161,7 +161,7 @@ class Family:
         if self.remote_config is not None:  # the port's own config class (optimum-habana's copy of the Hub files)
             import importlib
 
-            from mpt_kv.families.gaudi import load_port_module
+            from mpt_kv.families.ports import load_port_module
 
             load_port_module(self)  # imports the config module beside it (under the stand-in where needed)
             module, name = self.remote_config.split(":")

@@ -35,7 +35,6 @@ exception chained: an error, never a skip.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import importlib.util
@@ -53,50 +52,13 @@ from mpt_kv.targets import gaudi as gaudi_target
 from mpt_kv.targets.wrappers import GaudiStyleSession, ModelRunner
 from mpt_kv.families import FAMILIES
 from mpt_kv.families.models import build as build_transformers
+from mpt_kv.families.ports import _port, load_port_module
 from mpt_kv.model.session import check_prompt
 
 __all__ = ["PortError", "load_port_module", "port_patches", "fork_loader", "build_port", "gaudi_runner",
            "GaudiPortRunner", "GaudiPortSession", "max_positions"]
 
 
-
-
-def _port(family: Family):
-    if family.gaudi is None:
-        why = f": {family.port_note}" if family.port_note else ""
-        raise TargetUnavailable(f"mpt-kv has no optimum-habana port entry for family {family.name} (no gaudi= in "
-                                f"mpt_kv/families/{family.name}.py; docs/families.md, \"optimum-habana's ports\"){why}")
-    return family.gaudi
-
-
-def load_port_module(family: Family):
-    """optimum-habana's module of `family`'s port, on HPU or CPU (see the module docstring)."""
-    port = _port(family)
-    if port.load is not None:  # a family whose loader exists already (mpt: mpt_kv.targets.gaudi)
-        return port.load()
-    if port.module in sys.modules:
-        return sys.modules[port.module]
-    root = gaudi_target.optimum_habana_root()  # TargetUnavailable "optimum-habana is not installed"
-    path = gaudi_target.module_file(root, port.module)
-    if not path.is_file():
-        raise TargetUnavailable(f"{gaudi_target.release()} has no port of {family.name}: {path} does not exist")
-    if importlib.util.find_spec("habana_frameworks") is not None:
-        # an HPU stack is installed: the normal import path, and any failure is the real one
-        try:
-            return importlib.import_module(port.module)
-        except Exception as e:
-            raise PortError(f"{gaudi_target.release()} is installed with habana_frameworks, but {port.module} fails "
-                            f"to import: {type(e).__name__}: {e}") from e
-    gaudi_target.register_bare_parents(root, port.module)
-    how = "under the habana_frameworks stand-in" if port.standin else "its parent packages bypassed"
-    with contextlib.redirect_stdout(None):  # some print a line about their fused kernels at import
-        try:
-            if port.standin:
-                return habana_standin.import_with_standin(port.module)
-            return importlib.import_module(port.module)
-        except Exception as e:
-            raise PortError(f"{gaudi_target.release()} is installed but {port.module} fails to import on CPU ({how}, "
-                            f"mpt_kv/families/gaudi.py): {type(e).__name__}: {e}") from e
 
 
 def port_patches(family: Family, module) -> list:

@@ -33,7 +33,7 @@ def build(family: Family, variant: str, seed: int = 0):
         return copy.deepcopy(_built[key]), config
     torch.manual_seed(seed)
     if family_of(family).remote_code:  # the port's own model: transformers has none
-        from mpt_kv.families.gaudi import load_port_module
+        from mpt_kv.families.ports import load_port_module
 
         port = family_of(family).gaudi
         # a copy: transformers' PreTrainedModel takes the legacy `gradient_checkpointing` off the config
