@@ -347,6 +347,14 @@ class FamilyReach:
         return [out, *ops]
 
 
+def family_doc_lines(records: list[dict]) -> list[str]:
+    """docs/families.md's block: the family table of `running.family_program_records`, less the rows of
+    what the cache itself held (CACHE_MEASURED: a run's own table has them), so the block is the same
+    under every transformers release the envs pin."""
+    summary = summarize(records)
+    return family_table_lines(summary, rows=[k for k in summary if k not in CACHE_MEASURED])
+
+
 def is_family_record(record: dict) -> bool:
     return str(record.get("check", "")).startswith("family-")
 
