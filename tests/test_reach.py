@@ -152,8 +152,8 @@ def test_the_alibi_edge_case_is_the_only_p0_case_off_8():
 
 
 def test_the_docs_reach_table_is_the_default_runs_draws():
-    """docs/reach.md's block is what `python -m mpt_kv reach --draw ci` prints: a stale table fails here
-    (regenerate: python -m mpt_kv reach --update-docs). In a fresh process, as the command runs: the
+    """docs/reach.md's block is what `python -m mpt_kv reach --draw ci` prints, and docs/families.md's
+    the family programs' run: a stale table fails here (regenerate: python -m mpt_kv reach --update-docs). In a fresh process, as the command runs: the
     ops programs' draws in a process that ran other tests first can differ (measured: ops-P3's
     padding and prompt lengths after tests/test_bad_inputs.py)."""
     import subprocess
@@ -239,19 +239,19 @@ def test_the_family_programs_reach_every_edge_the_zoo_claims(family_program):
 
 
 def test_a_shorter_program_leaves_the_window_edges_unreached(monkeypatch):
-    """No decode steps and a 1-token cached call: gpt_oss's window (7) is crossed by that call, not a
-    decode, and gemma3's (9) never (6 + 1 + 1 positions): the claims test fails naming them."""
+    """No decode steps before a 2-token cached call: gpt_oss's window (7) is crossed by that call (6 + 2),
+    not by a decode, and gemma3's (9) never (6 + 2 + 1 positions): the claims test fails naming them."""
     from mpt_kv.checks import family_driver
 
     monkeypatch.setattr(family_driver, "STEPS", 0)
-    monkeypatch.setattr(family_driver, "EXTEND", 1)
+    monkeypatch.setattr(family_driver, "EXTEND", 2)
     records = running_layer().family_program_records(["gpt_oss", "gemma3"], checks=("family-P1/concat",))
     claimed = {key: families & {"gpt_oss", "gemma3"} for key, families in CLAIMED.items()
                if key[1] == "family-P1/concat" and families & {"gpt_oss", "gemma3"}}
     assert not_reached(records, claimed) == {(reach.WINDOW_DECODE, "family-P1/concat"): ["gpt_oss"],
                                              (reach.WINDOW_EXTEND, "family-P1/concat"): ["gemma3"]}
     by_family = {r["knobs"]["family"]: r["knobs"] for r in records if "family" in r["knobs"]}
-    assert by_family["gemma3"][reach.WINDOW_NEVER] == "gemma3" and by_family["gemma3"]["total_len"] == 8
+    assert by_family["gemma3"][reach.WINDOW_NEVER] == "gemma3" and by_family["gemma3"]["total_len"] == 9
     assert by_family["gpt_oss"][reach.WINDOW_EXTEND] == "gpt_oss"
 
 
