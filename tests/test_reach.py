@@ -152,15 +152,17 @@ def test_the_alibi_edge_case_is_the_only_p0_case_off_8():
 
 
 def test_the_docs_reach_table_is_the_default_runs_draws():
-    """docs/reach.md's block is what `python -m mpt_kv reach --draw ci` prints, and docs/families.md's
-    the family programs' run: a stale table fails here (regenerate: python -m mpt_kv reach --update-docs). In a fresh process, as the command runs: the
+    """docs/reach.md's block is what `python -m mpt_kv reach --draw ci` prints: a stale table fails here
+    (regenerate: python -m mpt_kv reach --update-docs). In a fresh process, as the command runs: the
     ops programs' draws in a process that ran other tests first can differ (measured: ops-P3's
-    padding and prompt lengths after tests/test_bad_inputs.py)."""
+    padding and prompt lengths after tests/test_bad_inputs.py). docs/families.md's block: below."""
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "mpt_kv", "reach", "--check"], capture_output=True, text=True,
-                         timeout=300)
+    from mpt_kv import package_data
+
+    run = subprocess.run([sys.executable, "-m", "mpt_kv", "reach", "--check", "--doc", str(package_data.REACH_DOC)],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
 
 
@@ -217,7 +219,11 @@ def not_reached(records, claimed=CLAIMED) -> dict:
 
 @pytest.fixture(scope="module")
 def family_program():
-    """The run docs/families.md's block is made from (family-P1 and family-ops, transformers, concat)."""
+    """The run docs/families.md's block is made from (family-P1 and family-ops, transformers, concat), on
+    runners built here (none another test built, perhaps under a patch)."""
+    from mpt_kv.checks import family_driver
+
+    family_driver.clear_caches()
     return running_layer().family_program_records()
 
 
@@ -236,6 +242,18 @@ def test_the_family_programs_reach_every_edge_the_zoo_claims(family_program):
             assert k[reach.ROUTING] == k["family"]
     latent = [r["knobs"] for r in family_program if r["knobs"].get(reach.LATENT)]
     assert {(k["latent_rank"], k["head_dim"]) for k in latent} == {(4, 12)}
+
+
+def test_the_docs_family_table_is_the_family_programs_run(family_program):
+    """docs/families.md's block is what `python -m mpt_kv reach --update-docs` writes there: a stale one
+    fails here (in this process: the family programs are deterministic, fixed prompts and weights, on
+    runners of their own, measured the same in a fresh process and after the other tests)."""
+    from mpt_kv import package_data
+    from mpt_kv.cli import docblocks
+
+    text, start, end = docblocks.read_block(package_data.FAMILIES_DOC, "family-reach")
+    assert docblocks.is_current(text, start, end, "\n".join(reach.family_doc_lines(family_program)) + "\n"), (
+        "the family checks' reach table in docs/families.md is stale: run python -m mpt_kv reach --update-docs")
 
 
 def test_a_shorter_program_leaves_the_window_edges_unreached(monkeypatch):
@@ -329,8 +347,11 @@ def test_the_cli_prints_the_family_table_under_the_mpt_one(tmp_path, capsys):
     assert f"| {reach.WINDOW_PROMPT} | gemma2 (1) | gemma2 (1) | - |" in out
 
 
-def test_reach_update_docs_keeps_the_family_block(tmp_path, capsys):
+def test_reach_update_docs_keeps_the_family_block(tmp_path, capsys, monkeypatch, family_program):
+    from mpt_kv.checks import running
     from mpt_kv.cli import reach as reach_cli
+
+    monkeypatch.setattr(running, "family_program_records", lambda: family_program)  # the run is the fixture's
 
     doc = tmp_path / "families.md"
     doc.write_text("# f\n\n<!-- family-reach:begin -->\nstale\n<!-- family-reach:end -->\nafter\n")
