@@ -199,9 +199,9 @@ def test_reach_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys):
 # the edges docs/families.md claims, the check whose program is claimed to reach each, the families
 CLAIMED = {
     (reach.WINDOW_PROMPT, "family-P1/concat"): {"gemma2", "gpt_neo"},
-    (reach.WINDOW_DECODE, "family-P1/concat"): {"gpt_oss"},
+    (reach.WINDOW_DECODE, "family-P1/concat"): {"gpt_oss", "mistral"},
     (reach.WINDOW_EXTEND, "family-P1/concat"): {"gemma3"},
-    (reach.WINDOW_CROP, "family-ops/concat"): {"gemma2", "gemma3", "gpt_oss"},
+    (reach.WINDOW_CROP, "family-ops/concat"): {"gemma2", "gemma3", "gpt_oss", "gpt_neo", "mistral"},
     (reach.LATENT, "family-P1/concat"): {"deepseek_v2", "deepseek_v3"},
     (reach.EXPERTS, "family-P1/concat"): {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"},
 }

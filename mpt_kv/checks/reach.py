@@ -35,6 +35,7 @@ from mpt_kv.checks import index
 
 DEFAULT_REFERENCE_MODEL = package_data.MPT_7B_CONFIG
 MAX_VALUES = 8
+FAMILY_MAX_VALUES = 24  # the family tables list every family (docs/families.md's block: the zoo's with edges)
 
 # The knobs, in table order, with what a real model's config calls them (None: not a config field;
 # the reference model file may still give a value, e.g. a serving batch).
@@ -69,16 +70,16 @@ def _order(v):
     return (2, 0, "") if v is None else (1, 0, str(v))
 
 
-def _stats(values: list) -> dict:
+def _stats(values: list, max_values: int = MAX_VALUES) -> dict:
     distinct = sorted(set(values), key=_order)
-    out = {"cases": len(values), "distinct": len(distinct), "values": distinct[:MAX_VALUES]}
+    out = {"cases": len(values), "distinct": len(distinct), "values": distinct[:max_values]}
     numbers = [v for v in values if _order(v)[0] == 0]
     if numbers:
         out["min"], out["max"] = min(numbers), max(numbers)
     return out
 
 
-def summarize(records: Iterable[dict]) -> dict:
+def summarize(records: Iterable[dict], max_values: int = MAX_VALUES) -> dict:
     """{knob: {"overall": stats, "by_check": {check id: stats}}} over "mpt_kv_reach" records
     ({"check": id, "knobs": {...}}); knobs no record has are left out."""
     by_knob: dict[str, dict[str, list]] = {}
@@ -91,8 +92,8 @@ def summarize(records: Iterable[dict]) -> dict:
     out = {}
     for knob in sorted(by_knob, key=lambda k: (order.get(k, len(order)), k)):
         checks = by_knob[knob]
-        out[knob] = {"overall": _stats([v for vs in checks.values() for v in vs]),
-                     "by_check": {check: _stats(vs) for check, vs in sorted(checks.items())}}
+        out[knob] = {"overall": _stats([v for vs in checks.values() for v in vs], max_values),
+                     "by_check": {check: _stats(vs, max_values) for check, vs in sorted(checks.items())}}
     return out
 
 
@@ -151,24 +152,24 @@ def group_of(check: str) -> str:
     return check.split("/")[0]
 
 
-def grouped(summary: dict) -> dict:
+def grouped(summary: dict, max_values: int = MAX_VALUES) -> dict:
     """{knob: {group: stats}}: the summary's checks merged into their groups (`group_of`)."""
     out = {}
     for knob, data in summary.items():
         groups: dict[str, list] = {}
         for check, stats in data["by_check"].items():
             groups.setdefault(group_of(check), []).append(stats)
-        out[knob] = {g: _merge(ss) for g, ss in groups.items()}
+        out[knob] = {g: _merge(ss, max_values) for g, ss in groups.items()}
     return out
 
 
-def _merge(stats: list[dict]) -> dict:
+def _merge(stats: list[dict], max_values: int = MAX_VALUES) -> dict:
     """Stats of several checks as one (distinct: exact while every check listed all its values)."""
     values = sorted({v for s in stats for v in s["values"]}, key=_order)
     complete = all(s["distinct"] == len(s["values"]) for s in stats)
     out = {"cases": sum(s["cases"] for s in stats),
            "distinct": len(values) if complete else max(len(values), *(s["distinct"] for s in stats)),
-           "values": values[:MAX_VALUES]}
+           "values": values[:max_values]}
     mins = [s["min"] for s in stats if "min" in s]
     if mins:
         out["min"], out["max"] = min(mins), max(s["max"] for s in stats if "max" in s)
@@ -351,7 +352,7 @@ def family_doc_lines(records: list[dict]) -> list[str]:
     """docs/families.md's block: the family table of `running.family_program_records`, less the rows of
     what the cache itself held (CACHE_MEASURED: a run's own table has them), so the block is the same
     under every transformers release the envs pin."""
-    summary = summarize(records)
+    summary = summarize(records, FAMILY_MAX_VALUES)
     return family_table_lines(summary, rows=[k for k in summary if k not in CACHE_MEASURED])
 
 
@@ -364,7 +365,7 @@ def family_table_lines(summary: dict, rows=None) -> list[str]:
     then per family check the range reached (an edge's cell: the families that reached it)."""
     if not summary:
         return ["reach: no family case recorded its knobs (nothing ran?)"]
-    by_group = grouped(summary)
+    by_group = grouped(summary, FAMILY_MAX_VALUES)
     groups = sorted({g for knob in by_group.values() for g in knob}, key=_group_order)
     head = ["knob or edge", "this run", *groups]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -400,7 +401,7 @@ def report_lines(records: list[dict], reference_model: dict | None = None) -> li
     family = [r for r in records if is_family_record(r)]
     lines = table_lines(summarize(mpt), reference_model) if mpt else []
     if family:
-        lines += ([""] if lines else []) + ["family checks:"] + family_table_lines(summarize(family))
+        lines += ([""] if lines else []) + ["family checks:"] + family_table_lines(summarize(family, FAMILY_MAX_VALUES))
     return lines
 
 
