@@ -58,10 +58,67 @@ def test_analytic_bytes_of_a_hybrid_cache_count_each_layer_its_own_tokens():
 def test_analytic_bytes_of_a_latent_cache_are_the_latent_not_k_and_v():
     family, c = config("deepseek_v2")
     assert c.kv_lora_rank < c.qk_nope_head_dim + c.qk_rope_head_dim  # the latent is smaller than a head
-    assert family.layer_width(c) == c.kv_lora_rank + c.qk_rope_head_dim == 8
+    assert family.layer_widths(c) == [c.kv_lora_rank + c.qk_rope_head_dim] * 2 == [8, 8]
     assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * 8 * 2 * 6 * 4
     assert family.kv_bytes_per_token(c, torch.bfloat16) == 2 * 8 * 2
     assert "a latent of 8 per token" in family.describe_cache(c)
+
+
+# Every family's analytic bytes before the per-layer widths (main a345c83, both envs): fp32 bytes per token,
+# a concat cache of 2 x 6 tokens, a static one of 2 x 16 slots (windows counted)
+BYTES_BEFORE_PER_LAYER_WIDTHS = {
+    "mpt/alibi": (512, 6144, 16384), "falcon/alibi": (512, 6144, 16384), "falcon/rotary-mqa": (128, 1536, 4096),
+    "falcon/new-arch-gqa": (256, 3072, 8192), "gpt_bigcode/mqa": (128, 1536, 4096),
+    "gpt_bigcode/mha": (512, 6144, 16384), "bloom/alibi": (512, 6144, 16384), "gpt2/mha": (512, 6144, 16384),
+    "gpt_neox/mha": (512, 6144, 16384), "codegen/mha": (512, 6144, 16384), "persimmon/mha": (512, 6144, 16384),
+    "phi/gqa": (256, 3072, 8192), "phi/mha": (512, 6144, 16384), "phi3/gqa": (256, 3072, 8192),
+    "llama/mha": (512, 6144, 16384), "llama/gqa": (256, 3072, 8192), "llama/mqa": (128, 1536, 4096),
+    "llama/fused-qkv": (256, 3072, 8192), "qwen2/gqa": (256, 3072, 8192), "mistral/gqa": (256, 3072, 8192),
+    "starcoder2/gqa": (256, 3072, 8192), "gptj/mha": (512, 6144, 16384), "stablelm/gqa": (256, 3072, 8192),
+    "dbrx/gqa": (256, 3072, 8192), "gemma/gqa": (256, 3072, 8192), "gemma2/hybrid-window4": (256, 2304, 5120),
+    "gemma3/hybrid-window9": (256, 3072, 6400), "qwen3/gqa": (256, 3072, 8192),
+    "qwen3_moe/moe-2of4": (256, 3072, 8192), "qwen2_moe/moe-2of4": (256, 3072, 8192),
+    "mixtral/moe-2of4": (256, 3072, 8192), "deepseek_v2/mla": (64, 768, 2048), "deepseek_v3/mla": (64, 768, 2048),
+    "cohere/gqa-qk-norm": (256, 3072, 8192), "gpt_neo/global-local4": (512, 4608, 10240),
+    "gpt_oss/hybrid-window7": (256, 3072, 5888), "opt/mha": (512, 6144, 16384), "xglm/mha": (512, 6144, 16384),
+    "baichuan/alibi": (512, 6144, 16384)}
+
+
+@pytest.mark.parametrize("case", [pytest.param(k, marks=[pytest.mark.optimum_habana] if k.startswith("baichuan") else [])
+                                  for k in BYTES_BEFORE_PER_LAYER_WIDTHS])
+def test_per_layer_widths_leave_every_earlier_familys_bytes_unchanged(case):
+    name, variant = case.split("/")
+    family = FAMILIES[name]
+    c = family.config(variant)
+    got = (family.kv_bytes_per_token(c, torch.float32), family.cache_bytes(c, torch.float32, 2, 6),
+           family.cache_bytes(c, torch.float32, 2, 6, static_len=16))
+    assert got == BYTES_BEFORE_PER_LAYER_WIDTHS[case]
+
+
+def test_stored_kv_heads_stay_the_stored_bytes():
+    family = FAMILIES["falcon"]  # the new architecture caches K/V broadcast to its 4 query heads
+    c = family.config("new-arch-gqa")
+    assert family.layer_widths(c) == [32, 32] and family.layer_widths(c, stored=True) == [64, 64]
+    assert family.stored_kv_bytes_per_token(c, torch.bfloat16) == 256
+    assert family.cache_bytes(c, torch.float32, 3, 11, stored=True) == 16896
+
+
+@pytest.mark.optimum_habana
+def test_per_layer_kv_heads_make_per_layer_widths():
+    family, c = config("decilm")  # layers of 4, 2 and 1 K/V heads (MHA, GQA, MQA), head dim 8
+    assert family.layer_kv_heads(c) == [4, 2, 1] and family.layer_widths(c) == [64, 32, 16]
+    assert family.kv_bytes_per_token(c, torch.float32) == (64 + 32 + 16) * 4
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * 6 * (64 + 32 + 16) * 4
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6, static_len=16) == 2 * 16 * (64 + 32 + 16) * 4
+    assert family.describe_cache(c) == "3 layers x [4, 2, 1] K/V heads x head dim 8"
+
+
+def test_a_per_layer_heads_entry_that_does_not_fit_the_layers_is_an_error():
+    import dataclasses
+
+    family, c = config("llama")
+    with pytest.raises(ValueError, match=r"family entry llama: kv_heads\(config\) gives 3 layers, layers\(config\) 2"):
+        dataclasses.replace(family, kv_heads=lambda c: [4, 2, 1]).cache_bytes(c, torch.float32, 2, 6)
 
 
 def test_declared_excess_windows_are_the_stored_bytes_not_the_analytic_ones():
@@ -291,3 +348,44 @@ def test_a_remote_code_family_is_checked_against_its_ports_uncached_forward():
     with pytest.raises(PropertyFailure, match=r"extend raised RuntimeError: .*\(judged before it and held: prefill, "
                                               r"decode step 1, decode step 2\)"):
         check_cached("optimum-habana", "baichuan", "alibi", "concat")
+
+
+def widest_heads_forward(original):
+    """DeciLMAttention.forward whose cache stores every layer at the model's query heads (each
+    layer's own K/V heads, then zero heads up to num_heads): the values right (the zeros are cut off
+    before the next step), every narrower layer's bytes too many."""
+    def forward(self, *args, past_key_value=None, **kwargs):
+        if past_key_value is not None:
+            past_key_value = tuple(t[:, :self.num_key_value_heads] for t in past_key_value)
+        out, weights, present = original(self, *args, past_key_value=past_key_value, **kwargs)
+        pad = (0, 0, 0, 0, 0, self.num_heads - self.num_key_value_heads)
+        return out, weights, None if present is None else tuple(torch.nn.functional.pad(t, pad) for t in present)
+    return forward
+
+
+@pytest.mark.optimum_habana
+def test_per_layer_heads_memory_passes_the_port_and_kills_every_layer_at_the_widest_heads(monkeypatch):
+    """decilm (layers of 4, 2, 1 K/V heads): family-memory holds the port's own cache to each layer's
+    width; a cache with every layer at 4 heads fails, and so does an entry that says 4 everywhere."""
+    import dataclasses
+    import sys
+
+    from mpt_kv.families.ports import load_port_module
+
+    for path in ("concat", "static"):  # must-pass: the port caches each layer's own heads
+        check_memory("optimum-habana", "decilm", "kv-heads-4-2-1", path)
+    check_no_pinned_storage("optimum-habana", "decilm", "kv-heads-4-2-1", "concat")
+    load_port_module(FAMILIES["decilm"])
+    attention = sys.modules["optimum.habana.transformers.models.decilm.modeling_decilm"].DeciLMAttention
+    monkeypatch.setattr(attention, "forward", widest_heads_forward(attention.forward))
+    checks.clear_caches()
+    # must-kill: 2 x 6 tokens x (64 + 64 + 64 - 64 - 32 - 16) fp32 elements too many
+    with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .*: \+3840 bytes; the cached tensors "
+                                              r"themselves hold 9216 bytes, \+3840 vs the analytic K/V 5376 \(3 layers x "
+                                              r"\[4, 2, 1\] K/V heads x head dim 8 x 2 x 6 tokens\)"):
+        check_memory("optimum-habana", "decilm", "kv-heads-4-2-1", "concat")
+    monkeypatch.undo()
+    checks.clear_caches()
+    uniform = dataclasses.replace(FAMILIES["decilm"], kv_heads=lambda c: c.num_attention_heads)
+    with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .*: -3840 bytes"):
+        check_memory("optimum-habana", uniform, "kv-heads-4-2-1", "concat")

@@ -7,7 +7,8 @@ family is one small module and one line below (docs/families.md).
 
 from __future__ import annotations
 
-from mpt_kv.families import (baichuan, bloom, codegen, cohere, dbrx, deepseek_v2, deepseek_v3, falcon, gemma, gemma2, gemma3,
+from mpt_kv.families import (baichuan, bloom, codegen, cohere, dbrx, decilm, deepseek_v2, deepseek_v3, falcon, gemma, gemma2,
+                             gemma3,
                              gpt2, gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, llama, mistral, mixtral, mpt, opt,
                              persimmon, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stablelm, starcoder2, xglm)
 from mpt_kv.errors import Registry
@@ -49,6 +50,7 @@ FAMILIES: dict[str, Family] = Registry("family", {f.name: f for f in (
     xglm.FAMILY,
     # remote code: optimum-habana's own copy is the model and the oracle
     baichuan.FAMILY,
+    decilm.FAMILY,
 )})
 
 
