@@ -389,3 +389,32 @@ def test_per_layer_heads_memory_passes_the_port_and_kills_every_layer_at_the_wid
     uniform = dataclasses.replace(FAMILIES["decilm"], kv_heads=lambda c: c.num_attention_heads)
     with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .*: -3840 bytes"):
         check_memory("optimum-habana", uniform, "kv-heads-4-2-1", "concat")
+
+
+@pytest.mark.optimum_habana
+def test_chatglm_port_caches_its_groups_batch_first_and_its_reuse_cache_in_bf16():
+    """chatglm (4 query heads in 2 multi-query groups, head dim kv_channels 8): the port caches K and V
+    as (batch, groups, seq, head dim), copies out of query_key_value's (seq, batch, ...) output
+    (modeling_chatglm.py:603-605), not the Hub's (seq, batch, groups, head dim): the layout the checks
+    read. family-memory holds it to the groups' bytes; family-P2 compares its K/V at the written
+    positions (the reuse_cache buffer's bf16 rounding is seen there, a known failure)."""
+    import dataclasses
+
+    from mpt_kv.families.implementations import IMPLEMENTATIONS
+
+    family = FAMILIES["chatglm"]
+    session = IMPLEMENTATIONS["optimum-habana"](family, "mq-groups2").session("concat", 16)
+    ids, mask = checks.prompt(family.config("mq-groups2"))
+    with torch.inference_mode():
+        session.prefill(ids, mask)
+    assert [tuple(t.shape) for layer in session.kv() for t in layer] == [(2, 2, 6, 8)] * 4
+    for path in ("concat", "static"):  # must-pass: each layer K and V of its 2 groups, nothing pinned
+        check_memory("optimum-habana", "chatglm", "mq-groups2", path)
+        check_no_pinned_storage("optimum-habana", "chatglm", "mq-groups2", path)
+    every_head = dataclasses.replace(family, kv_heads=lambda c: c.num_attention_heads)  # an entry blind to the groups
+    with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .*-3072 bytes; .*\(2 layers x 4 K/V heads "
+                                              r"x head dim 8 x 2 x 6 tokens\)"):
+        check_memory("optimum-habana", every_head, "mq-groups2", "concat")
+    with pytest.raises(PropertyFailure, match=r"family-P2 prefill: static-path cached key of layer 0 at the written "
+                                              r"token positions vs the concat path's differ .* shape \(2, 2, 6, 8\)"):
+        check_static_concat("optimum-habana", "chatglm", "mq-groups2", "static+reuse")
