@@ -25,7 +25,7 @@ needs_5x = pytest.mark.skipif(not hasattr(cache_utils, "DynamicSlidingWindowLaye
                               or int(transformers.__version__.split(".")[0]) < 5,
                               reason="transformers 5.x's sliding-window and latent caches")
 ZOO = ("gemma", "gemma2", "gemma3", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-       "cohere", "gpt_neo", "gpt_oss", "opt", "xglm")
+       "cohere", "gpt_neo", "gpt_oss", "opt", "xglm", "baichuan", "decilm", "chatglm", "minicpm")
 
 
 @pytest.fixture(autouse=True)
@@ -171,6 +171,8 @@ def test_the_zoo_is_registered():
     assert set(ZOO) <= set(FAMILIES)
     assert {FAMILIES[n].design for n in ("gemma2", "gemma3", "gpt_oss", "deepseek_v2")} == {
         "hybrid+softcap", "hybrid+qk-norm", "hybrid+sinks+moe", "latent+moe"}
+    # the remote-code families: the port's own copy of the Hub files is the model
+    assert [n for n in ZOO if FAMILIES[n].remote_code] == ["baichuan", "decilm", "chatglm", "minicpm"]
 
 
 # --- must-pass designs and must-kill variants ------------------------------------------------------------------
@@ -418,3 +420,22 @@ def test_chatglm_port_caches_its_groups_batch_first_and_its_reuse_cache_in_bf16(
     with pytest.raises(PropertyFailure, match=r"family-P2 prefill: static-path cached key of layer 0 at the written "
                                               r"token positions vs the concat path's differ .* shape \(2, 2, 6, 8\)"):
         check_static_concat("optimum-habana", "chatglm", "mq-groups2", "static+reuse")
+
+
+@pytest.mark.optimum_habana
+def test_minicpm_is_a_latent_whose_port_caches_expanded_kv_and_needs_an_hpu():
+    """minicpm (MiniCPM3): the analytic bytes are the latent's (kv_lora_rank 4 + rope 4 < head dim 12);
+    the port's remote code caches the expanded K (4 heads x 12) and V (4 heads x 8): `stored_width`, a
+    known excess. Its module imports an HPU kernel at module level, so its rows are unsupported off an
+    HPU with that reason, while its config (its own module) still builds for the matrix."""
+    from mpt_kv.errors import TargetUnavailable
+    from mpt_kv.families.implementations import IMPLEMENTATIONS
+
+    family, c = config("minicpm")
+    assert c.kv_lora_rank < c.qk_nope_head_dim + c.qk_rope_head_dim
+    assert family.layer_widths(c) == [8, 8] and family.layer_widths(c, stored=True) == [4 * 12 + 4 * 8] * 2
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * 8 * 2 * 6 * 4
+    assert family.describe_cache(c) == "2 layers x a latent of 8 per token"
+    with pytest.raises(TargetUnavailable, match=r"port of minicpm \(MiniCPM3ForCausalLM\) cannot run off an HPU: its "
+                                                r"module imports FusedSDPA .*modeling_minicpm\.py:31 and :903\)"):
+        IMPLEMENTATIONS["optimum-habana"](family, "mla")

@@ -391,7 +391,8 @@ def storage_report(c: FamilyContext, kv, fused: dict[str, torch.Tensor], tokens:
                         f"{per_layer(c.family.layer_kv_heads(c.config, stored=True))} per layer, vs "
                         f"{per_layer(c.family.layer_kv_heads(c.config))} K/V heads)")
         elif own == stored != analytic and c.family.stored_width is not None:
-            declared = (" (the family entry's stored_width: transformers caches "
+            who = "its remote code" if c.family.remote_code else "transformers"
+            declared = (f" (the family entry's stored_width: {who} caches "
                         f"{per_layer(c.family.layer_widths(c.config, stored=True))} elements per token per layer, vs the "
                         f"architecture's {per_layer(c.family.layer_widths(c.config))})")
         elif own == stored != analytic and c.family.stored_windows is not None:

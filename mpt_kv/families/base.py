@@ -136,7 +136,8 @@ class Family:
     layers cache the whole history: a known excess, kept as data like stored_kv_heads); a function
     may return None where the installed transformers keeps the windows; stored_width(config):
     likewise the elements per token per layer transformers caches where it is not `layer_widths`'
-    (transformers 4.x's DeepSeek caches the expanded K and V, not the latent), or None; port_note:
+    (transformers 4.x's DeepSeek caches the expanded K and V, not the latent; a remote-code family: what its
+    remote code caches, MiniCPM3's expanded K and V), or None; port_note:
     where `gaudi` is None although optimum-habana ships a port, why mpt-kv does not drive it yet
     (the matrix's reason)."""
 
@@ -165,13 +166,10 @@ class Family:
         if variant not in self.variants:
             raise ValueError(f"family {self.name} has no variant {variant!r}: variants {sorted(self.variants)}")
         if self.remote_config is not None:  # the port's own config class (optimum-habana's copy of the Hub files)
-            import importlib
+            from mpt_kv.families.ports import load_config_module
 
-            from mpt_kv.families.ports import load_port_module
-
-            load_port_module(self)  # imports the config module beside it (under the stand-in where needed)
-            module, name = self.remote_config.split(":")
-            return getattr(importlib.import_module(module), name)(**{**self.tiny, **self.variants[variant]})
+            name = self.remote_config.split(":")[1]
+            return getattr(load_config_module(self), name)(**{**self.tiny, **self.variants[variant]})
         from transformers import AutoConfig
 
         return AutoConfig.for_model(self.model_type, **{**self.tiny, **self.variants[variant]})
