@@ -64,8 +64,8 @@ def test_analytic_bytes_of_a_latent_cache_are_the_latent_not_k_and_v():
     assert "a latent of 8 per token" in family.describe_cache(c)
 
 
-# Every family's analytic bytes before the per-layer widths (main a345c83, both envs): fp32 bytes per token,
-# a concat cache of 2 x 6 tokens, a static one of 2 x 16 slots (windows counted)
+# Every family's analytic bytes before the per-layer widths (main 934b009's code, both envs): fp32 bytes per
+# token, a concat cache of 2 x 6 tokens, a static one of 2 x 16 slots (windows counted: mistral's 7)
 BYTES_BEFORE_PER_LAYER_WIDTHS = {
     "mpt/alibi": (512, 6144, 16384), "falcon/alibi": (512, 6144, 16384), "falcon/rotary-mqa": (128, 1536, 4096),
     "falcon/new-arch-gqa": (256, 3072, 8192), "gpt_bigcode/mqa": (128, 1536, 4096),
@@ -73,7 +73,7 @@ BYTES_BEFORE_PER_LAYER_WIDTHS = {
     "gpt_neox/mha": (512, 6144, 16384), "codegen/mha": (512, 6144, 16384), "persimmon/mha": (512, 6144, 16384),
     "phi/gqa": (256, 3072, 8192), "phi/mha": (512, 6144, 16384), "phi3/gqa": (256, 3072, 8192),
     "llama/mha": (512, 6144, 16384), "llama/gqa": (256, 3072, 8192), "llama/mqa": (128, 1536, 4096),
-    "llama/fused-qkv": (256, 3072, 8192), "qwen2/gqa": (256, 3072, 8192), "mistral/gqa": (256, 3072, 8192),
+    "llama/fused-qkv": (256, 3072, 8192), "qwen2/gqa": (256, 3072, 8192), "mistral/gqa": (256, 3072, 3584),
     "starcoder2/gqa": (256, 3072, 8192), "gptj/mha": (512, 6144, 16384), "stablelm/gqa": (256, 3072, 8192),
     "dbrx/gqa": (256, 3072, 8192), "gemma/gqa": (256, 3072, 8192), "gemma2/hybrid-window4": (256, 2304, 5120),
     "gemma3/hybrid-window9": (256, 3072, 6400), "qwen3/gqa": (256, 3072, 8192),
