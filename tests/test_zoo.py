@@ -6,6 +6,8 @@ patched; the tiny configs reach each design's edges (a window shorter than the p
 during decode, crossed by the k-token call; a latent smaller than the head dim; 2 of 4 experts).
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -439,3 +441,49 @@ def test_minicpm_is_a_latent_whose_port_caches_expanded_kv_and_needs_an_hpu():
     with pytest.raises(TargetUnavailable, match=r"port of minicpm \(MiniCPM3ForCausalLM\) cannot run off an HPU: its "
                                                 r"module imports FusedSDPA .*modeling_minicpm\.py:31 and :903\)"):
         IMPLEMENTATIONS["optimum-habana"](family, "mla")
+
+
+def cache_fused_views(model, monkeypatch):
+    """The seed bug put into chatglm's port: on the concat prefill, each layer caches K and V as strided
+    views of query_key_value's (seq, batch, q + 2 x groups x head dim) output, the rotated values
+    written back into it first (the values stay right; the query part is pinned beside them)."""
+    module = sys.modules[type(model).__module__]
+    for block in model.transformer.encoder.layers:
+        attn = block.self_attention
+        q_width = attn.num_attention_heads_per_partition * attn.hidden_size_per_attention_head
+        kv_width = attn.num_multi_query_groups_per_partition * attn.hidden_size_per_attention_head
+        attn.query_key_value.register_forward_hook(lambda m, args, out, attn=attn: setattr(attn, "fused_out", out))
+        attn.k_cache.in_fused, attn.v_cache.in_fused = (attn, q_width), (attn, q_width + kv_width)
+    original = module.KVCache.update
+
+    def update(self, prev, cur, dim, idx, inp_seq_len):
+        out = original(self, prev, cur, dim, idx, inp_seq_len)
+        if out is not cur or idx is not None or not hasattr(self, "in_fused"):
+            return out
+        attn, offset = self.in_fused
+        fused = attn.fused_out  # (seq, batch, width)
+        width, head_dim = fused.shape[-1], cur.shape[-1]
+        view = fused.as_strided(cur.shape, (width, head_dim, fused.shape[1] * width, 1), fused.storage_offset() + offset)
+        view.copy_(cur)
+        return view
+
+    monkeypatch.setattr(module.KVCache, "update", update)
+
+
+@pytest.mark.optimum_habana
+def test_chatglm_p3_kills_k_and_v_cached_as_views_of_query_key_value(monkeypatch):
+    """The seed bug class on chatglm's fused query_key_value: the real port copies K and V out of it
+    (P3 passes, above); K and V cached as views of it pin the query part, named with the module."""
+    checks.clear_caches()
+    runner = checks.runner_for("optimum-habana", FAMILIES["chatglm"], "mq-groups2", torch.float32, {})
+    cache_fused_views(runner.model, monkeypatch)
+    # the values are right: P1 holds through the prefill and both decodes (then the known extend crash)
+    with pytest.raises(PropertyFailure, match=r"extend raised RuntimeError: .*\(judged before it and held: prefill, "
+                                              r"decode step 1, decode step 2\)"):
+        check_cached("optimum-habana", "chatglm", "mq-groups2", "concat")
+    # 6 x 2 x 64 fp32 elements of output, 2 x (2 x 2 x 6 x 8) of them the cached K and V
+    with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after prefill: layer 0 key \(2, 2, 6, 8\) "
+                                              r"and layer 0 value \(2, 2, 6, 8\) are views of transformer\.encoder\."
+                                              r"layers\.0\.self_attention\.query_key_value's output \(6, 2, 64\): its "
+                                              r"storage holds 3072 bytes, the cached tensors in it 1536"):
+        check_no_pinned_storage("optimum-habana", "chatglm", "mq-groups2", "concat")
