@@ -487,3 +487,16 @@ def test_chatglm_p3_kills_k_and_v_cached_as_views_of_query_key_value(monkeypatch
                                               r"layers\.0\.self_attention\.query_key_value's output \(6, 2, 64\): its "
                                               r"storage holds 3072 bytes, the cached tensors in it 1536"):
         check_no_pinned_storage("optimum-habana", "chatglm", "mq-groups2", "concat")
+
+
+@pytest.mark.optimum_habana
+def test_a_remote_config_the_installed_release_does_not_ship_is_unavailable_naming_its_file():
+    import dataclasses
+
+    from mpt_kv.errors import TargetUnavailable
+
+    missing = dataclasses.replace(FAMILIES["decilm"], name="nosuch",
+                                  remote_config="optimum.habana.transformers.models.nosuch.configuration_nosuch:X")
+    with pytest.raises(TargetUnavailable, match=r"optimum-habana 1\.21\.2 has no port of nosuch: .*models/nosuch/"
+                                                r"configuration_nosuch\.py does not exist"):
+        missing.config("kv-heads-4-2-1")
