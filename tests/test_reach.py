@@ -256,6 +256,20 @@ def test_the_docs_family_table_is_the_family_programs_run(family_program):
         "the family checks' reach table in docs/families.md is stale: run python -m mpt_kv reach --update-docs")
 
 
+@pytest.mark.optimum_habana
+def test_the_remote_code_families_programs_reach_their_edges():
+    """decilm has no transformers model: its port is the model (optimum-habana's env). Its edge, measured
+    as the block's: its cache holds 4, 2 and 1 K/V heads in its three layers (read from the cached
+    tensors). minicpm's port cannot run off an HPU (FusedSDPA at module level): no case, no record here,
+    its latent is reached on Gaudi only."""
+    records = running_layer().family_program_records(["minicpm", "decilm"], implementation="optimum-habana")
+    assert not_reached(records, {(reach.MIXED_HEADS, "family-P1/concat"): {"decilm"},
+                                 (reach.MIXED_HEADS, "family-ops/concat"): {"decilm"}}) == {}
+    decilm = [r["knobs"] for r in records if r["knobs"].get("family") == "decilm"]
+    assert {(k["kv_heads"], k["kv_heads_cached"]) for k in decilm} == {("4, 2, 1", "4, 2, 1")}
+    assert not [r for r in records if r["knobs"].get("family") == "minicpm"]
+
+
 def test_a_shorter_program_leaves_the_window_edges_unreached(monkeypatch):
     """No decode steps before a 2-token cached call: gpt_oss's window (7) is crossed by that call (6 + 2),
     not by a decode, and gemma3's (9) never (6 + 2 + 1 positions): the claims test fails naming them."""

@@ -214,8 +214,8 @@ def _group_order(g: str):
 # table order; the "edge: ..." knobs' value is the family that reached the edge (a table cell lists them)
 FAMILY_KNOBS = ("family", "implementation", "variant", "path", "dtype", "batch", "n_layers", "n_heads", "kv_heads",
                 "head_dim", "prompt_len", "total_len", "operation", "tokens_per_call", "window",
-                "window_tokens_held", "latent_rank", "cached_width", "experts", "experts_per_token",
-                "routed_tokens_per_row")
+                "window_tokens_held", "latent_rank", "cached_width", "kv_heads_cached", "experts",
+                "experts_per_token", "routed_tokens_per_row")
 WINDOW_PROMPT = "edge: a window shorter than the prompt"
 WINDOW_DECODE = "edge: a window crossed during decode"
 WINDOW_EXTEND = "edge: a window crossed by a k-token cached call"
@@ -223,13 +223,14 @@ WINDOW_CROP = "edge: a crop back across a window's edge"
 WINDOW_NEVER = "edge: a window never crossed"
 WINDOW_DROPPED = "edge: a window layer's cache dropped positions"
 LATENT = "edge: a latent smaller than the head dim"
+MIXED_HEADS = "edge: layers with different K/V heads in one cache"
 EXPERTS = "edge: fewer experts per token than experts"
 ROUTING = "edge: a cached call routes only its new tokens"
-EDGES = (WINDOW_PROMPT, WINDOW_DECODE, WINDOW_EXTEND, WINDOW_CROP, WINDOW_NEVER, WINDOW_DROPPED, LATENT, EXPERTS,
-         ROUTING)
+EDGES = (WINDOW_PROMPT, WINDOW_DECODE, WINDOW_EXTEND, WINDOW_CROP, WINDOW_NEVER, WINDOW_DROPPED, LATENT, MIXED_HEADS,
+         EXPERTS, ROUTING)
 # what the cache itself holds (its kv() tensors): differs across transformers releases (4.x keeps a local
 # layer's whole history and DeepSeek's expanded K/V), so docs/families.md's block leaves these to a run's table
-CACHE_MEASURED = ("window_tokens_held", "cached_width", WINDOW_DROPPED)
+CACHE_MEASURED = ("window_tokens_held", "cached_width", "kv_heads_cached", WINDOW_DROPPED)
 CACHED_CALLS = ("decode", "extend")
 
 
@@ -255,6 +256,7 @@ class FamilyReach:
         self.window_held: list[int] = []  # a window layer's position axis after each call
         self.dropped = False              # a window layer's cache held fewer positions than were written
         self.widths: list[int] = []       # elements per token per layer the cache held
+        self.heads: dict[int, int] = {}   # layer -> the K/V heads its cached tensors hold (their axis 1)
         self.routing: list[tuple[str | None, int | None, int, int, int | None]] = []
         self.unreadable: str | None = None
         self._current: tuple[str, int | None] | None = None
@@ -276,6 +278,7 @@ class FamilyReach:
         for layer, shape in kv:
             if len(shape) != 4:  # (batch, heads, positions, dim) only: another layout's axes are not guessed
                 continue
+            self.heads[layer] = shape[1]
             tokens = shape[-2]
             if layer < len(self.windows) and self.windows[layer] is not None:
                 self.window_held.append(tokens)
@@ -323,6 +326,8 @@ class FamilyReach:
             out["latent_rank"] = self.latent_rank
         if self.widths and (self.latent_rank is not None):
             out["cached_width"] = max(self.widths)
+        if self.heads and self.latent_rank is None:
+            out["kv_heads_cached"] = per_layer_text([self.heads[layer] for layer in sorted(self.heads)])
         if self.routing:
             out["experts"] = max(e for *_, e, _ in self.routing)
             ks = [k for *_, k in self.routing if k is not None]
@@ -337,6 +342,8 @@ class FamilyReach:
         edges = self.window_edges()
         if self.latent_rank is not None and self.head_dim and self.latent_rank < self.head_dim and self.calls:
             edges.add(LATENT)
+        if self.latent_rank is None and len(set(self.heads.values())) > 1:
+            edges.add(MIXED_HEADS)
         if any(k is not None and k < e for *_, e, k in self.routing):
             edges.add(EXPERTS)
         cached = [(tokens, count) for op, count, tokens, _, _ in self.routing if op in CACHED_CALLS]
@@ -354,6 +361,11 @@ def family_doc_lines(records: list[dict]) -> list[str]:
     under every transformers release the envs pin."""
     summary = summarize(records, FAMILY_MAX_VALUES)
     return family_table_lines(summary, rows=[k for k in summary if k not in CACHE_MEASURED])
+
+
+def per_layer_text(values: list) -> int | str:
+    """One value for every layer as itself, else each layer's ("4, 2, 1"): a knob's value is one cell."""
+    return values[0] if len(set(values)) == 1 else ", ".join(map(str, values))
 
 
 def is_family_record(record: dict) -> bool:

@@ -546,8 +546,12 @@ PROGRAM_CHECKS = ("family-P1/concat", "family-ops/concat")
 
 
 def has_edges(family) -> bool:
-    """A family whose design has edges to reach: local windows, a latent, or experts (its design's word)."""
-    return family.windows is not None or family.latent_width is not None or "moe" in family.design
+    """A family whose design has edges to reach (local windows, a latent, experts: its design's word, or
+    per-layer K/V heads) that transformers ships: a remote-code family's model is its port's
+    (optimum-habana's env measures it, its conformance report has its records)."""
+    per_layer_heads = family.design == "per-layer-gqa"
+    return not family.remote_code and (family.windows is not None or family.latent_width is not None
+                                       or "moe" in family.design or per_layer_heads)
 
 
 def family_program_records(families=None, checks=PROGRAM_CHECKS, implementation: str = "transformers") -> list[dict]:
