@@ -51,6 +51,7 @@ class FamilyEntry:
     patch: Callable[[str], contextlib.AbstractContextManager] | None = None  # (family name) -> context manager
     model_change: Callable[[torch.nn.Module], None] | None = None
     killed_by: tuple[str, ...] = ()  # variants: the family columns expected to kill it
+    waits_for: str = ""         # variants: the check feature, not in this build, that will kill it (as Variant's)
 
     @property
     def kind(self) -> str:
