@@ -147,14 +147,13 @@ def window_update(keep: int, copy: bool, lost_as_zeros: bool = False):
         self.cumulative_length += key_states.shape[-2]
         full_keys = torch.cat([self.keys, key_states], dim=-2)
         full_values = torch.cat([self.values, value_states], dim=-2)
-        if self.record_past:  # kept whole until the crop (transformers' own rule)
+        if self.record_past:  # kept whole until the crop rolls it back (transformers' own rule)
             self.keys, self.values = full_keys, full_values
-            visible = self.sliding_window - 1 + key_states.shape[-2]
-            return full_keys[:, :, -visible:, :], full_values[:, :, -visible:, :]
-        kept = self.sliding_window + keep
-        self.keys, self.values = full_keys[:, :, -kept:, :], full_values[:, :, -kept:, :]
-        if copy:
-            self.keys, self.values = self.keys.clone(), self.values.clone()
+        else:
+            kept = self.sliding_window + keep
+            self.keys, self.values = full_keys[:, :, -kept:, :], full_values[:, :, -kept:, :]
+            if copy:
+                self.keys, self.values = self.keys.clone(), self.values.clone()
         visible = min(before, self.sliding_window - 1) + key_states.shape[-2]  # as get_mask_sizes says
         lost = visible - full_keys.shape[-2]
         if lost_as_zeros and lost > 0:
@@ -206,12 +205,17 @@ def latent_normed_on_read(model: torch.nn.Module) -> None:
     """Each MLA attention of `model` caches its latent as split from kv_a_proj_with_mqa's output and
     applies kv_a_layernorm when it reads the cache (expand_kv), not before writing it: the same
     values (the norm is per position), but the cached latent is a view of the fused output."""
+    changed = 0
     for module in model.modules():
         if not (hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "expand_kv")):
             continue
         norm, expand = module.kv_a_layernorm, module.expand_kv
         module.kv_a_layernorm = torch.nn.Identity()
         module.expand_kv = lambda kv_nope, k_rot, norm=norm, expand=expand: expand(norm(kv_nope), k_rot)
+        changed += 1
+    if not changed:  # a change that changes nothing would pass as the entry: fail closed
+        raise RuntimeError(f"latent_normed_on_read: {type(model).__name__} has no MLA attention (kv_a_proj_with_mqa "
+                           "and expand_kv)")
 
 
 # --- mixtures of experts: routing in a cached step sees only the new tokens -----------------------------------
@@ -219,11 +223,14 @@ def latent_normed_on_read(model: torch.nn.Module) -> None:
 def batched_mm_experts(model: torch.nn.Module) -> None:
     """transformers 5.x's `batched_mm` experts (integrations/moe.py, batched_mm_experts_forward) on
     `model` alone: every (token, chosen expert) pair one gathered matmul, static shapes, no loop over
-    the experts hit; the oracle keeps the eager loop."""
-    model.config._experts_implementation = "batched_mm"
-    for module in model.modules():
-        if hasattr(module, "gate_up_proj") and getattr(module, "config", None) is not None:
-            module.config._experts_implementation = "batched_mm"
+    the experts hit; the oracle keeps the model's default (transformers 5.24.0: grouped_mm, tokens
+    sorted by expert)."""
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and getattr(m, "config", None) is not None]
+    if not experts:  # fail closed: no experts module dispatches on the config here
+        raise RuntimeError(f"batched_mm_experts: {type(model).__name__} has no experts module of transformers' "
+                           "experts interface")
+    for module in [model, *experts]:
+        module.config._experts_implementation = "batched_mm"
 
 
 EXPERT_CAPACITY = 2  # per expert, row and call: the tiny prompt (up to 6 tokens x 2 of 4 experts) overflows it
@@ -300,8 +307,8 @@ FAMILY_DESIGNS: dict[str, FamilyEntry] = {e.name: e for e in (
     FamilyEntry(
         "experts_batched_mm", "mixtral", "moe-2of4", "concat",
         "transformers' batched_mm experts: each (token, chosen expert) pair one gathered matmul, static shapes "
-        "(no loop over the experts hit), routing per token: another summation order, the same values within "
-        "family-P1's tolerance; the cache is the attention's alone",
+        "(no grouping by expert), routing per token: another summation order than the oracle's grouped_mm, the "
+        "same values within family-P1's tolerance; the cache is the attention's alone",
         "transformers 5.24.0 integrations/moe.py:112 (batched_mm_experts_forward), config._experts_implementation",
         model_change=batched_mm_experts),
 )}
