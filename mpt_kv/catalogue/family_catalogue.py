@@ -355,7 +355,7 @@ FAMILY_VARIANTS: dict[str, FamilyEntry] = {e.name: e for e in (
         f"Switch Transformers' expert capacity ({EXPERT_CAPACITY} tokens per expert per row, in position order) "
         "on top of the top-2 routing, with no per-expert counts in the cache: a cached step routes as if the "
         "history were empty, the uncached forward drops the choices past capacity",
-        "transformers models/switch_transformers/modeling_switch_transformers.py:105-109 "
+        "transformers 5.24.0 models/switch_transformers/modeling_switch_transformers.py:105-109 "
         "(SwitchTransformersTop1Router: token_priority, a cumsum over the call's positions)",
         patch=capacity_routing, killed_by=("family-P1",)),
 )}
