@@ -53,20 +53,16 @@ class FamilyEntry:
     killed_by: tuple[str, ...] = ()  # variants: the family columns expected to kill it
     waits_for: str = ""         # variants: the check feature, not in this build, that will kill it (as Variant's)
 
-    @property
-    def kind(self) -> str:
-        return "variant" if self.killed_by else "design"
-
 
 def unavailable() -> str | None:
     """Why the family catalogue's rows cannot run here (None: they can)."""
     from mpt_kv.versions import transformers_version
 
     try:
-        import transformers.cache_utils as cache_utils
+        import transformers.cache_utils as utils
     except ImportError as e:
         return f"transformers is not installed ({e})"
-    if int(transformers_version().split(".")[0]) < 5 or not hasattr(cache_utils, "DynamicSlidingWindowLayer"):
+    if int(transformers_version().split(".")[0]) < 5 or not hasattr(utils, "DynamicSlidingWindowLayer"):
         return (f"transformers {transformers_version()}: the family catalogue changes transformers 5.x's "
                 "sliding-window and latent caches and its experts interface")
     return None
@@ -244,8 +240,10 @@ def capacity_routing(family: str) -> Iterator[None]:
     Switch's router_ignore_padding_tokens: the call's columns of the causal LM's 2D attention_mask).
     The oracle routes the same way: its uncached forward is causal, the cached steps are not."""
     module = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["_"])
-    block = next(getattr(module, n) for n in dir(module) if n.endswith("SparseMoeBlock"))
-    causal_lm = next(getattr(module, n) for n in dir(module) if n.endswith("ForCausalLM"))
+    block = next((getattr(module, n) for n in dir(module) if n.endswith("SparseMoeBlock")), None)
+    causal_lm = next((getattr(module, n) for n in dir(module) if n.endswith("ForCausalLM")), None)
+    if block is None or causal_lm is None:
+        raise ValueError(f"capacity_routing: {module.__name__} has no *SparseMoeBlock and *ForCausalLM to change")
     call = {}
     lm_forward = causal_lm.__dict__["forward"]
 
