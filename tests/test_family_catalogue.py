@@ -137,6 +137,17 @@ def test_family_rows_without_transformers_5_are_na_and_their_variants_wait(monke
     assert row.split()[1:] == ["(waits)", "(gemma2)", "n/a*"], row
 
 
+@needs_5x
+def test_family_checks_alone_run_no_mpt_row(capsys):
+    """Naming only family columns runs the family rows, not every MPT variant with no column (each
+    would 'survive every check that ran (none)')."""
+    rc = killmatrix_cli.main([arg for column in FAMILY_COLUMNS for arg in ("--check", column)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "1 must-pass rows and 0 must-kill variants x 0 checks" in out and "x 5 family checks" in out
+    assert "latent_view_of_fused_projection (deepseek_v2)" in out
+
+
 def test_mpt_checks_alone_run_no_family_row(capsys):
     rc = killmatrix_cli.main(["--variant", "only_v_cloned", "--check", "P3"])
     out = capsys.readouterr().out

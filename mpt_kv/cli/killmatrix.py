@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                        if n in FAMILY_VARIANTS] if family_checks else []
     if not (family_designs or family_variants):
         family_checks = []
+    if not checks:  # only family columns named: no MPT row (the reference stays, with no column)
+        rows, variants = [], []
 
     torch.set_num_threads(1)  # tiny tensors: more threads only contend (and make timings jump)
     start = time.perf_counter()
