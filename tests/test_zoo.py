@@ -9,6 +9,7 @@ the checks' programs reach (measured: tests/test_reach.py).
 """
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,6 +147,26 @@ def test_a_window_entry_that_does_not_fit_the_layers_is_an_error():
 # Which edges the checks' programs reach is measured from a run of them, not computed from the program's
 # constants: tests/test_reach.py (test_the_family_programs_reach_every_edge_the_zoo_claims), docs/families.md's
 # generated block.
+
+WINDOWED = [n for n, f in FAMILIES.items() if f.windows is not None and not f.remote_code]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_the_measuring_checks_drive_every_tiny_window_past_its_edge(name):
+    """family-P3, P4 and memory take no k-token call: their closing decodes carry every tiny window past
+    its edge (gemma3's 9 needs 4 decodes after its prompt of 6), so the checks that measure the cache see
+    it slide, not P1 alone."""
+    family, c = config(name)
+    written = checks.PROMPT + checks.STEPS + checks.closing_decodes(SimpleNamespace(family=family, config=c))
+    widest = max(w for w in family.layer_windows(c) if w is not None)
+    assert written > widest, f"{name}: P3/P4/memory write {written} positions, its window is {widest}"
+    assert written <= checks.MAX_LEN
+
+
+def test_a_window_past_the_sessions_cache_is_not_driven_to():
+    family, c = config("gemma3")
+    c.sliding_window = checks.MAX_LEN  # a real window (mistral-7b's 4096) does not fit the tiny program
+    assert checks.closing_decodes(SimpleNamespace(family=family, config=c)) == 1
 
 
 def test_the_mixtures_of_experts_route_2_of_4():

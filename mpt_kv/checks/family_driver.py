@@ -275,8 +275,9 @@ class Step:
 def drive(runner, c: FamilyContext, session, on_step, tokens_from=None, extend: bool = False,
           judges: bool = True) -> list[Step]:
     """Prefill the left-padded prompt, then STEPS greedy decodes, an EXTEND-token cached call and
-    a decode (extend=True: P1 and P2, where the implementation declares extend), or STEPS + 1
-    greedy decodes (P3, P4, memory: an extend that crashes is P1's finding, not three more).
+    a decode (extend=True: P1 and P2, where the implementation declares extend), or STEPS +
+    `closing_decodes(c)` greedy decodes (P3, P4, memory: an extend that crashes is P1's finding, not
+    three more).
     `on_step(step, session, seq, mask)` after each (seq, mask: every row's tokens so far).
     `tokens_from(step)`: the logits the next greedy token comes from (default: this session's last).
     A call that crashes (`Crash`) ends the drive; with `judges` (on_step judges each step as it
@@ -290,6 +291,19 @@ def drive(runner, c: FamilyContext, session, on_step, tokens_from=None, extend: 
         raise crash.held([s.name for s in steps]) if judges and steps else crash
 
 
+MAX_CLOSING_DECODES = MAX_LEN - PROMPT - STEPS  # what fits the sessions' cache (a real window is not driven to)
+
+
+def closing_decodes(c: FamilyContext) -> int:
+    """The greedy decodes after the STEPS in a drive without the k-token call (P3, P4, memory): one, or
+    as many as take the widest local window past its edge where that is within MAX_CLOSING_DECODES
+    (gemma3's 9 > PROMPT + STEPS + 1): the checks that measure a cache then see every tiny window slide,
+    not P1 alone."""
+    widest = max((w for w in c.family.layer_windows(c.config) if w is not None), default=0)
+    past_the_edge = widest + 1 - PROMPT - STEPS
+    return past_the_edge if 1 < past_the_edge <= MAX_CLOSING_DECODES else 1
+
+
 def _drive(c: FamilyContext, session, on_step, tokens_from, extend: bool, steps: list[Step]) -> list[Step]:
     ids, mask = prompt(c.config)
     first = Step("prefill", "prefill", observed(c, session, "prefill", ids.shape[1], "prefill", "prefill",
@@ -297,7 +311,8 @@ def _drive(c: FamilyContext, session, on_step, tokens_from, extend: bool, steps:
     seq = ids
     on_step(first, session, seq, mask)
     steps.append(first)  # after on_step: `steps` are the steps on_step saw through
-    plan = [("decode", 1)] * STEPS + ([("extend", EXTEND), ("decode", 1)] if extend else [("decode", 1)])
+    plan = [("decode", 1)] * STEPS + ([("extend", EXTEND), ("decode", 1)] if extend else
+                                      [("decode", 1)] * closing_decodes(c))
     for i, (op, k) in enumerate(plan, 1):
         if op == "decode":
             last = steps[-1].logits if tokens_from is None else tokens_from(i)
