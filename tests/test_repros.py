@@ -115,6 +115,10 @@ WITH_REPROS = {
     *(f"optimum-habana-{f}-static-decode-logits-vs-uncached{s}" for f in ("gpt-neo-global-local4", "opt-mha")
       for s in ("", "-family-ops")),
     "optimum-habana-gpt-neo-global-local4-static-decode-logits-vs-concat",
+    # the ports' local layers cache more than their window (family-memory: the window's analytic bytes)
+    *(f"optimum-habana-{f}-static-prefill-local-layers-beyond-window" for f in ("gemma2-hybrid-window4",
+                                                                             "gemma3-hybrid-window9")),
+    "optimum-habana-gpt-neo-global-local4-concat-prefill-local-layers-beyond-window",
     # baichuan (remote code: the port's own model and config class): the seed bug's views of W_pack, the
     # k-token extend, and the beam reorder on the heads' dimension (the next step's crash)
     *(f"optimum-habana-baichuan-alibi-{s}" for s in ("concat-prefill-kv-views", "concat-extend-causal-mask-expand",

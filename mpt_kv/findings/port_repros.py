@@ -306,6 +306,11 @@ EAGER_ALIBI_FIX = ("in transformers' eager Falcon attention add ALiBi once: it i
 EAGER_ALIBI_SEEN = ("the prefill's logits equal transformers' sdpa forward, not its eager forward (mpt-kv's "
                     "reference), which adds ALiBi twice")
 
+WINDOW_FIX = ("cache a local (sliding-window) layer's window only: on the concat path its last window - 1 "
+              "positions (the next query attends to itself and those), on the static path a buffer of "
+              "min(length, window) slots written as a ring, as transformers 5.x's DynamicSlidingWindowLayer and "
+              "StaticSlidingWindowLayer do; the global layers keep the whole history")
+
 EXTEND_CRASHES = {"concat": r"RuntimeError: The expanded size of the tensor \(\d+\) must match the existing size",
                   "static": r"RuntimeError: The size of tensor a \(\d+\) must match the size of tensor b"}
 
@@ -378,6 +383,13 @@ def observed_program(entries: list[dict]) -> Program | None:
         seen = ("the cache's storages hold more bytes than its K/V: " if memory else "") + views
         return Program("prefill", path, (path,), f"{path}-prefill-" + ("storage-bytes" if memory else "kv-views"),
                        None, VIEWS_FIX, observe, f"after the prefill, {seen}")
+    if entry["pattern"].startswith("the cached tensors themselves hold") and "windows per layer" in entry["pattern"]:
+        # family-memory of a window: the local layers' cache against the window's analytic bytes
+        static = path.startswith("static")
+        return Program("prefill", path, (path,), f"{path}-prefill-local-layers-beyond-window", None, WINDOW_FIX,
+                       (("prefill", "window-memory"),),
+                       "after the prefill, the local layers' cached K/V hold more positions than their window "
+                       + ("(the static buffer's every slot)" if static else "(the whole history)"))
     if "vs transformers' uncached forward" in entry["pattern"] and (family, variant) == (
             "falcon", "alibi"):
         if "did not get past extend 3" not in entry["pattern"]:  # family-P0 and the ops' prefill
@@ -464,7 +476,8 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
         generation_config=repr(dict(port.generation)), patches=patches,
         load_module=part("load_with_standin" if port.standin else "load_plain"), what_fails=what_fails,
         program=repr(PROGRAMS[program.call]), paths=repr(program.paths), observe=repr(list(program.observe)),
-        fused=FAMILIES[family].fused, generation_function=part("generation_function"))
+        fused=FAMILIES[family].fused, generation_function=part("generation_function"),
+        layout=layout_literal(family, variant, program))
     options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
                "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
     calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
@@ -483,6 +496,19 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
                          "port; here the uncached one, as transformers' own model's"}
     readme = readme_text(entries, title, calls[program.call], program.fix)
     return Repro(slug, title, script, readme, tuple(entries))
+
+
+def layout_literal(family_name: str, variant: str, program: Program) -> str:
+    """The script's LAYOUT: each caching layer's window (None: global), its K/V heads and head dim,
+    from the family entry (mpt_kv/families/<family>.py), where the script checks a window's bytes."""
+    if not any(kind == "window-memory" for _, kind in program.observe):
+        return "LAYOUT = None  # (this script checks no window's bytes)"
+    family = FAMILIES[family_name]
+    config = family.config(variant)
+    layout = {"windows": family.layer_windows(config), "kv_heads": family.kv_heads(config),
+              "head_dim": family.head_dim(config)}
+    return ("# Each caching layer's window (None: a global layer), its K/V heads and head dim\n"
+            f"LAYOUT = {layout!r}")
 
 
 def model_source(family_name: str) -> tuple[str, str, str, str]:
