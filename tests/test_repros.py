@@ -35,7 +35,8 @@ WITH_REPROS = {
     "transformers-phi3-gqa-kv-views", "transformers-dbrx-gqa-kv-views",
     # transformers_call.py.tmpl: a prefill shows them
     # the zoo's windows, hybrids and latents (transformers_call.py.tmpl too: a prefill and decode steps)
-    *(f"transformers-{f}-{s}" for f in ("gemma2-hybrid-window4", "gemma3-hybrid-window9", "gpt-oss-hybrid-window7")
+    *(f"transformers-{f}-{s}" for f in ("gemma2-hybrid-window4", "gemma3-hybrid-window9", "gpt-oss-hybrid-window7",
+                                 "mistral-gqa")
       for s in ("window-slice-pins-evicted", "local-layers-cache-whole-history")),
     "transformers-gpt-neo-global-local4-local-layers-cache-whole-history",
     "transformers-gpt-neo-global-local4-static-local-layers-full-length",

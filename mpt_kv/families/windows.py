@@ -11,6 +11,15 @@ def hybrid_windows(config) -> list:
     return [config.sliding_window if t == "sliding_attention" else None for t in types]
 
 
+def every_layer_window(config) -> list:
+    """`sliding_window` on every layer (mistral: no `layer_types`; transformers 5.x's cache makes
+    each layer a sliding one when the config has a window, cache_utils.py's DynamicCache)."""
+    if not config.sliding_window:
+        raise ValueError(f"{config.model_type}: sliding_window {config.sliding_window!r}: every layer's window "
+                         "needs one (an int >= 2)")
+    return [config.sliding_window] * config.num_hidden_layers
+
+
 def history_before_5(config) -> list | None:
     """What transformers 4.x's cache keeps of a hybrid model's local layers: the whole history
     (4.55.4 generate makes a plain `DynamicCache()`, generation/utils.py:2087-2093, and its

@@ -65,7 +65,8 @@ TRANSFORMERS_CALLS = {
 # finding on the static path: gpt_neo's stored windows, where the static cache preallocates them)
 WINDOW_FIX = ("keep the window's positions as a tensor of their own (`.clone()` the slice, or a preallocated ring "
               "buffer written in place), so the concatenation's evicted positions are freed")
-for _family, _variant in (("gemma2", "hybrid-window4"), ("gemma3", "hybrid-window9"), ("gpt_oss", "hybrid-window7")):
+for _family, _variant in (("gemma2", "hybrid-window4"), ("gemma3", "hybrid-window9"), ("gpt_oss", "hybrid-window7"),
+                         ("mistral", "gqa")):
     TRANSFORMERS_CALLS[(_family, _variant, "is a view of a buffer that is no fused")] = (
         "window-slice-pins-evicted", "cached_tensors", "window_slice_pins_evicted",
         "model.generate(input_ids, attention_mask=attention_mask) - transformers 5.x's default DynamicCache; here "
