@@ -116,6 +116,12 @@ WITH_REPROS = {
     *(f"optimum-habana-{f}-static-decode-logits-vs-uncached{s}" for f in ("gpt-neo-global-local4", "opt-mha")
       for s in ("", "-family-ops")),
     "optimum-habana-gpt-neo-global-local4-static-decode-logits-vs-concat",
+    # decilm and chatglm (remote code, as baichuan): the k-token extend, the beam reorder (chatglm's on its
+    # multi-query groups: mpt-kv's batch of 3 indexes past them)
+    *(f"optimum-habana-{s}" for s in ("decilm-kv-heads-4-2-1-concat-extend-causal-mask-expand",
+                                      "decilm-kv-heads-4-2-1-concat-beam-reorder-no-reorder-cache",
+                                      "chatglm-mq-groups2-concat-extend-causal-mask-expand",
+                                      "chatglm-mq-groups2-concat-beam-reorder-index-out-of-bounds")),
     # the ports' local layers cache more than their window (family-memory: the window's analytic bytes)
     *(f"optimum-habana-{f}-static-prefill-local-layers-beyond-window" for f in ("gemma2-hybrid-window4",
                                                                              "gemma3-hybrid-window9")),

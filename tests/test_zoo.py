@@ -6,6 +6,8 @@ patched; the tiny configs reach each design's edges (a window shorter than the p
 during decode, crossed by the k-token call; a latent smaller than the head dim; 2 of 4 experts).
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ needs_5x = pytest.mark.skipif(not hasattr(cache_utils, "DynamicSlidingWindowLaye
                               or int(transformers.__version__.split(".")[0]) < 5,
                               reason="transformers 5.x's sliding-window and latent caches")
 ZOO = ("gemma", "gemma2", "gemma3", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-       "cohere", "gpt_neo", "gpt_oss", "opt", "xglm")
+       "cohere", "gpt_neo", "gpt_oss", "opt", "xglm", "baichuan", "decilm", "chatglm", "minicpm")
 
 
 @pytest.fixture(autouse=True)
@@ -58,10 +60,67 @@ def test_analytic_bytes_of_a_hybrid_cache_count_each_layer_its_own_tokens():
 def test_analytic_bytes_of_a_latent_cache_are_the_latent_not_k_and_v():
     family, c = config("deepseek_v2")
     assert c.kv_lora_rank < c.qk_nope_head_dim + c.qk_rope_head_dim  # the latent is smaller than a head
-    assert family.layer_width(c) == c.kv_lora_rank + c.qk_rope_head_dim == 8
+    assert family.layer_widths(c) == [c.kv_lora_rank + c.qk_rope_head_dim] * 2 == [8, 8]
     assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * 8 * 2 * 6 * 4
     assert family.kv_bytes_per_token(c, torch.bfloat16) == 2 * 8 * 2
     assert "a latent of 8 per token" in family.describe_cache(c)
+
+
+# Every family's analytic bytes before the per-layer widths (main 934b009's code, both envs): fp32 bytes per
+# token, a concat cache of 2 x 6 tokens, a static one of 2 x 16 slots (windows counted: mistral's 7)
+BYTES_BEFORE_PER_LAYER_WIDTHS = {
+    "mpt/alibi": (512, 6144, 16384), "falcon/alibi": (512, 6144, 16384), "falcon/rotary-mqa": (128, 1536, 4096),
+    "falcon/new-arch-gqa": (256, 3072, 8192), "gpt_bigcode/mqa": (128, 1536, 4096),
+    "gpt_bigcode/mha": (512, 6144, 16384), "bloom/alibi": (512, 6144, 16384), "gpt2/mha": (512, 6144, 16384),
+    "gpt_neox/mha": (512, 6144, 16384), "codegen/mha": (512, 6144, 16384), "persimmon/mha": (512, 6144, 16384),
+    "phi/gqa": (256, 3072, 8192), "phi/mha": (512, 6144, 16384), "phi3/gqa": (256, 3072, 8192),
+    "llama/mha": (512, 6144, 16384), "llama/gqa": (256, 3072, 8192), "llama/mqa": (128, 1536, 4096),
+    "llama/fused-qkv": (256, 3072, 8192), "qwen2/gqa": (256, 3072, 8192), "mistral/gqa": (256, 3072, 3584),
+    "starcoder2/gqa": (256, 3072, 8192), "gptj/mha": (512, 6144, 16384), "stablelm/gqa": (256, 3072, 8192),
+    "dbrx/gqa": (256, 3072, 8192), "gemma/gqa": (256, 3072, 8192), "gemma2/hybrid-window4": (256, 2304, 5120),
+    "gemma3/hybrid-window9": (256, 3072, 6400), "qwen3/gqa": (256, 3072, 8192),
+    "qwen3_moe/moe-2of4": (256, 3072, 8192), "qwen2_moe/moe-2of4": (256, 3072, 8192),
+    "mixtral/moe-2of4": (256, 3072, 8192), "deepseek_v2/mla": (64, 768, 2048), "deepseek_v3/mla": (64, 768, 2048),
+    "cohere/gqa-qk-norm": (256, 3072, 8192), "gpt_neo/global-local4": (512, 4608, 10240),
+    "gpt_oss/hybrid-window7": (256, 3072, 5888), "opt/mha": (512, 6144, 16384), "xglm/mha": (512, 6144, 16384),
+    "baichuan/alibi": (512, 6144, 16384)}
+
+
+@pytest.mark.parametrize("case", [pytest.param(k, marks=[pytest.mark.optimum_habana] if k.startswith("baichuan") else [])
+                                  for k in BYTES_BEFORE_PER_LAYER_WIDTHS])
+def test_per_layer_widths_leave_every_earlier_familys_bytes_unchanged(case):
+    name, variant = case.split("/")
+    family = FAMILIES[name]
+    c = family.config(variant)
+    got = (family.kv_bytes_per_token(c, torch.float32), family.cache_bytes(c, torch.float32, 2, 6),
+           family.cache_bytes(c, torch.float32, 2, 6, static_len=16))
+    assert got == BYTES_BEFORE_PER_LAYER_WIDTHS[case]
+
+
+def test_stored_kv_heads_stay_the_stored_bytes():
+    family = FAMILIES["falcon"]  # the new architecture caches K/V broadcast to its 4 query heads
+    c = family.config("new-arch-gqa")
+    assert family.layer_widths(c) == [32, 32] and family.layer_widths(c, stored=True) == [64, 64]
+    assert family.stored_kv_bytes_per_token(c, torch.bfloat16) == 256
+    assert family.cache_bytes(c, torch.float32, 3, 11, stored=True) == 16896
+
+
+@pytest.mark.optimum_habana
+def test_per_layer_kv_heads_make_per_layer_widths():
+    family, c = config("decilm")  # layers of 4, 2 and 1 K/V heads (MHA, GQA, MQA), head dim 8
+    assert family.layer_kv_heads(c) == [4, 2, 1] and family.layer_widths(c) == [64, 32, 16]
+    assert family.kv_bytes_per_token(c, torch.float32) == (64 + 32 + 16) * 4
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * 6 * (64 + 32 + 16) * 4
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6, static_len=16) == 2 * 16 * (64 + 32 + 16) * 4
+    assert family.describe_cache(c) == "3 layers x [4, 2, 1] K/V heads x head dim 8"
+
+
+def test_a_per_layer_heads_entry_that_does_not_fit_the_layers_is_an_error():
+    import dataclasses
+
+    family, c = config("llama")
+    with pytest.raises(ValueError, match=r"family entry llama: kv_heads\(config\) gives 3 layers, layers\(config\) 2"):
+        dataclasses.replace(family, kv_heads=lambda c: [4, 2, 1]).cache_bytes(c, torch.float32, 2, 6)
 
 
 def test_declared_excess_windows_are_the_stored_bytes_not_the_analytic_ones():
@@ -114,6 +173,8 @@ def test_the_zoo_is_registered():
     assert set(ZOO) <= set(FAMILIES)
     assert {FAMILIES[n].design for n in ("gemma2", "gemma3", "gpt_oss", "deepseek_v2")} == {
         "hybrid+softcap", "hybrid+qk-norm", "hybrid+sinks+moe", "latent+moe"}
+    # the remote-code families: the port's own copy of the Hub files is the model
+    assert [n for n in ZOO if FAMILIES[n].remote_code] == ["baichuan", "decilm", "chatglm", "minicpm"]
 
 
 # --- must-pass designs and must-kill variants ------------------------------------------------------------------
@@ -291,3 +352,151 @@ def test_a_remote_code_family_is_checked_against_its_ports_uncached_forward():
     with pytest.raises(PropertyFailure, match=r"extend raised RuntimeError: .*\(judged before it and held: prefill, "
                                               r"decode step 1, decode step 2\)"):
         check_cached("optimum-habana", "baichuan", "alibi", "concat")
+
+
+def widest_heads_forward(original):
+    """DeciLMAttention.forward whose cache stores every layer at the model's query heads (each
+    layer's own K/V heads, then zero heads up to num_heads): the values right (the zeros are cut off
+    before the next step), every narrower layer's bytes too many."""
+    def forward(self, *args, past_key_value=None, **kwargs):
+        if past_key_value is not None:
+            past_key_value = tuple(t[:, :self.num_key_value_heads] for t in past_key_value)
+        out, weights, present = original(self, *args, past_key_value=past_key_value, **kwargs)
+        pad = (0, 0, 0, 0, 0, self.num_heads - self.num_key_value_heads)
+        return out, weights, None if present is None else tuple(torch.nn.functional.pad(t, pad) for t in present)
+    return forward
+
+
+@pytest.mark.optimum_habana
+def test_per_layer_heads_memory_passes_the_port_and_kills_every_layer_at_the_widest_heads(monkeypatch):
+    """decilm (layers of 4, 2, 1 K/V heads): family-memory holds the port's own cache to each layer's
+    width; a cache with every layer at 4 heads fails, and so does an entry that says 4 everywhere."""
+    import dataclasses
+    import sys
+
+    from mpt_kv.families.ports import load_port_module
+
+    for path in ("concat", "static"):  # must-pass: the port caches each layer's own heads
+        check_memory("optimum-habana", "decilm", "kv-heads-4-2-1", path)
+    check_no_pinned_storage("optimum-habana", "decilm", "kv-heads-4-2-1", "concat")
+    load_port_module(FAMILIES["decilm"])
+    attention = sys.modules["optimum.habana.transformers.models.decilm.modeling_decilm"].DeciLMAttention
+    monkeypatch.setattr(attention, "forward", widest_heads_forward(attention.forward))
+    checks.clear_caches()
+    # must-kill: 2 x 6 tokens x (64 + 64 + 64 - 64 - 32 - 16) fp32 elements too many
+    with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .*: \+3840 bytes; the cached tensors "
+                                              r"themselves hold 9216 bytes, \+3840 vs the analytic K/V 5376 \(3 layers x "
+                                              r"\[4, 2, 1\] K/V heads x head dim 8 x 2 x 6 tokens\)"):
+        check_memory("optimum-habana", "decilm", "kv-heads-4-2-1", "concat")
+    monkeypatch.undo()
+    checks.clear_caches()
+    uniform = dataclasses.replace(FAMILIES["decilm"], kv_heads=lambda c: c.num_attention_heads)
+    with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .*: -3840 bytes"):
+        check_memory("optimum-habana", uniform, "kv-heads-4-2-1", "concat")
+
+
+@pytest.mark.optimum_habana
+def test_chatglm_port_caches_its_groups_batch_first_and_its_reuse_cache_in_bf16():
+    """chatglm (4 query heads in 2 multi-query groups, head dim kv_channels 8): the port caches K and V
+    as (batch, groups, seq, head dim), copies out of query_key_value's (seq, batch, ...) output
+    (modeling_chatglm.py:603-605), not the Hub's (seq, batch, groups, head dim): the layout the checks
+    read. family-memory holds it to the groups' bytes; family-P2 compares its K/V at the written
+    positions (the reuse_cache buffer's bf16 rounding is seen there, a known failure)."""
+    import dataclasses
+
+    from mpt_kv.families.implementations import IMPLEMENTATIONS
+
+    family = FAMILIES["chatglm"]
+    session = IMPLEMENTATIONS["optimum-habana"](family, "mq-groups2").session("concat", 16)
+    ids, mask = checks.prompt(family.config("mq-groups2"))
+    with torch.inference_mode():
+        session.prefill(ids, mask)
+    assert [tuple(t.shape) for layer in session.kv() for t in layer] == [(2, 2, 6, 8)] * 4
+    for path in ("concat", "static"):  # must-pass: each layer K and V of its 2 groups, nothing pinned
+        check_memory("optimum-habana", "chatglm", "mq-groups2", path)
+        check_no_pinned_storage("optimum-habana", "chatglm", "mq-groups2", path)
+    every_head = dataclasses.replace(family, kv_heads=lambda c: c.num_attention_heads)  # an entry blind to the groups
+    with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .*-3072 bytes; .*\(2 layers x 4 K/V heads "
+                                              r"x head dim 8 x 2 x 6 tokens\)"):
+        check_memory("optimum-habana", every_head, "mq-groups2", "concat")
+    with pytest.raises(PropertyFailure, match=r"family-P2 prefill: static-path cached key of layer 0 at the written "
+                                              r"token positions vs the concat path's differ .* shape \(2, 2, 6, 8\)"):
+        check_static_concat("optimum-habana", "chatglm", "mq-groups2", "static+reuse")
+
+
+@pytest.mark.optimum_habana
+def test_minicpm_is_a_latent_whose_port_caches_expanded_kv_and_needs_an_hpu():
+    """minicpm (MiniCPM3): the analytic bytes are the latent's (kv_lora_rank 4 + rope 4 < head dim 12);
+    the port's remote code caches the expanded K (4 heads x 12) and V (4 heads x 8): `stored_width`, a
+    known excess. Its module imports an HPU kernel at module level, so its rows are unsupported off an
+    HPU with that reason, while its config (its own module) still builds for the matrix."""
+    from mpt_kv.errors import TargetUnavailable
+    from mpt_kv.families.implementations import IMPLEMENTATIONS
+
+    family, c = config("minicpm")
+    assert c.kv_lora_rank < c.qk_nope_head_dim + c.qk_rope_head_dim
+    assert family.layer_widths(c) == [8, 8] and family.layer_widths(c, stored=True) == [4 * 12 + 4 * 8] * 2
+    assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * 8 * 2 * 6 * 4
+    assert family.describe_cache(c) == "2 layers x a latent of 8 per token"
+    with pytest.raises(TargetUnavailable, match=r"port of minicpm \(MiniCPM3ForCausalLM\) cannot run off an HPU: its "
+                                                r"module imports FusedSDPA .*modeling_minicpm\.py:31 and :903\)"):
+        IMPLEMENTATIONS["optimum-habana"](family, "mla")
+
+
+def cache_fused_views(model, monkeypatch):
+    """The seed bug put into chatglm's port: on the concat prefill, each layer caches K and V as strided
+    views of query_key_value's (seq, batch, q + 2 x groups x head dim) output, the rotated values
+    written back into it first (the values stay right; the query part is pinned beside them)."""
+    module = sys.modules[type(model).__module__]
+    for block in model.transformer.encoder.layers:
+        attn = block.self_attention
+        q_width = attn.num_attention_heads_per_partition * attn.hidden_size_per_attention_head
+        kv_width = attn.num_multi_query_groups_per_partition * attn.hidden_size_per_attention_head
+        attn.query_key_value.register_forward_hook(lambda m, args, out, attn=attn: setattr(attn, "fused_out", out))
+        attn.k_cache.in_fused, attn.v_cache.in_fused = (attn, q_width), (attn, q_width + kv_width)
+    original = module.KVCache.update
+
+    def update(self, prev, cur, dim, idx, inp_seq_len):
+        out = original(self, prev, cur, dim, idx, inp_seq_len)
+        if out is not cur or idx is not None or not hasattr(self, "in_fused"):
+            return out
+        attn, offset = self.in_fused
+        fused = attn.fused_out  # (seq, batch, width)
+        width, head_dim = fused.shape[-1], cur.shape[-1]
+        view = fused.as_strided(cur.shape, (width, head_dim, fused.shape[1] * width, 1), fused.storage_offset() + offset)
+        view.copy_(cur)
+        return view
+
+    monkeypatch.setattr(module.KVCache, "update", update)
+
+
+@pytest.mark.optimum_habana
+def test_chatglm_p3_kills_k_and_v_cached_as_views_of_query_key_value(monkeypatch):
+    """The seed bug class on chatglm's fused query_key_value: the real port copies K and V out of it
+    (P3 passes, above); K and V cached as views of it pin the query part, named with the module."""
+    checks.clear_caches()
+    runner = checks.runner_for("optimum-habana", FAMILIES["chatglm"], "mq-groups2", torch.float32, {})
+    cache_fused_views(runner.model, monkeypatch)
+    # the values are right: P1 holds through the prefill and both decodes (then the known extend crash)
+    with pytest.raises(PropertyFailure, match=r"extend raised RuntimeError: .*\(judged before it and held: prefill, "
+                                              r"decode step 1, decode step 2\)"):
+        check_cached("optimum-habana", "chatglm", "mq-groups2", "concat")
+    # 6 x 2 x 64 fp32 elements of output, 2 x (2 x 2 x 6 x 8) of them the cached K and V
+    with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after prefill: layer 0 key \(2, 2, 6, 8\) "
+                                              r"and layer 0 value \(2, 2, 6, 8\) are views of transformer\.encoder\."
+                                              r"layers\.0\.self_attention\.query_key_value's output \(6, 2, 64\): its "
+                                              r"storage holds 3072 bytes, the cached tensors in it 1536"):
+        check_no_pinned_storage("optimum-habana", "chatglm", "mq-groups2", "concat")
+
+
+@pytest.mark.optimum_habana
+def test_a_remote_config_the_installed_release_does_not_ship_is_unavailable_naming_its_file():
+    import dataclasses
+
+    from mpt_kv.errors import TargetUnavailable
+
+    missing = dataclasses.replace(FAMILIES["decilm"], name="nosuch",
+                                  remote_config="optimum.habana.transformers.models.nosuch.configuration_nosuch:X")
+    with pytest.raises(TargetUnavailable, match=r"optimum-habana 1\.21\.2 has no port of nosuch: .*models/nosuch/"
+                                                r"configuration_nosuch\.py does not exist"):
+        missing.config("kv-heads-4-2-1")

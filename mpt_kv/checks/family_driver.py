@@ -30,7 +30,7 @@ from mpt_kv.checks.programs import History, Op
 from mpt_kv.checks.results import snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import InputError
-from mpt_kv.families.base import Family
+from mpt_kv.families.base import Family, per_layer
 from mpt_kv.families.implementations import IMPLEMENTATIONS
 from mpt_kv.families.models import _built, build, config_key, family_of, named_kv
 from mpt_kv.model.config import as_dtype
@@ -388,11 +388,13 @@ def storage_report(c: FamilyContext, kv, fused: dict[str, torch.Tensor], tokens:
         declared = ""
         if own == stored != analytic and c.family.stored_kv_heads is not None:
             declared = (" (the family entry's stored_kv_heads: the heads transformers caches, "
-                        f"{c.family.stored_kv_heads(c.config)} per layer, vs {c.family.kv_heads(c.config)} K/V heads)")
+                        f"{per_layer(c.family.layer_kv_heads(c.config, stored=True))} per layer, vs "
+                        f"{per_layer(c.family.layer_kv_heads(c.config))} K/V heads)")
         elif own == stored != analytic and c.family.stored_width is not None:
-            declared = (" (the family entry's stored_width: transformers caches "
-                        f"{c.family.layer_width(c.config, stored=True)} elements per token per layer, vs the "
-                        f"architecture's {c.family.layer_width(c.config)})")
+            who = "its remote code" if c.family.remote_code else "transformers"
+            declared = (f" (the family entry's stored_width: {who} caches "
+                        f"{per_layer(c.family.layer_widths(c.config, stored=True))} elements per token per layer, vs the "
+                        f"architecture's {per_layer(c.family.layer_widths(c.config))})")
         elif own == stored != analytic and c.family.stored_windows is not None:
             declared = (" (the family entry's stored_windows: the windows transformers' cache keeps, "
                         f"{c.family.layer_windows(c.config, stored=True)} per layer, vs the architecture's "

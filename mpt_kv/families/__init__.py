@@ -7,8 +7,9 @@ family is one small module and one line below (docs/families.md).
 
 from __future__ import annotations
 
-from mpt_kv.families import (baichuan, bloom, codegen, cohere, dbrx, deepseek_v2, deepseek_v3, falcon, gemma, gemma2, gemma3,
-                             gpt2, gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, llama, mistral, mixtral, mpt, opt,
+from mpt_kv.families import (baichuan, bloom, chatglm, codegen, cohere, dbrx, decilm, deepseek_v2, deepseek_v3, falcon, gemma, gemma2,
+                             gemma3,
+                             gpt2, gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, llama, minicpm, mistral, mixtral, mpt, opt,
                              persimmon, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stablelm, starcoder2, xglm)
 from mpt_kv.errors import Registry
 from mpt_kv.families.base import TINY, Family
@@ -49,6 +50,9 @@ FAMILIES: dict[str, Family] = Registry("family", {f.name: f for f in (
     xglm.FAMILY,
     # remote code: optimum-habana's own copy is the model and the oracle
     baichuan.FAMILY,
+    decilm.FAMILY,
+    chatglm.FAMILY,
+    minicpm.FAMILY,
 )})
 
 

@@ -43,6 +43,11 @@ def self_attn_kv_caches(model) -> list[tuple]:
     return [(layer.self_attn.k_cache.cache, layer.self_attn.v_cache.cache) for layer in model.model.layers]
 
 
+def per_layer(values: list) -> str:
+    """A per-layer quantity in a message: the one value every layer has, or the list."""
+    return str(values[0]) if len(set(values)) == 1 else str(values)
+
+
 @dataclass(frozen=True)
 class GaudiPort:
     """optimum-habana's Gaudi port of a family, as `mpt_kv.families.gaudi` loads and drives it
@@ -107,7 +112,8 @@ class Family:
     name: the registry key; model_type: transformers' model_type (`AutoConfig.for_model`);
     variants: variant name -> config kwargs over TINY (MQA/GQA variants where the architecture has
     them); fused: the attribute name of its fused q/k/v (or k/v) projection module, None where
-    q, k and v are separate; kv_heads(config): cached key/value heads per layer (MQA/GQA aware);
+    q, k and v are separate; kv_heads(config): cached key/value heads per layer (MQA/GQA aware), one
+    int for every layer or a list with each layer's (decilm: a different number per layer);
     head_dim(config): their head dim; layers(config): layers that cache; stored_kv_heads(config):
     the K/V heads transformers' implementation actually caches where that is more than kv_heads
     (a known excess over the analytic size, kept as data with its upstream line), else None;
@@ -129,8 +135,9 @@ class Family:
     only where transformers' cache keeps more of a local layer than its window (gpt_neo's local
     layers cache the whole history: a known excess, kept as data like stored_kv_heads); a function
     may return None where the installed transformers keeps the windows; stored_width(config):
-    likewise the elements per token per layer transformers caches where it is not `layer_width`
-    (transformers 4.x's DeepSeek caches the expanded K and V, not the latent), or None; port_note:
+    likewise the elements per token per layer transformers caches where it is not `layer_widths`'
+    (transformers 4.x's DeepSeek caches the expanded K and V, not the latent; a remote-code family: what its
+    remote code caches, MiniCPM3's expanded K and V), or None; port_note:
     where `gaudi` is None although optimum-habana ships a port, why mpt-kv does not drive it yet
     (the matrix's reason)."""
 
@@ -159,13 +166,10 @@ class Family:
         if variant not in self.variants:
             raise ValueError(f"family {self.name} has no variant {variant!r}: variants {sorted(self.variants)}")
         if self.remote_config is not None:  # the port's own config class (optimum-habana's copy of the Hub files)
-            import importlib
+            from mpt_kv.families.ports import load_config_module
 
-            from mpt_kv.families.ports import load_port_module
-
-            load_port_module(self)  # imports the config module beside it (under the stand-in where needed)
-            module, name = self.remote_config.split(":")
-            return getattr(importlib.import_module(module), name)(**{**self.tiny, **self.variants[variant]})
+            name = self.remote_config.split(":")[1]
+            return getattr(load_config_module(self), name)(**{**self.tiny, **self.variants[variant]})
         from transformers import AutoConfig
 
         return AutoConfig.for_model(self.model_type, **{**self.tiny, **self.variants[variant]})
@@ -199,26 +203,46 @@ class Family:
                 out.append(written if w is None else min(written, w - 1))
         return out
 
-    def layer_width(self, config, stored: bool = False) -> int:
-        """Elements per token one caching layer stores: K and V of its heads (2 x K/V heads x head
-        dim), or its latent's width (multi-head latent attention)."""
-        if stored and self.stored_width is not None and self.stored_width(config) is not None:
-            return self.stored_width(config)
+    def layer_kv_heads(self, config, stored: bool = False) -> list[int]:
+        """Each caching layer's K/V heads, checked ints >= 1: `kv_heads(config)` (stored: the entry's
+        `stored_kv_heads` where it declares them) is one int for every layer, or a list with one per
+        layer (decilm's num_key_value_heads_per_layer)."""
+        fn, name = ((self.stored_kv_heads, "stored_kv_heads") if stored and self.stored_kv_heads is not None
+                    else (self.kv_heads, "kv_heads"))
+        layers = check_size(f"family entry {self.name}: layers(config)", self.layers(config))
+        heads = fn(config)
+        heads = list(heads) if isinstance(heads, (list, tuple)) else [heads] * layers
+        if len(heads) != layers:
+            raise ValueError(f"family entry {self.name}: {name}(config) gives {len(heads)} layers, layers(config) "
+                             f"{layers}")
+        return [check_size(f"family entry {self.name}: {name}(config)", h) for h in heads]
+
+    def layer_widths(self, config, stored: bool = False) -> list[int]:
+        """Elements per token each caching layer stores, one rule for every family: its latent's
+        width where it caches a latent (`latent_width`: multi-head latent attention), else K and V
+        of its own K/V heads (2 x `layer_kv_heads` x head dim: MHA, MQA, GQA, and per-layer heads
+        as decilm's); stored: the width transformers caches where the entry declares more
+        (`stored_width`, or `stored_kv_heads` in the K/V rule)."""
+        layers = check_size(f"family entry {self.name}: layers(config)", self.layers(config))
+        declared = self.stored_width(config) if stored and self.stored_width is not None else None
+        if declared is not None:
+            return [check_size(f"family entry {self.name}: stored_width(config)", declared)] * layers
         if self.latent_width is not None:
-            width = self.latent_width(config)
-            check_size(f"family entry {self.name}: latent_width(config)", width)
-            return width
-        return 2 * self.cache_dims(config, stored=stored and self.stored_kv_heads is not None) // self.layers(config)
+            return [check_size(f"family entry {self.name}: latent_width(config)", self.latent_width(config))] * layers
+        head_dim = check_size(f"family entry {self.name}: head_dim(config)", self.head_dim(config))
+        return [2 * heads * head_dim for heads in self.layer_kv_heads(config, stored)]
 
     def cache_bytes(self, config, dtype: torch.dtype, batch: int, written: int, static_len: int | None = None,
                     stored: bool = False) -> int:
         """The analytic bytes of a cache for `batch` rows after `written` tokens (static: of a
         cache of `static_len` slots): per layer its tokens (`layer_tokens`: a window's or the whole
-        history) x its width (`layer_width`: K/V heads x head dim x 2, or a latent's); stored: what
-        transformers' cache holds where the entry declares more (stored_kv_heads, stored_windows)."""
+        history) x its width (`layer_widths`: its K/V heads x head dim x 2, or a latent's); stored:
+        what transformers' cache holds where the entry declares more (stored_kv_heads,
+        stored_windows, stored_width)."""
         size = torch.empty((), dtype=dtype).element_size()
-        width = self.layer_width(config, stored)
-        return sum(width * tokens for tokens in self.layer_tokens(config, written, static_len, stored)) * batch * size
+        widths = self.layer_widths(config, stored)
+        tokens = self.layer_tokens(config, written, static_len, stored)
+        return sum(width * n for width, n in zip(widths, tokens, strict=True)) * batch * size
 
     @property
     def declares_stored(self) -> bool:
@@ -229,7 +253,7 @@ class Family:
         if self.latent_width is not None:
             what = f"{self.layers(config)} layers x a latent of {self.latent_width(config)} per token"
         else:
-            what = (f"{self.layers(config)} layers x {self.kv_heads(config)} K/V heads x head dim "
+            what = (f"{self.layers(config)} layers x {per_layer(self.layer_kv_heads(config))} K/V heads x head dim "
                     f"{self.head_dim(config)}")
         windows = self.layer_windows(config)
         if any(w is not None for w in windows):
@@ -240,7 +264,7 @@ class Family:
         """Analytic cached bytes per token per sequence: K and V (or the latent) of every layer,
         windows aside (`cache_bytes` counts them)."""
         size = torch.empty((), dtype=dtype).element_size()
-        return self.layers(config) * self.layer_width(config) * size
+        return sum(self.layer_widths(config)) * size
 
     def stored_kv_bytes_per_token(self, config, dtype: torch.dtype) -> int:
         """The bytes per token per sequence transformers' cache holds (the analytic size unless
@@ -248,18 +272,7 @@ class Family:
         if self.stored_kv_heads is None:
             return self.kv_bytes_per_token(config, dtype)
         size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.cache_dims(config, stored=True) * size
-
-    def cache_dims(self, config, stored: bool = False) -> int:
-        """layers x K/V heads x head dim of `config`, each checked an int >= 1: an entry that
-        gives 0 heads is the entry's error, not an implementation's memory failure."""
-        product = 1
-        heads = ("stored_kv_heads", self.stored_kv_heads) if stored else ("kv_heads", self.kv_heads)
-        for name, fn in (("layers", self.layers), heads, ("head_dim", self.head_dim)):
-            value = fn(config)
-            check_size(f"family entry {self.name}: {name}(config)", value)
-            product *= value
-        return product
+        return sum(self.layer_widths(config, stored=True)) * size
 
     def fused_modules(self, model) -> list[tuple[str, torch.nn.Module]]:
         """(qualified name, module) of every fused projection in the model, in order."""

@@ -51,3 +51,25 @@ def load_port_module(family):
         except Exception as e:
             raise PortError(f"{gaudi_target.release()} is installed but {port.module} fails to import on CPU ({how}, "
                             f"mpt_kv/families/gaudi.py): {type(e).__name__}: {e}") from e
+
+
+def load_config_module(family):
+    """The module of a remote-code family's config class (`Family.remote_config`, "<module>:<class>"):
+    optimum-habana's copy of the Hub's configuration file, which imports transformers alone. It is
+    imported by itself (its parent packages bare, as the port's), not through the port's modeling
+    module: a port that cannot import off an HPU (MiniCPM3's: an HPU kernel imported at module level,
+    `GaudiPort.needs_hpu`) still has its config, so its rows say why they do not run."""
+    name = family.remote_config.split(":")[0]
+    if name in sys.modules:
+        return sys.modules[name]
+    root = gaudi_target.optimum_habana_root()  # TargetUnavailable "optimum-habana is not installed"
+    path = gaudi_target.module_file(root, name)
+    if not path.is_file():
+        raise TargetUnavailable(f"{gaudi_target.release()} has no port of {family.name}: {path} does not exist")
+    if importlib.util.find_spec("habana_frameworks") is None:
+        gaudi_target.register_bare_parents(root, name)
+    try:
+        return importlib.import_module(name)
+    except Exception as e:
+        raise PortError(f"{gaudi_target.release()} is installed but {name} (the config of {family.name}) fails to "
+                        f"import: {type(e).__name__}: {e}") from e

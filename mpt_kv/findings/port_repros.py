@@ -236,6 +236,7 @@ class Program:
     fix: str
     observe: tuple = ()   # ((call, "views" | "memory" | "logits"), ...)
     seen: str = ""        # what the observation sees, for the title
+    pads: tuple = (2, 0)  # each prompt's left padding (the batch: its length)
 
 
 def expected_errors(pattern: str) -> str:
@@ -287,7 +288,10 @@ def crash_program(entries: list[dict]) -> Program | None:
     prefix = re.match(r"(family-\w+) ", pattern)  # a second finding of the same error, seen by one check
     short = "-".join(filter(None, [slugify("-then-".join(paths)), "beam-reorder" if call == "reorder" else slugify(call), error,
                                    slugify(prefix.group(1)) if prefix else None]))
-    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix)
+    # family-ops' beam program: batch 3 (mpt-kv's OPS_PADS), whose first reorder [2, 0, 1] reaches
+    # past a dimension of 2 (ChatGLM's 2 multi-query groups, where its _reorder_cache selects)
+    beam = call in ("reorder", "beam-decode") and all(e.get("property") == "family-ops" for e in entries)
+    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix, pads=(2, 0, 1) if beam else (2, 0))
 
 
 # optimum-habana findings seen in what a call leaves, not in an error (port_program.py.tmpl's
@@ -477,7 +481,8 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
         load_module=part("load_with_standin" if port.standin else "load_plain"), what_fails=what_fails,
         program=repr(PROGRAMS[program.call]), paths=repr(program.paths), observe=repr(list(program.observe)),
         fused=FAMILIES[family].fused, generation_function=part("generation_function"),
-        layout=layout_literal(family, variant, program))
+        layout=layout_literal(family, variant, program), vocab_key=repr(vocab_key(family, variant)),
+        pads=repr(program.pads), fresh_transformers=FRESH_TRANSFORMERS if FAMILIES[family].remote_code else "")
     options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
                "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
     calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
@@ -496,6 +501,23 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
                          "port; here the uncached one, as transformers' own model's"}
     readme = readme_text(entries, title, calls[program.call], program.fix)
     return Repro(slug, title, script, readme, tuple(entries))
+
+
+# A remote-code port imports transformers' classes itself (DeciLM's subclass Llama's): in an interpreter
+# that ran other optimum-habana scripts, whose replayed patches replaced those classes in place, the
+# modules are read again first and the port imported anew
+FRESH_TRANSFORMERS = (
+    "    # transformers' model modules read again: another optimum-habana script run in this interpreter may\n"
+    "    # have patched their classes (adapt_transformers_to_gaudi), which this remote-code port imports\n"
+    "    for name in [n for n in sys.modules if n.startswith(\"transformers.models.\") and \".modeling_\" in n]:\n"
+    "        importlib.reload(sys.modules[name])\n"
+    "    sys.modules.pop(PORT_MODULE, None)\n")
+
+
+def vocab_key(family_name: str, variant: str) -> str:
+    """The tiny config's key of the vocabulary size (ChatGLM's remote config names it padded_vocab_size)."""
+    config = tiny_config(family_name, variant)
+    return next(key for key in ("vocab_size", "padded_vocab_size") if key in config)
 
 
 def layout_literal(family_name: str, variant: str, program: Program) -> str:
