@@ -121,7 +121,8 @@ WITH_REPROS = {
     *(f"optimum-habana-{s}" for s in ("decilm-kv-heads-4-2-1-concat-extend-causal-mask-expand",
                                       "decilm-kv-heads-4-2-1-concat-beam-reorder-no-reorder-cache",
                                       "chatglm-mq-groups2-concat-extend-causal-mask-expand",
-                                      "chatglm-mq-groups2-concat-beam-reorder-index-out-of-bounds")),
+                                      "chatglm-mq-groups2-concat-beam-reorder-index-out-of-bounds",
+                                      "chatglm-mq-groups2-static-reuse-decode-dtype-mismatch")),
     # the ports' local layers cache more than their window (family-memory: the window's analytic bytes)
     *(f"optimum-habana-{f}-static-prefill-local-layers-beyond-window" for f in ("gemma2-hybrid-window4",
                                                                              "gemma3-hybrid-window9")),

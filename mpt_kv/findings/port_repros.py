@@ -167,7 +167,9 @@ PROGRAM_ERRORS = [
      "mask with past_key_values_length zero columns (not past_key_values_length - tgt_len), as transformers' "
      "AttentionMaskConverter does"),
     ("The size of tensor a", "size-mismatch", None),
-    # before index_copy_'s chunk error: the same function's other message
+    # before index_copy_'s chunk error: the same function's other messages
+    ("expected to have the same dtype", "dtype-mismatch",
+     "allocate the reuse_cache K/V in the model's dtype (KVCache.allocate, the upstream line), not bfloat16 always"),
     ("Source/destination tensor must have same slice shapes", "index-copy-slice-shapes", BEAM_AXIS_FIX),
     ("index_copy_", "index-copy",
      "write the chunk's k slots (index_copy_ with token_idx - 1 + arange(k)) instead of one slot per call"),
@@ -220,6 +222,7 @@ ALTERNATION_FIX = ("see the upstream lines: the concat path's causal mask (model
 UNNAMED_CALLS = {
     ("gemma2", "hybrid-window4", "The size of tensor a"): "decode",
     ("gemma3", "hybrid-window9", "The size of tensor a"): "decode",
+    ("chatglm", "mq-groups2", "expected to have the same dtype"): "decode",
 }
 
 
