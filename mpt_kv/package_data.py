@@ -56,11 +56,12 @@ PACKAGE = {
 # --- in a clone only (the developer commands that keep the docs' generated blocks) ---------------
 CHECKS_DOC = CHECKOUT_ROOT / "README.md"  # the table of checks (python -m mpt_kv checks)
 REACH_DOC = CHECKOUT_ROOT / "docs" / "reach.md"  # the reach table (python -m mpt_kv reach)
+FAMILIES_DOC = CHECKOUT_ROOT / "docs" / "families.md"  # the family checks' edges reached (python -m mpt_kv reach)
 FINDINGS_DOC = CHECKOUT_ROOT / "docs" / "findings.md"  # the findings table (python -m mpt_kv findings)
 KILLMATRIX_DOC = CHECKOUT_ROOT / "docs" / "catalogues.md"  # the kill matrix (python -m mpt_kv killmatrix)
 # the test tools' pins each release's env of `python -m mpt_kv sweep` installs (it runs from a clone)
 TEST_TOOLS_LOCK = CHECKOUT_ROOT / "constraints" / "hpu.txt"
-CHECKOUT = (CHECKS_DOC, REACH_DOC, FINDINGS_DOC, KILLMATRIX_DOC, TEST_TOOLS_LOCK)
+CHECKOUT = (CHECKS_DOC, REACH_DOC, FAMILIES_DOC, FINDINGS_DOC, KILLMATRIX_DOC, TEST_TOOLS_LOCK)
 
 
 def files() -> list[Path]:

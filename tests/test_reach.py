@@ -155,12 +155,14 @@ def test_the_docs_reach_table_is_the_default_runs_draws():
     """docs/reach.md's block is what `python -m mpt_kv reach --draw ci` prints: a stale table fails here
     (regenerate: python -m mpt_kv reach --update-docs). In a fresh process, as the command runs: the
     ops programs' draws in a process that ran other tests first can differ (measured: ops-P3's
-    padding and prompt lengths after tests/test_bad_inputs.py)."""
+    padding and prompt lengths after tests/test_bad_inputs.py). docs/families.md's block: below."""
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "mpt_kv", "reach", "--check"], capture_output=True, text=True,
-                         timeout=300)
+    from mpt_kv import package_data
+
+    run = subprocess.run([sys.executable, "-m", "mpt_kv", "reach", "--check", "--doc", str(package_data.REACH_DOC)],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
 
 
@@ -190,3 +192,187 @@ def test_reach_cli_bad_arguments_exit_2_with_one_line(argv, message, capsys):
         reach_cli.main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+# --- the family checks' reach: the design edges their programs reached, measured --------------------------------
+
+# the edges docs/families.md claims, the check whose program is claimed to reach each, the families
+CLAIMED = {
+    (reach.WINDOW_PROMPT, "family-P1/concat"): {"gemma2", "gpt_neo"},
+    (reach.WINDOW_DECODE, "family-P1/concat"): {"gpt_oss", "mistral"},
+    (reach.WINDOW_EXTEND, "family-P1/concat"): {"gemma3"},
+    (reach.WINDOW_CROP, "family-ops/concat"): {"gemma2", "gemma3", "gpt_oss", "gpt_neo", "mistral"},
+    (reach.LATENT, "family-P1/concat"): {"deepseek_v2", "deepseek_v3"},
+    (reach.EXPERTS, "family-P1/concat"): {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"},
+}
+
+
+def not_reached(records, claimed=CLAIMED) -> dict:
+    """{(edge, check): the claimed families whose records do not have the edge}."""
+    out = {}
+    for (edge, check), families in claimed.items():
+        reached = {r["knobs"][edge] for r in records if r["check"] == check and edge in r["knobs"]}
+        if families - reached:
+            out[(edge, check)] = sorted(families - reached)
+    return out
+
+
+@pytest.fixture(scope="module")
+def family_program():
+    """The run docs/families.md's block is made from (family-P1 and family-ops, transformers, concat), on
+    runners built here (none another test built, perhaps under a patch)."""
+    from mpt_kv.checks import family_driver
+
+    family_driver.clear_caches()
+    return running_layer().family_program_records()
+
+
+def running_layer():
+    from mpt_kv.checks import running
+
+    return running
+
+
+def test_the_family_programs_reach_every_edge_the_zoo_claims(family_program):
+    assert not_reached(family_program) == {}
+    for r in family_program:
+        if r["check"] == "family-P1/concat" and reach.EXPERTS in r["knobs"]:
+            k = r["knobs"]  # 2 of 4, seen by the routers themselves, and a cached call routes only its new tokens
+            assert (k["experts_per_token"], k["experts"], k["routed_tokens_per_row"]) == (2, 4, 1), k
+            assert k[reach.ROUTING] == k["family"]
+    latent = [r["knobs"] for r in family_program if r["knobs"].get(reach.LATENT)]
+    assert {(k["latent_rank"], k["head_dim"]) for k in latent} == {(4, 12)}
+
+
+def test_the_docs_family_table_is_the_family_programs_run(family_program):
+    """docs/families.md's block is what `python -m mpt_kv reach --update-docs` writes there: a stale one
+    fails here (in this process: the family programs are deterministic, fixed prompts and weights, on
+    runners of their own, measured the same in a fresh process and after the other tests)."""
+    from mpt_kv import package_data
+    from mpt_kv.cli import docblocks
+
+    text, start, end = docblocks.read_block(package_data.FAMILIES_DOC, "family-reach")
+    assert docblocks.is_current(text, start, end, "\n".join(reach.family_doc_lines(family_program)) + "\n"), (
+        "the family checks' reach table in docs/families.md is stale: run python -m mpt_kv reach --update-docs")
+
+
+@pytest.mark.optimum_habana
+def test_the_remote_code_families_programs_reach_their_edges():
+    """decilm has no transformers model: its port is the model (optimum-habana's env). Its edge, measured
+    as the block's: its cache holds 4, 2 and 1 K/V heads in its three layers (read from the cached
+    tensors). minicpm's port cannot run off an HPU (FusedSDPA at module level): no case, no record here,
+    its latent is reached on Gaudi only."""
+    records = running_layer().family_program_records(["minicpm", "decilm"], implementation="optimum-habana")
+    assert not_reached(records, {(reach.MIXED_HEADS, "family-P1/concat"): {"decilm"},
+                                 (reach.MIXED_HEADS, "family-ops/concat"): {"decilm"}}) == {}
+    decilm = [r["knobs"] for r in records if r["knobs"].get("family") == "decilm"]
+    assert {(k["kv_heads"], k["kv_heads_cached"]) for k in decilm} == {("4, 2, 1", "4, 2, 1")}
+    assert not [r for r in records if r["knobs"].get("family") == "minicpm"]
+
+
+def test_a_shorter_program_leaves_the_window_edges_unreached(monkeypatch):
+    """No decode steps before a 2-token cached call: gpt_oss's window (7) is crossed by that call (6 + 2),
+    not by a decode, and gemma3's (9) never (6 + 2 + 1 positions): the claims test fails naming them."""
+    from mpt_kv.checks import family_driver
+
+    monkeypatch.setattr(family_driver, "STEPS", 0)
+    monkeypatch.setattr(family_driver, "EXTEND", 2)
+    records = running_layer().family_program_records(["gpt_oss", "gemma3"], checks=("family-P1/concat",))
+    claimed = {key: families & {"gpt_oss", "gemma3"} for key, families in CLAIMED.items()
+               if key[1] == "family-P1/concat" and families & {"gpt_oss", "gemma3"}}
+    assert not_reached(records, claimed) == {(reach.WINDOW_DECODE, "family-P1/concat"): ["gpt_oss"],
+                                             (reach.WINDOW_EXTEND, "family-P1/concat"): ["gemma3"]}
+    by_family = {r["knobs"]["family"]: r["knobs"] for r in records if "family" in r["knobs"]}
+    assert by_family["gemma3"][reach.WINDOW_NEVER] == "gemma3" and by_family["gemma3"]["total_len"] == 9
+    assert by_family["gpt_oss"][reach.WINDOW_EXTEND] == "gpt_oss"
+
+
+def test_experts_are_the_routers_own_not_the_configs(monkeypatch):
+    """Without the routers' hooks (no router found), no case says it routed 2 of 4: the config alone
+    claims nothing."""
+    from mpt_kv.checks import family_driver
+
+    monkeypatch.setattr(family_driver, "router_modules", lambda model: [])
+    records = running_layer().family_program_records(["mixtral"], checks=("family-P1/concat",))
+    assert not_reached(records, {(reach.EXPERTS, "family-P1/concat"): {"mixtral"}}) == {
+        (reach.EXPERTS, "family-P1/concat"): ["mixtral"]}
+    assert "experts" not in records[0]["knobs"]
+
+
+def test_family_reach_follows_the_calls_and_the_caches_lengths():
+    r = reach.FamilyReach({"family": "f", "path": "concat"}, windows=[4, None])
+    kv = lambda held, written: [(0, (2, 2, held, 8)), (0, (2, 2, held, 8)), (1, (2, 2, written, 8))]  # noqa: E731
+    r.calling("prefill", 3)
+    r.called("prefill", 3, kv(3, 3))     # 3 positions: inside the window
+    r.called("decode", 1, kv(3, 4))      # 4: the window is full, not crossed
+    r.called("extend", 3, kv(3, 7))      # 7 > 4: crossed by the k-token call; the cache kept 3 of 7
+    r.called("crop", 5, kv(3, 5))        # back from 7 (past the edge) to 5
+    r.called("reorder", None, None)
+    first, *ops = r.records(batch=2)
+    assert first[reach.WINDOW_EXTEND] == first[reach.WINDOW_CROP] == first[reach.WINDOW_DROPPED] == "f"
+    assert reach.WINDOW_PROMPT not in first and reach.WINDOW_DECODE not in first and reach.WINDOW_NEVER not in first
+    assert (first["prompt_len"], first["total_len"], first["window"], first["window_tokens_held"]) == (3, 7, 4, 3)
+    assert ops == [{"operation": "extend", "tokens_per_call": 3}, {"operation": "crop", "tokens_per_call": 1},
+                   {"operation": "reorder", "tokens_per_call": 1}]
+    # a cache that keeps the whole history: the window is crossed, no position dropped
+    whole = reach.FamilyReach({"family": "f", "path": "concat"}, windows=[4, None])
+    whole.called("prefill", 6, kv(6, 6))
+    assert reach.WINDOW_DROPPED not in whole.records(2)[0] and whole.records(2)[0][reach.WINDOW_PROMPT] == "f"
+    # routing: a cached call that routes the whole history is not "only its new tokens"
+    moe = reach.FamilyReach({"family": "m"})
+    moe.calling("decode", 1)
+    moe.routed(tokens=2 * 7, experts=4, top_k=2)
+    moe.called("decode", 1, None)
+    knobs = moe.records(batch=2)[0]
+    assert knobs[reach.EXPERTS] == "m" and reach.ROUTING not in knobs and knobs["routed_tokens_per_row"] == 7
+
+
+def test_a_family_case_records_its_reach_through_the_run_layer():
+    """`run` on a family target records "mpt_kv_reach" as an MPT case does: the family's knobs and edges."""
+    from mpt_kv.checks import running
+    from mpt_kv.checks.registry import CHECKS
+    from mpt_kv.targets import FamilyTarget
+
+    got = []
+    with running.running(running.RunContext(record=lambda name, value: got.append((name, value)))):
+        running.run(CHECKS["family-P1/concat"], FamilyTarget("transformers", "gemma2", "hybrid-window4"))
+    records = [v for n, v in got if n == "mpt_kv_reach"]
+    assert records[0]["check"] == "family-P1/concat"
+    k = records[0]["knobs"]
+    assert {key: k[key] for key in ("family", "implementation", "variant", "path", "dtype", "batch", "n_layers",
+                                    "n_heads", "kv_heads", "head_dim", "prompt_len", "total_len", "window")} == dict(
+        family="gemma2", implementation="transformers", variant="hybrid-window4", path="concat", dtype="float32",
+        batch=2, n_layers=2, n_heads=4, kv_heads=2, head_dim=8, prompt_len=6, total_len=12, window=4)
+    assert k[reach.WINDOW_PROMPT] == "gemma2" and records[1:] == [{"check": "family-P1/concat",
+                                                                   "knobs": {"operation": "extend", "tokens_per_call": 3}}]
+
+
+def test_the_cli_prints_the_family_table_under_the_mpt_one(tmp_path, capsys):
+    report = tmp_path / "conformance.json"
+    report.write_text(json.dumps({"reach": [
+        {"check": "P0", "knobs": {"batch": 8}},
+        {"check": "family-P1/concat", "knobs": {"family": "gemma2", "batch": 2, reach.WINDOW_PROMPT: "gemma2"}},
+        {"check": "family-ops/concat", "knobs": {"family": "gpt_oss", "batch": 3}}]}))
+    assert reach.main([str(report)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| batch | 8 (1) | 2, 16, 128 | 8 (1) |" in out  # the MPT table without the family cases
+    assert out[out.index("family checks:") + 1] == "| knob or edge | this run | family-P1 | family-ops |"
+    assert "| family | gemma2, gpt_oss (2) | gemma2 (1) | gpt_oss (1) |" in out
+    assert f"| {reach.WINDOW_PROMPT} | gemma2 (1) | gemma2 (1) | - |" in out
+
+
+def test_reach_update_docs_keeps_the_family_block(tmp_path, capsys, monkeypatch, family_program):
+    from mpt_kv.checks import running
+    from mpt_kv.cli import reach as reach_cli
+
+    monkeypatch.setattr(running, "family_program_records", lambda: family_program)  # the run is the fixture's
+
+    doc = tmp_path / "families.md"
+    doc.write_text("# f\n\n<!-- family-reach:begin -->\nstale\n<!-- family-reach:end -->\nafter\n")
+    assert reach_cli.main(["--check", "--doc", str(doc)]) == 1
+    assert "family checks' reach table in" in capsys.readouterr().err
+    assert reach_cli.main(["--update-docs", "--doc", str(doc)]) == 0
+    assert reach_cli.main(["--check", "--doc", str(doc)]) == 0
+    lines = doc.read_text().splitlines()
+    assert lines[3] == "| knob or edge | this run | family-P1 | family-ops |"
+    assert not any(line.startswith(("| window_tokens_held", "| cached_width")) for line in lines)  # the cache's own

@@ -1,9 +1,11 @@
 """The Gaudi zoo's cache designs under the family checks: sliding windows, hybrid local/global
 caches, multi-head latent attention, mixtures of experts. Each generalization of a check has a
 must-pass design (a legitimate cache of that design passes) and a must-kill variant (a broken one
-fails, naming what broke), on transformers' real implementation with one of its cache classes
-patched; the tiny configs reach each design's edges (a window shorter than the prompt, crossed
-during decode, crossed by the k-token call; a latent smaller than the head dim; 2 of 4 experts).
+fails, naming what broke): the family catalogue's (mpt_kv/catalogue/family_catalogue.py,
+transformers' real implementation with one scoped change), run here on each family of the design;
+the tiny configs have each design's edges (a window shorter than the prompt, crossed during
+decode, crossed by the k-token call; a latent smaller than the head dim; 2 of 4 experts), which
+the checks' programs reach (measured: tests/test_reach.py).
 """
 
 import sys
@@ -11,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from mpt_kv.catalogue.family_catalogue import FAMILY_DESIGNS, FAMILY_VARIANTS, run
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.families import FAMILIES
 from mpt_kv.checks import family_driver as checks
@@ -140,23 +143,9 @@ def test_a_window_entry_that_does_not_fit_the_layers_is_an_error():
 
 # --- the tiny configs reach each design's edges ----------------------------------------------------------------
 
-def test_the_tiny_windows_reach_each_edge_of_the_checks_program():
-    prompt, decode_end = checks.PROMPT, checks.PROMPT + checks.STEPS
-    extend_end = decode_end + checks.EXTEND
-    edges = {}
-    for name in ("gemma2", "gemma3", "gpt_oss", "gpt_neo"):
-        family, c = config(name)
-        window = min(w for w in family.layer_windows(c) if w is not None)
-        # the window slides once a query sees more than `window` positions
-        edges[name] = ("shorter than the prompt" if window < prompt else
-                       "crossed during decode" if window < decode_end else
-                       "crossed by the k-token call" if window < extend_end else "never crossed")
-    assert edges == {"gemma2": "shorter than the prompt", "gpt_neo": "shorter than the prompt",
-                     "gpt_oss": "crossed during decode", "gemma3": "crossed by the k-token call"}
-    # family-ops' assisted program crops back 2 positions after a 3-token call past every window
-    # (its prompt is 8): the crop rolls a window back below its edge
-    assert all(min(w for w in config(n)[0].layer_windows(config(n)[1]) if w) < checks.OPS_PROMPT + 3
-               for n in ("gemma2", "gemma3", "gpt_oss"))
+# Which edges the checks' programs reach is measured from a run of them, not computed from the program's
+# constants: tests/test_reach.py (test_the_family_programs_reach_every_edge_the_zoo_claims), docs/families.md's
+# generated block.
 
 
 def test_the_mixtures_of_experts_route_2_of_4():
@@ -177,80 +166,29 @@ def test_the_zoo_is_registered():
     assert [n for n in ZOO if FAMILIES[n].remote_code] == ["baichuan", "decilm", "chatglm", "minicpm"]
 
 
-# --- must-pass designs and must-kill variants ------------------------------------------------------------------
-
-def copying_window_update(self, key_states, value_states, *args, **kwargs):
-    """DynamicSlidingWindowLayer.update that keeps its last sliding_window - 1 positions as
-    tensors of their own (a legitimate window: what the slice of transformers 5.24 should be)."""
-    if not self.is_initialized:
-        self.lazy_initialization(key_states, value_states)
-    self.cumulative_length += key_states.shape[-2]
-    full_keys = torch.cat([self.keys, key_states], dim=-2)
-    full_values = torch.cat([self.values, value_states], dim=-2)
-    self.keys = full_keys[:, :, -self.sliding_window + 1:, :].clone()
-    self.values = full_values[:, :, -self.sliding_window + 1:, :].clone()
-    return full_keys, full_values
-
-
-def roomy_window_update(self, key_states, value_states, *args, **kwargs):
-    """A window layer that keeps one position more than it needs (sliding_window, not
-    sliding_window - 1) and attends as transformers' does: right values, excess bytes."""
-    if not self.is_initialized:
-        self.lazy_initialization(key_states, value_states)
-    before = self.cumulative_length
-    self.cumulative_length += key_states.shape[-2]
-    full_keys = torch.cat([self.keys, key_states], dim=-2)
-    full_values = torch.cat([self.values, value_states], dim=-2)
-    self.keys = full_keys[:, :, -self.sliding_window:, :].clone()
-    self.values = full_values[:, :, -self.sliding_window:, :].clone()
-    visible = min(before, self.sliding_window - 1) + key_states.shape[-2]  # what get_mask_sizes told the mask
-    return full_keys[:, :, -visible:, :], full_values[:, :, -visible:, :]
-
-
-def short_window_update(self, key_states, value_states, *args, **kwargs):
-    """A window that keeps one position too few (sliding_window - 2) and stands zeros in for the
-    one it lost: exact while the cache holds fewer than sliding_window - 1 positions, wrong from
-    the first call whose queries need all of them."""
-    if not self.is_initialized:
-        self.lazy_initialization(key_states, value_states)
-    before = self.cumulative_length
-    self.cumulative_length += key_states.shape[-2]
-    full_keys = torch.cat([self.keys, key_states], dim=-2)
-    full_values = torch.cat([self.values, value_states], dim=-2)
-    self.keys = full_keys[:, :, -self.sliding_window + 2:, :].clone()
-    self.values = full_values[:, :, -self.sliding_window + 2:, :].clone()
-    visible = min(before, self.sliding_window - 1) + key_states.shape[-2]  # what get_mask_sizes told the mask
-    lost = visible - full_keys.shape[-2]
-    if lost > 0:
-        pad = (0, 0, lost, 0)
-        full_keys, full_values = (torch.nn.functional.pad(t, pad) for t in (full_keys, full_values))
-    return full_keys[:, :, -visible:, :], full_values[:, :, -visible:, :]
-
+# --- must-pass designs and must-kill variants (mpt_kv/catalogue/family_catalogue.py) -------------------------
+# One copy of each pair, the catalogue's: the kill matrix runs them on one family each
+# (`python -m mpt_kv killmatrix`, its family rows); these run them on every family of the design and
+# say what each failure must name.
 
 @needs_5x
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
-def test_window_memory_passes_a_copying_window_and_kills_the_slice_and_the_history(monkeypatch, name):
-    variant = next(iter(FAMILIES[name].variants))
-    monkeypatch.setattr(cache_utils.DynamicSlidingWindowLayer, "update", copying_window_update)
-    check_no_pinned_storage("transformers", name, variant)  # must-pass: the window's own bytes, nothing pinned
-    check_memory("transformers", name, variant)
-    monkeypatch.undo()
-    checks.clear_caches()
-    # must-kill 1: transformers 5.24's own slice pins the evicted positions (a known failure)
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss", "mistral"])
+def test_window_memory_passes_a_copying_window_and_kills_the_slice_and_the_history(name):
+    run(FAMILY_DESIGNS["window_copied"], "family-P3", family=name)  # must-pass: the window's own bytes, nothing pinned
+    run(FAMILY_DESIGNS["window_copied"], "family-memory", family=name)
+    # must-kill 1: the slice (transformers 5.24's own) pins the evicted positions
     with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after .*layer 0 key \(2, 2, \d, 8\) is "
                                               r"a view of a buffer that is no fused projection's output"):
-        check_no_pinned_storage("transformers", name, variant)
-    # must-kill 2: a window that keeps a position too many: the excess named against the window's bytes
-    monkeypatch.setattr(cache_utils.DynamicSlidingWindowLayer, "update", roomy_window_update)
-    checks.clear_caches()
-    check_cached("transformers", name, variant)  # its values are right
-    checks.clear_caches()
-    with pytest.raises(RuntimeError, match=rf"family {name}: the cache holds \d+ bytes of K/V, the family entry says"):
-        check_no_pinned_storage("transformers", name, variant)  # the entry check: not what transformers caches
+        run(FAMILY_VARIANTS["window_slice_pins_evicted"], "family-P3", family=name)
+    # must-kill 2: a window that keeps a position too many: right values, nothing pinned, the excess
+    # named against the window's bytes
+    roomy = FAMILY_VARIANTS["window_one_too_many"]
+    run(roomy, "family-P1", family=name)
+    run(roomy, "family-P3", family=name)
     with pytest.raises(PropertyFailure, match=r"family-memory after .*: \+\d+ bytes; the cached tensors themselves hold "
                                               r"\d+ bytes, \+\d+ vs the analytic K/V \d+ \(2 layers x 2 K/V heads x "
-                                              r"head dim 8, windows per layer \[\d, None\] x 2 x \d+ tokens\)"):
-        check_memory("transformers", name, variant)
+                                              r"head dim 8, windows per layer \[\d, (None|\d)\] x 2 x \d+ tokens\)"):
+        run(roomy, "family-memory", family=name)
 
 
 @needs_5x
@@ -258,66 +196,75 @@ def test_window_memory_passes_a_copying_window_and_kills_the_slice_and_the_histo
     # the first call whose queries need the w - 1 positions before them from the cache
     ("gemma2", "decode step 1"),      # window 4 < prompt 6: the first cached call
     ("gpt_oss", "decode step 1"),     # window 7: the prompt's 6 positions are w - 1
+    ("mistral", "decode step 1"),     # window 7 on every layer, as gpt_oss's local layer
     ("gemma3", r"extend 3 \(step 3\)")])  # window 9: the 3-token call, after 8 positions
-def test_p1_across_the_window_edge_kills_a_window_one_short(monkeypatch, name, first_wrong):
-    variant = next(iter(FAMILIES[name].variants))
-    check_cached("transformers", name, variant)  # must-pass: transformers' window, past its edge
-    monkeypatch.setattr(cache_utils.DynamicSlidingWindowLayer, "update", short_window_update)
-    checks.clear_caches()
+def test_p1_across_the_window_edge_kills_a_window_one_short(name, first_wrong):
+    check_cached("transformers", name, next(iter(FAMILIES[name].variants)))  # must-pass: transformers' window
     with pytest.raises(PropertyFailure, match=rf"family-P1 {first_wrong}: cached logits vs transformers' uncached "
                                               rf"forward over each row's tokens differ"):
-        check_cached("transformers", name, variant)
+        run(FAMILY_VARIANTS["window_one_short"], "family-P1", family=name)
 
 
 @needs_5x
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
-def test_hybrid_static_memory_passes_window_slots_and_kills_full_length_local_layers(monkeypatch, name):
-    variant = next(iter(FAMILIES[name].variants))
-    check_memory("transformers", name, variant, "static")  # must-pass: w slots for the local layer
-    check_static_concat("transformers", name, variant, "static")  # P2: the window layer by its logits
-    original = cache_utils.StaticSlidingWindowLayer.__init__
-
-    def full_length(self, max_cache_len, sliding_window, **kwargs):
-        original(self, max_cache_len=max_cache_len, sliding_window=max_cache_len, **kwargs)
-
-    monkeypatch.setattr(cache_utils.StaticSlidingWindowLayer, "__init__", full_length)
-    checks.clear_caches()
+def test_hybrid_static_memory_passes_window_slots_and_kills_full_length_local_layers(name):
+    slots = FAMILY_DESIGNS["window_slots_static"]
+    run(slots, "family-memory", family=name)  # must-pass: w slots for the local layer
+    run(slots, "family-P2", family=name)  # P2: the window layer by its logits
     with pytest.raises(PropertyFailure, match=r"family-memory after prefill: .* \+\d+ vs the analytic K/V \d+ \(2 layers "
                                               r"x 2 K/V heads x head dim 8, windows per layer \[\d, None\] x 2 x 16 "
                                               r"tokens\)"):
-        check_memory("transformers", name, variant, "static")
-
-
-def store_as_given(self, key_states, value_states, *args, **kwargs):
-    """DynamicLayer.update as in transformers <4.56: the first K/V stored as they come."""
-    if not self.is_initialized:
-        self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = key_states, value_states
-        return self.keys, self.values
-    self.keys = torch.cat([self.keys, key_states], dim=-2)
-    self.values = torch.cat([self.values, value_states], dim=-2)
-    return self.keys, self.values
+        run(FAMILY_VARIANTS["window_static_full_length"], "family-memory", family=name)
 
 
 @needs_5x
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
-def test_latent_p3_passes_the_latent_and_kills_a_view_of_the_fused_latent_projection(monkeypatch, name):
+def test_latent_p3_passes_the_latent_and_kills_a_view_of_the_fused_latent_projection(name):
     """P3's fused-projection rule on the latent projection: `kv_a_proj_with_mqa` makes the latent
-    and the rope key part in one output; a cache that keeps the latent as a view of it (here: the
-    latent's norm made an identity, so the cached latent is the split itself) pins the rope part."""
-    check_no_pinned_storage("transformers", name, "mla")  # must-pass: 5.x caches the normed latent, its own tensor
-    check_memory("transformers", name, "mla")
-    module = __import__(f"transformers.models.{name}.modeling_{name}", fromlist=["x"])
-    norm = getattr(module, "DeepseekV2RMSNorm" if name == "deepseek_v2" else "DeepseekV3RMSNorm")
-    original = norm.forward
-    monkeypatch.setattr(norm, "forward", lambda self, x: x if x.shape[-1] == self.weight.shape[0] == 4 else
-                        original(self, x))  # the kv_a_layernorm alone: width kv_lora_rank (4)
-    monkeypatch.setattr(cache_utils.DynamicLayer, "update", store_as_given)  # and a cache that stores it as given
-    checks.clear_caches()
+    and the rope key part in one output; a cache that keeps the latent as a view of it (cached
+    before its norm, normed when read: the same values) pins the rope part."""
+    run(FAMILY_DESIGNS["latent_cached"], "family-P3", family=name)  # must-pass: the normed latent, its own tensor
+    run(FAMILY_DESIGNS["latent_cached"], "family-memory", family=name)
+    view = FAMILY_VARIANTS["latent_view_of_fused_projection"]
+    run(view, "family-P1", family=name)  # the norm on read: the same values
     with pytest.raises(PropertyFailure, match=r"family-P3 cache pins storage after prefill: layer 0 key \(2, 1, 6, 4\) "
                                               r"is a view of model\.layers\.0\.self_attn\.kv_a_proj_with_mqa's output "
                                               r"\(2, 6, 8\): its storage holds 384 bytes, the cached tensors in it 192"):
-        check_no_pinned_storage("transformers", name, "mla")
+        run(view, "family-P3", family=name)
+
+
+@needs_5x
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_p1_passes_batched_experts_and_kills_routing_that_needs_the_history(name):
+    """Routing in a cached step sees only the new tokens: experts computed another way pass; a
+    capacity router whose counts the cache does not keep routes a cached step as if the history
+    were empty, and P1 names the first cached call (the prefill, routed as the uncached forward, holds)."""
+    batched = FAMILY_DESIGNS["experts_batched_mm"]
+    run(batched, "family-P1", family=name)
+    run(batched, "family-memory", family=name)  # the cache is the attention's alone
+    capacity = FAMILY_VARIANTS["routing_capacity_not_cached"]
+    with pytest.raises(PropertyFailure, match=r"family-P1 decode step 1: cached logits vs transformers' uncached "
+                                              r"forward over each row's tokens differ"):
+        run(capacity, "family-P1", family=name)
+    run(capacity, "family-memory", family=name)  # its cache holds the attention's K/V, right: P1's to kill
+
+
+@needs_5x
+def test_a_catalogue_patch_is_undone_whatever_the_check_raised():
+    from mpt_kv.catalogue.family_catalogue import applied
+
+    update = cache_utils.DynamicSlidingWindowLayer.__dict__["update"]
+    with pytest.raises(PropertyFailure):
+        run(FAMILY_VARIANTS["window_one_short"], "family-P1")
+    with pytest.raises(ZeroDivisionError), applied(FAMILY_VARIANTS["window_slice_pins_evicted"]):
+        assert cache_utils.DynamicSlidingWindowLayer.__dict__["update"] is not update
+        1 / 0
+    assert cache_utils.DynamicSlidingWindowLayer.__dict__["update"] is update
+    # a model change is the implementation's alone: the oracle (transformers' model) is not changed
+    run(FAMILY_VARIANTS["latent_view_of_fused_projection"], "family-P1")
+    oracle = checks.oracle_model(FAMILIES["deepseek_v2"], "mla", torch.float32)
+    assert all(not isinstance(m.kv_a_layernorm, torch.nn.Identity) for m in oracle.modules()
+               if hasattr(m, "kv_a_layernorm"))
 
 
 # --- a remote-code family: the port's own model is the model and its oracle -------------------------------------

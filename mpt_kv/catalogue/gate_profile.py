@@ -11,7 +11,7 @@ must-pass design (`mpt_kv.catalogue.designs` and the reference). It is stored as
 package (`mpt_kv/data/gate-profile.json`), made by one repeatable rule:
 
 1. Kill data. Each candidate (every MPT conformance check id of the registry, `mpt_kv.checks.registry.CHECKS`;
-   the family checks have no catalogue rows) is run once on the reference, fp32: its seconds are its cost
+   the family checks' catalogue rows are the kill matrix's, not candidates here) is run once on the reference, fp32: its seconds are its cost
    (stored, so the rule is a function of the stored data; a bf16 case costs as its fp32 run), and one that
    fails the reference is excluded. Then each variant runs, as a target, the check ids of the kill-matrix
    columns it names as its expected killers (`Variant.killed_by`, which the kill matrix verifies in CI),
@@ -28,8 +28,9 @@ package (`mpt_kv/data/gate-profile.json`), made by one repeatable rule:
    fails one (a false positive) is removed from the candidates and step 2 is redone.
 
 Variants that survive every check that ran (those waiting for a check feature, `Variant.waits_for`)
-are listed as waiting, as the kill matrix lists them. The family checks (family-*) have no catalogue
-rows, so no data selects them: the gate profile runs no family case, the whole run does.
+are listed as waiting, as the kill matrix lists them. The family checks (family-*) are not
+candidates: their catalogue (`mpt_kv.catalogue.family_catalogue`) is the kill matrix's family rows, which
+CI runs; the gate profile runs no family case, the whole run does.
 
 The stored profile carries a fingerprint of what it was computed from: the catalogue modules' source
 (variants.py, designs.py, assembly.py), the kill matrix's cases and columns, the candidate check ids
@@ -71,7 +72,7 @@ class GateCase:
 
 
 def candidates() -> list[str]:
-    """The MPT check ids of the registry, in its order (the family checks have no catalogue rows)."""
+    """The MPT check ids of the registry, in its order (the family checks are not candidates: module doc)."""
     from mpt_kv.checks.registry import CHECKS, is_family
 
     return [c.id for c in CHECKS.values() if not is_family(c)]

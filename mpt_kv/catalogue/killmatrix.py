@@ -14,12 +14,21 @@ case runs the value columns (P0-P2) only; the memory column (the costliest: an e
 every op), graph-capture (a compile per row) and static-shape run the first case, static-shape the
 wide one too.
 
+Family rows (`mpt_kv.catalogue.family_catalogue`): the must-pass designs and must-kill variants of
+the Gaudi zoo's cache designs (sliding windows, hybrid static caches, latent attention, mixtures of
+experts), each transformers 5.x's implementation of one family with one change, under the family
+checks' columns (`FAMILY_COLUMNS`: family-P1, family-P2, family-P3, family-memory, family-ops), on
+cpu, on the row's cache path (family-P2 on the static path, against the concat path), with the
+family checks' own fixed drive (`mpt_kv.checks.family_driver`), not `CASES`. Where transformers 5.x
+is not installed their cells are "n/a" with the reason (their variants wait).
+
 A kill is a check that raises: `PropertyFailure` is "killed", any other exception "killed (error:
 ExcType)" (the variant crashes, which a user would see too). A column stops at its first kill.
 On a must-pass row the same outcomes read "FAIL" and "FAIL (error: ExcType)". A case the target
 declares unsupported (`Capabilities`) is skipped; a column where every case was is "unsupported".
 
 Exit status:
+  (the family rows by the same rules)
   0  every must-pass row passes, every variant is killed by the columns it names (where those
      exist in this build), or waits, as declared, for a check feature this build lacks
   1  a variant survived (a missing or weak test), an expected killer missed it, or a waiting
@@ -36,7 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mpt_kv.catalogue import family_catalogue
 from mpt_kv.catalogue.designs import DESIGNS, Design
+from mpt_kv.catalogue.family_catalogue import FAMILY_VARIANTS, FamilyEntry
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 from mpt_kv.checks import index, programs, running
 from mpt_kv.checks.cases import Case
@@ -186,6 +197,26 @@ def run_column(column: str, build, name: str, device, dtype, runners: dict) -> C
     return Cell("survived") if ran else Cell("unsupported", skipped)
 
 
+def run_family_column(column: str, entry: FamilyEntry) -> Cell:
+    """One family column on one family row: its family check (by property) on the entry's
+    implementation and path (family-P2: static), the entry's patch applied around it, on cpu; the
+    same reading as `run_column` (a PropertyFailure "killed", another exception "killed (error: X)",
+    `Unsupported` "unsupported")."""
+    reason = family_catalogue.unavailable()
+    if reason:
+        return Cell("n/a", reason)
+    try:
+        family_catalogue.run(entry, column)
+    except Unsupported as e:  # a pytest skip: not an Exception
+        return Cell("unsupported", str(e.msg))
+    except PropertyFailure as e:
+        return Cell("killed", first_line(e))
+    except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
+        return Cell(f"killed (error: {type(e).__name__})", f"{type(e).__name__}: {first_line(e)} "
+                    f"[{entry.family}/{entry.variant}, path={entry.path}]")
+    return Cell("survived")
+
+
 def dtype_feature(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
 
@@ -214,9 +245,11 @@ def as_must_pass(cell: Cell) -> Cell:
 
 
 def run_matrix(designs: list[Design], variants: list[Variant], checks: list[str], device="cpu",
-               dtype=torch.float32) -> dict:
-    """{"must_pass": {name: {check: Cell}}, "must_kill": {name: {check: Cell}}}. The reference is
-    always the first must-pass row."""
+               dtype=torch.float32, family_designs: list[FamilyEntry] = (), family_variants: list[FamilyEntry] = (),
+               family_checks: list[str] = ()) -> dict:
+    """{"must_pass": {name: {check: Cell}}, "must_kill": {name: {check: Cell}}, "family_must_pass": ...,
+    "family_must_kill": ...} (the family rows under `family_checks`, on cpu). The reference is always
+    the first must-pass row."""
     device = torch.device(device)
     runners: dict = {}
     rows = [REFERENCE] + [d for d in designs if d.name != "reference"]
@@ -225,7 +258,10 @@ def run_matrix(designs: list[Design], variants: list[Variant], checks: list[str]
                         for c in checks} for d in rows}
     killing = {v.name: {c: run_column(c, v.build, v.name, device, v.dtype or dtype, runners) for c in checks}
                for v in variants}
-    return {"must_pass": passing, "must_kill": killing}
+    family_passing = {e.name: {c: as_must_pass(run_family_column(c, e)) for c in family_checks} for e in family_designs}
+    family_killing = {e.name: {c: run_family_column(c, e) for c in family_checks} for e in family_variants}
+    return {"must_pass": passing, "must_kill": killing, "family_must_pass": family_passing,
+            "family_must_kill": family_killing}
 
 
 _SHARES: list = []  # each forked process's rows (set before the fork: the rows' builds are closures, not picklable)
@@ -236,16 +272,22 @@ def _run_share(i: int) -> dict:
 
 
 def run_matrix_in(jobs: int, designs: list[Design], variants: list[Variant], checks: list[str], device="cpu",
-                  dtype=torch.float32) -> dict:
-    """`run_matrix` over `jobs` forked processes: the rows dealt round robin, the same matrix in the same
-    row order. Each process builds the reference again (the oracle its rows are compared with). CPU
-    only (a forked process cannot use a CUDA or HPU context made before the fork)."""
+                  dtype=torch.float32, family_designs: list[FamilyEntry] = (), family_variants: list[FamilyEntry] = (),
+                  family_checks: list[str] = ()) -> dict:
+    """`run_matrix` over `jobs` forked processes: the rows dealt round robin (the MPT rows, then the
+    family rows), the same matrix in the same row order. Each process builds the reference again (the
+    oracle its rows are compared with). CPU only (a forked process cannot use a CUDA or HPU context
+    made before the fork)."""
+    family = (family_designs, family_variants, family_checks)
     if jobs <= 1 or torch.device(device).type != "cpu":
-        return run_matrix(designs, variants, checks, device, dtype)
+        return run_matrix(designs, variants, checks, device, dtype, *family)
     rows = [d for d in designs if d.name != "reference"] + list(variants)
     kinds = {id(r): ("must_kill" if any(r is v for v in variants) else "must_pass") for r in rows}
+    family_rows = [*family_designs, *family_variants]
     _SHARES[:] = [([r for r in rows[i::jobs] if kinds[id(r)] == "must_pass"],
-                   [r for r in rows[i::jobs] if kinds[id(r)] == "must_kill"], checks, device, dtype)
+                   [r for r in rows[i::jobs] if kinds[id(r)] == "must_kill"], checks, device, dtype,
+                   [e for e in family_rows[i::jobs] if e in family_designs],
+                   [e for e in family_rows[i::jobs] if e in family_variants], family_checks)
                   for i in range(jobs)]
     try:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -253,13 +295,15 @@ def run_matrix_in(jobs: int, designs: list[Design], variants: list[Variant], che
     finally:
         _SHARES.clear()
     merged = {kind: {name: cells for part in parts for name, cells in part[kind].items()}
-              for kind in ("must_pass", "must_kill")}
+              for kind in ("must_pass", "must_kill", "family_must_pass", "family_must_kill")}
     return {"must_pass": {REFERENCE.name: parts[0]["must_pass"][REFERENCE.name],
                           **{d.name: merged["must_pass"][d.name] for d in designs if d.name != REFERENCE.name}},
-            "must_kill": {v.name: merged["must_kill"][v.name] for v in variants}}
+            "must_kill": {v.name: merged["must_kill"][v.name] for v in variants},
+            "family_must_pass": {e.name: merged["family_must_pass"][e.name] for e in family_designs},
+            "family_must_kill": {e.name: merged["family_must_kill"][e.name] for e in family_variants}}
 
 
-def waiting(v: Variant, cells: dict[str, Cell]) -> str:
+def waiting(v: Variant | FamilyEntry, cells: dict[str, Cell]) -> str:
     """Why a variant may survive in this build ('' if it may not): its declared `waits_for`, or
     every expected killer that ran here is n/a (not in this build)."""
     if v.waits_for:
@@ -270,27 +314,37 @@ def waiting(v: Variant, cells: dict[str, Cell]) -> str:
     return ""
 
 
+def catalogued_variant(name: str) -> Variant | FamilyEntry:
+    """A must-kill row's entry: an MPT variant or a family variant (an unknown name: one that names no
+    expected killer)."""
+    return VARIANTS.get(name) or FAMILY_VARIANTS.get(name) or Variant(name, "", "", (), None)
+
+
 def problems(matrix: dict) -> tuple[list[str], list[str], list[str]]:
-    """(false positives, missed kills, waiting notes) as messages."""
-    false_positives = [f"must-pass {name} fails {c}: {cell.detail}" for name, cells in matrix["must_pass"].items()
+    """(false positives, missed kills, waiting notes) as messages, the MPT rows then the family rows."""
+    false_positives = [f"must-pass {name} fails {c}: {cell.detail}"
+                       for kind in ("must_pass", "family_must_pass") for name, cells in matrix.get(kind, {}).items()
                        for c, cell in cells.items() if cell.result.startswith("FAIL")]
     missed, notes = [], []
-    for name, cells in matrix["must_kill"].items():
-        v = VARIANTS.get(name) or Variant(name, "", "", (), None)
-        why = waiting(v, cells)
-        expected = [c for c in v.killed_by if c in cells]
-        if v.waits_for and any(cells[c].killed for c in expected):
-            missed.append(f"{name}: {', '.join(c for c in expected if cells[c].killed)} kills it now, but it is "
-                          f"declared waiting for '{v.waits_for}': drop its waits_for (variants.py)")
-            continue
-        if why:
+    for kind, source in (("must_kill", "variants.py"), ("family_must_kill", "family_catalogue.py")):
+        for name, cells in matrix.get(kind, {}).items():
+            v = catalogued_variant(name)
+            why = waiting(v, cells)
+            expected = [c for c in v.killed_by if c in cells]
+            if v.waits_for and any(cells[c].killed for c in expected):
+                missed.append(f"{name}: {', '.join(c for c in expected if cells[c].killed)} kills it now, but it is "
+                              f"declared waiting for '{v.waits_for}': drop its waits_for ({source})")
+                continue
+            if why:
+                if not any(cell.killed for cell in cells.values()):
+                    notes.append(f"{name} survives here, waiting for {why} (expected killers: "
+                                 f"{', '.join(v.killed_by)})")
+                continue
             if not any(cell.killed for cell in cells.values()):
-                notes.append(f"{name} survives here, waiting for {why} (expected killers: {', '.join(v.killed_by)})")
-            continue
-        if not any(cell.killed for cell in cells.values()):
-            ran = [c for c, cell in cells.items() if cell.result not in ("n/a", "unsupported")]
-            missed.append(f"{name} SURVIVED every check that ran ({', '.join(ran) or 'none'}): a missing or weak test")
-        for c in expected:
-            if cells[c].result == "survived":
-                missed.append(f"{name}: expected {c} to kill it, but it survived {c}")
+                ran = [c for c, cell in cells.items() if cell.result not in ("n/a", "unsupported")]
+                missed.append(f"{name} SURVIVED every check that ran ({', '.join(ran) or 'none'}): a missing or "
+                              "weak test")
+            for c in expected:
+                if cells[c].result == "survived":
+                    missed.append(f"{name}: expected {c} to kill it, but it survived {c}")
     return false_positives, missed, notes

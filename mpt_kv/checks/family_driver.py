@@ -19,12 +19,13 @@ oracle by the transformers config and dtype.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass, field
 
 import torch
 
-from mpt_kv.checks import index
+from mpt_kv.checks import index, reach
 from mpt_kv.checks.compare import NOT_CRASHES, Crash, assert_close, crash_of, describe, tolerance
 from mpt_kv.checks.programs import History, Op
 from mpt_kv.checks.results import snapshot
@@ -121,6 +122,7 @@ class FamilyContext:
     batch: int = BATCH
     notes: list = field(default_factory=list)
     check: str = ""     # the check id, first in a failed call's message
+    reach: reach.FamilyReach | None = None  # what the program reaches, where the run layer records it
 
     @property
     def session_path(self) -> str:
@@ -182,6 +184,82 @@ def call(c: FamilyContext, what: str, step, operation: str, fn, *args):
     return out
 
 
+def observed(c: FamilyContext, session, operation: str, count: int | None, what: str, step, fn, *args):
+    """`call` of one of the program's session calls, followed for the case's reach (`c.reach`, where
+    the run layer records it): the call's own size (prefill: the prompt's positions; decode, extend:
+    its new tokens per row; crop: the length cropped to) and after it the position axis of each
+    tensor the cache's kv() holds (read for their shapes only, none kept)."""
+    if c.reach is None:
+        return call(c, what, step, operation, fn, *args)
+    c.reach.calling(operation, count)
+    out = call(c, what, step, operation, fn, *args)
+    try:
+        kv = [(layer, tuple(t.shape)) for layer, _, t in named_kv(session.kv())]
+    except Exception as e:  # noqa: BLE001  reach never changes a verdict: the record says the cache was unreadable
+        kv, c.reach.unreadable = None, f"kv() after {operation} raised {type(e).__name__}: {e}"
+    c.reach.called(operation, count, kv)
+    return out
+
+
+def reach_of(c: FamilyContext) -> reach.FamilyReach:
+    """An empty record of `c`'s case: its fixed knobs, the windows and latent of its model's config."""
+    config, family = c.config, c.family
+    head_dim = family.head_dim(config)
+    if family.latent_width is not None:  # multi-head latent attention: a query/key head is nope + rope wide
+        head_dim = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0) or head_dim
+    knobs = dict(family=family.name, implementation=c.implementation, variant=c.variant, path=c.path,
+                 dtype=str(c.dtype).replace("torch.", ""), n_layers=family.layers(config),
+                 n_heads=config.num_attention_heads, kv_heads=reach.per_layer_text(family.layer_kv_heads(config)),
+                 head_dim=head_dim)
+    latent = getattr(config, "kv_lora_rank", None) if family.latent_width is not None else None
+    return reach.FamilyReach(knobs, family.layer_windows(config), latent, head_dim)
+
+
+def router_modules(model) -> list[tuple[torch.nn.Module, int | None]]:
+    """(router, its top_k) of a mixture-of-experts model: transformers 5.x's `*TopKRouter` modules,
+    or a `gate` / `router` module of a block that has `top_k` (4.x's plain Linear gates)."""
+    out = []
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if type(module).__name__.lower().endswith("router") or last in ("gate", "router"):
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            top_k = getattr(module, "top_k", None) or getattr(parent, "top_k", None)
+            if top_k is not None:
+                out.append((module, top_k))
+    return out
+
+
+@contextlib.contextmanager
+def routing_observed(runner, c: FamilyContext):
+    """While a case runs, each router of the implementation's model reports the tokens it routed (its
+    input's), its experts (its weight's rows) and experts per token (its indices' last axis, else its
+    top_k)."""
+    model = getattr(runner, "model", None)
+    if c.reach is None or not isinstance(model, torch.nn.Module):
+        yield
+        return
+
+    def hook(top_k):
+        def on_route(module, args, output):
+            hidden = args[0] if args and torch.is_tensor(args[0]) else None
+            weight = getattr(module, "weight", None)
+            if hidden is None or not torch.is_tensor(weight) or weight.dim() != 2:
+                return
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            indices = [t for t in outputs if torch.is_tensor(t) and not t.is_floating_point() and t.dim() >= 1]
+            # the router's own weight (experts x hidden) and input (the tokens it routes), in every release
+            c.reach.routed(hidden.numel() // hidden.shape[-1], weight.shape[0],
+                           indices[0].shape[-1] if indices else top_k)
+        return on_route
+
+    handles = [m.register_forward_hook(hook(k)) for m, k in router_modules(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def copy_of(logits):
     """The copy rule (`mpt_kv.checks.results.snapshot`), for what a family call returns."""
     return None if logits is None else snapshot(logits)
@@ -214,7 +292,8 @@ def drive(runner, c: FamilyContext, session, on_step, tokens_from=None, extend: 
 
 def _drive(c: FamilyContext, session, on_step, tokens_from, extend: bool, steps: list[Step]) -> list[Step]:
     ids, mask = prompt(c.config)
-    first = Step("prefill", "prefill", call(c, "prefill", "prefill", "prefill", session.prefill, ids, mask))
+    first = Step("prefill", "prefill", observed(c, session, "prefill", ids.shape[1], "prefill", "prefill",
+                                                session.prefill, ids, mask))
     seq = ids
     on_step(first, session, seq, mask)
     steps.append(first)  # after on_step: `steps` are the steps on_step saw through
@@ -225,11 +304,11 @@ def _drive(c: FamilyContext, session, on_step, tokens_from, extend: bool, steps:
             last = last[:, -1] if last.dim() == 3 else last
             tokens = last.argmax(-1, keepdim=True)
             name = f"decode step {i}"
-            logits = call(c, name, name, "decode", session.decode, tokens)
+            logits = observed(c, session, "decode", tokens.shape[1], name, name, session.decode, tokens)
         else:
             tokens = teacher_tokens(c.config, c.batch, k, i)
             name = f"extend {k} (step {i})"
-            logits = call(c, name, name, "extend", session.extend, tokens)
+            logits = observed(c, session, "extend", tokens.shape[1], name, name, session.extend, tokens)
         seq = torch.cat([seq, tokens], 1)
         mask = torch.cat([mask, torch.ones_like(tokens)], 1)
         step = Step(name, op, logits)
@@ -340,7 +419,8 @@ def run_program(runner, c: FamilyContext, name: str, ops) -> None:
     tol = c.tol(f"logits:{c.session_path}")
     session = c.session(runner)
     history = History(ids, mask)
-    out = copy_of(call(c, f"family-ops {name}", "prefill", "prefill", session.prefill, ids, mask))
+    out = copy_of(observed(c, session, "prefill", ids.shape[1], f"family-ops {name}", "prefill", session.prefill,
+                           ids, mask))
     assert_close(out, c.oracle(ids, mask), tol, f"family-ops {name} prefill logits vs transformers' uncached forward",
                  c.ctx(program=name, step="prefill", operation="prefill"), where=mask.bool()[:, :, None])
     held = ["prefill"]  # each step is judged as it comes: a crash names those before it
@@ -355,13 +435,15 @@ def program_steps(c: FamilyContext, name: str, ops, session, history, tol, held:
         what = f"family-ops {name} step {i} ({op.describe()})"
         tokens = teacher_tokens(c.config, c.batch, op.k, i) if op.kind in ("decode", "extend") else None
         if op.kind == "decode":
-            out = last_positions(copy_of(call(c, what, i, "decode", session.decode, tokens)))
+            out = last_positions(copy_of(observed(c, session, "decode", tokens.shape[1], what, i, session.decode,
+                                                  tokens)))
         elif op.kind == "extend":
-            out = copy_of(call(c, what, i, "extend", session.extend, tokens))
+            out = copy_of(observed(c, session, "extend", tokens.shape[1], what, i, session.extend, tokens))
         elif op.kind == "crop":
-            out = call(c, what, i, "crop", session.crop, session.written - op.k)
+            length = session.written - op.k
+            out = observed(c, session, "crop", length, what, i, session.crop, length)
         else:
-            out = call(c, what, i, "reorder", session.reorder, torch.tensor(op.index))
+            out = observed(c, session, "reorder", None, what, i, session.reorder, torch.tensor(op.index))
         history.apply(op, tokens)
         if out is not None:
             full = c.oracle(history.ids, history.mask)

@@ -445,9 +445,20 @@ def by_family(r: Run) -> list[str]:
     if r.device.type != "cpu":
         raise Unsupported(f"{r.name}: the family checks run on cpu (tiny models of transformers' configs)")
     try:
-        return r.check_case(*r.family_case(r.prop.name))
+        runner, c = r.family_case(r.prop.name)
     except TargetUnavailable as e:  # the implementation has no port of the family here: unsupported, its reason
         raise Unsupported(f"{r.name}: {e}") from e
+    # what the case's program reaches of its design's edges, measured as it runs (reach.FamilyReach):
+    # recorded whatever the verdict, up to where it stopped
+    c.reach = family_driver.reach_of(c)
+    try:
+        with family_driver.routing_observed(runner, c):
+            return r.check_case(runner, c)
+    except TargetUnavailable as e:
+        raise Unsupported(f"{r.name}: {e}") from e
+    finally:
+        for knobs in c.reach.records(c.batch):
+            record("mpt_kv_reach", {"check": r.check.id, "knobs": knobs})
 
 
 @dataclass(frozen=True)
@@ -526,3 +537,46 @@ def drawn_records(checks, profile: str = "ci", device: str = "cpu", dtypes=(torc
             out += [{"check": check.id, "knobs": reach.knobs(c, check.path, check.bucket, device, dtype)}
                     for c in found]
     return out
+
+
+# the checks whose programs carry every design edge the zoo claims: family-P1 (prefill 6, 2 decodes, a
+# 3-token call, a decode) and family-ops (prefill 8; beam: decodes and reorders; assisted: extend 3, crop 2,
+# decode, extend 3), on transformers' concat path (the same calls in every transformers release, 4.x and 5.x)
+PROGRAM_CHECKS = ("family-P1/concat", "family-ops/concat")
+
+
+def has_edges(family) -> bool:
+    """A family whose design has edges to reach (local windows, a latent, experts: its design's word, or
+    per-layer K/V heads) that transformers ships: a remote-code family's model is its port's
+    (optimum-habana's env measures it, its conformance report has its records)."""
+    per_layer_heads = family.design == "per-layer-gqa"
+    return not family.remote_code and (family.windows is not None or family.latent_width is not None
+                                       or "moe" in family.design or per_layer_heads)
+
+
+def family_program_records(families=None, checks=PROGRAM_CHECKS, implementation: str = "transformers") -> list[dict]:
+    """The reach records of a run of `checks` on `implementation` for every variant of `families` (default:
+    the registry's families with design edges, `has_edges`), through `run` as under pytest (the
+    records only; a check that fails or is unsupported still records what it reached): deterministic
+    (fixed prompts and weights), a few seconds on CPU. docs/families.md's edge table is this run's
+    (`python -m mpt_kv reach --update-docs`)."""
+    from mpt_kv.checks.compare import PropertyFailure
+    from mpt_kv.checks.registry import CHECKS
+    from mpt_kv.families import FAMILIES
+
+    chosen = [FAMILIES[f] for f in families] if families is not None else [f for f in FAMILIES.values() if has_edges(f)]
+    records: list[dict] = []
+
+    def keep(name, value):
+        if name == "mpt_kv_reach":
+            records.append(value)
+
+    with running(RunContext(record=keep)):
+        for family in chosen:
+            for variant in family.variants:
+                for check in checks:
+                    try:
+                        run(CHECKS[check], FamilyTarget(implementation, family.name, variant), "cpu", torch.float32)
+                    except (PropertyFailure, Unsupported):
+                        pass  # the verdict is the conformance run's; what the program reached is recorded
+    return records

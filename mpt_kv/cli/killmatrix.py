@@ -1,5 +1,6 @@
 """`python -m mpt_kv killmatrix`: the kill matrix (mpt_kv.catalogue.killmatrix) as text, Markdown
-and JSON: the must-pass catalogue (reference and designs) and the must-kill catalogue (variants).
+and JSON: the must-pass catalogue (reference and designs) and the must-kill catalogue (variants),
+then the family catalogue's rows (mpt_kv.catalogue.family_catalogue) under the family checks.
 Exit status: see mpt_kv.catalogue.killmatrix (0 all as expected, 1 a missed kill, 2 a false positive)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from mpt_kv import devices, package_data
+from mpt_kv.catalogue.family_catalogue import FAMILY_COLUMNS, FAMILY_DESIGNS, FAMILY_VARIANTS
 from mpt_kv.catalogue.killmatrix import CASES, Cell, must_pass, problems, run_matrix_in, waiting
 from mpt_kv.catalogue.killmatrix import __doc__ as MATRIX_DOC
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
@@ -22,14 +24,14 @@ from mpt_kv.outputs import file_problem
 DOC = package_data.KILLMATRIX_DOC  # its block <!-- killmatrix:begin -->
 
 
-def mark(variant: Variant | None, col: str, cell: Cell) -> str:
+def mark(variant, col: str, cell: Cell) -> str:
     """The cell text; '*' where the variant names this column as an expected killer."""
     expected = variant is not None and col in variant.killed_by
     return cell.result + ("*" if expected else "")
 
 
 def variant_name(name: str, cells: dict) -> str:
-    v = VARIANTS.get(name)
+    v = VARIANTS.get(name) or FAMILY_VARIANTS.get(name)
     return name + (" (waits)" if v is not None and waiting(v, cells) else "")
 
 
@@ -42,15 +44,32 @@ def table_rows(matrix: dict, checks: list[str]) -> list[list[str]]:
     return rows
 
 
-def format_text(matrix: dict, checks: list[str]) -> str:
-    rows = [["", *checks], *table_rows(matrix, checks)]
+def family_table_rows(matrix: dict, checks: list[str]) -> list[list[str]]:
+    rows = [["FAMILY MUST PASS", *[""] * len(checks)]]
+    rows += [[f"{name} ({FAMILY_DESIGNS[name].family})", *[cells[c].result for c in checks]]
+             for name, cells in matrix["family_must_pass"].items()]
+    rows.append(["FAMILY MUST BE KILLED", *[""] * len(checks)])
+    rows += [[f"{variant_name(name, cells)} ({FAMILY_VARIANTS[name].family})",
+              *[mark(FAMILY_VARIANTS[name], c, cells[c]) for c in checks]]
+             for name, cells in matrix["family_must_kill"].items()]
+    return rows
+
+
+def format_text(matrix: dict, checks: list[str], family_checks: list[str] = ()) -> str:
+    out = aligned([["", *checks], *table_rows(matrix, checks)])
+    if matrix.get("family_must_pass") or matrix.get("family_must_kill"):
+        out += "\n\n" + aligned([["", *family_checks], *family_table_rows(matrix, list(family_checks))])
+    return out
+
+
+def aligned(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def format_markdown(matrix: dict, checks: list[str], seconds: float | None) -> str:
+def format_markdown(matrix: dict, checks: list[str], seconds: float | None, family_checks: list[str] = ()) -> str:
     """The matrix as Markdown; `seconds` None: without the run's time (docs/catalogues.md's block,
     which --check-docs compares, must not change with the machine's speed)."""
     designs = must_pass()
@@ -76,7 +95,39 @@ def format_markdown(matrix: dict, checks: list[str], seconds: float | None) -> s
     out += [f"- `{name}`: {designs[name].origin}" for name in matrix["must_pass"] if name in designs]
     out += ["", "Where each bug comes from:", ""]
     out += [f"- `{name}`: {VARIANTS[name].origin}" for name in matrix["must_kill"] if name in VARIANTS]
+    if matrix.get("family_must_pass") or matrix.get("family_must_kill"):
+        out += ["", *family_markdown(matrix, list(family_checks))]
     return "\n".join(out) + "\n"
+
+
+FAMILY_LEGEND = ("Family rows (`mpt_kv/catalogue/family_catalogue.py`): transformers 5.x's implementation of a zoo "
+                 "family with one change, under the family checks, on cpu, with their own fixed drive (a left-padded "
+                 "batch of 2, a prompt of 6, decode steps and a 3-token call; family-ops' beam and assisted programs); "
+                 "family-P2 on the static path (against the concat path), the other columns on the row's path.")
+
+
+def family_markdown(matrix: dict, checks: list[str]) -> list[str]:
+    head = " | ".join(checks)
+    out = [FAMILY_LEGEND, "", "| design | family/variant, path | what it does | " + head + " |",
+           "|" + "---|" * (len(checks) + 3)]
+    for name, cells in matrix["family_must_pass"].items():
+        e = FAMILY_DESIGNS[name]
+        out.append(f"| `{name}` | {e.family}/{e.variant}, {e.path} | {e.why} | "
+                   + " | ".join(cells[c].result for c in checks) + " |")
+    out += ["", "| variant | family/variant, path | what is wrong | " + head + " |", "|" + "---|" * (len(checks) + 3)]
+    for name, cells in matrix["family_must_kill"].items():
+        e = FAMILY_VARIANTS[name]
+        out.append(f"| `{variant_name(name, cells)}` | {e.family}/{e.variant}, {e.path} | {e.why} | "
+                   + " | ".join(mark(e, c, cells[c]) for c in checks) + " |")
+    unsupported = {f"{name} / {c}: {cell.detail}" for kind in ("family_must_pass", "family_must_kill")
+                   for name, cells in matrix[kind].items() for c, cell in cells.items() if cell.result == "unsupported"}
+    if unsupported:
+        out += ["", "Unsupported (the implementation lacks what the check drives):", ""]
+        out += [f"- {line}" for line in sorted(unsupported)]
+    out += ["", "Where each family design and variant comes from:", ""]
+    out += [f"- `{name}`: {FAMILY_DESIGNS[name].origin}" for name in matrix["family_must_pass"]]
+    out += [f"- `{name}`: {FAMILY_VARIANTS[name].origin}" for name in matrix["family_must_kill"]]
+    return out
 
 
 def legend(matrix: dict) -> str:
@@ -89,7 +140,7 @@ def legend(matrix: dict) -> str:
             + "".join(f" {c} n/a: {why}." for c, why in na.items()))
 
 
-def to_json(matrix: dict, checks: list[str], seconds: float) -> dict:
+def to_json(matrix: dict, checks: list[str], seconds: float, family_checks: list[str] = ()) -> dict:
     designs = must_pass()
     return {
         "checks": checks,
@@ -108,6 +159,21 @@ def to_json(matrix: dict, checks: list[str], seconds: float) -> dict:
                              "killed": any(cell.killed for cell in cells.values()),
                              "cells": {c: vars(cell) for c, cell in cells.items()}}
                       for name, cells in matrix["must_kill"].items()},
+        "family_checks": list(family_checks),
+        "family_must_pass": {name: {"family": FAMILY_DESIGNS[name].family, "variant": FAMILY_DESIGNS[name].variant,
+                                    "path": FAMILY_DESIGNS[name].path, "what": FAMILY_DESIGNS[name].why,
+                                    "origin": FAMILY_DESIGNS[name].origin,
+                                    "passed": not any(cell.result.startswith("FAIL") for cell in cells.values()),
+                                    "cells": {c: vars(cell) for c, cell in cells.items()}}
+                             for name, cells in matrix.get("family_must_pass", {}).items()},
+        "family_must_kill": {name: {"family": FAMILY_VARIANTS[name].family, "variant": FAMILY_VARIANTS[name].variant,
+                                    "path": FAMILY_VARIANTS[name].path, "bug": FAMILY_VARIANTS[name].why,
+                                    "origin": FAMILY_VARIANTS[name].origin,
+                                    "killed_by": list(FAMILY_VARIANTS[name].killed_by),
+                                    "waits_for": waiting(FAMILY_VARIANTS[name], cells),
+                                    "killed": any(cell.killed for cell in cells.values()),
+                                    "cells": {c: vars(cell) for c, cell in cells.items()}}
+                             for name, cells in matrix.get("family_must_kill", {}).items()},
     }
 
 
@@ -141,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     designs = must_pass()
     parser = argparse.ArgumentParser(prog="python -m mpt_kv killmatrix", description=MATRIX_DOC.split("\n\n")[0])
     parser.add_argument("--design", action="append", default=[], metavar="NAME",
-                        help=f"run only this must-pass design (repeatable; the reference always runs): {', '.join(designs)}")
+                        help=f"run only this must-pass design (repeatable; the reference always runs): "
+                             f"{', '.join([*designs, *FAMILY_DESIGNS])}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME",
-                        help=f"run only this must-kill variant (repeatable): {', '.join(VARIANTS)}")
+                        help=f"run only this must-kill variant (repeatable): {', '.join([*VARIANTS, *FAMILY_VARIANTS])}")
     parser.add_argument("--check", action="append", default=[], metavar="NAME",
-                        help=f"run only this column (repeatable): {', '.join(COLUMNS)}")
+                        help=f"run only this column (repeatable): {', '.join([*COLUMNS, *FAMILY_COLUMNS])} (the "
+                             "family columns run the family rows only)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the matrix as Markdown")
     docs = parser.add_mutually_exclusive_group()
@@ -158,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
                              "matrix, each process building the reference again")
     args = parser.parse_args(argv)
 
-    unknown = ([n for n in args.design if n not in designs] + [n for n in args.variant if n not in VARIANTS]
-               + [n for n in args.check if n not in COLUMNS])
+    unknown = ([n for n in args.design if n not in designs and n not in FAMILY_DESIGNS]
+               + [n for n in args.variant if n not in VARIANTS and n not in FAMILY_VARIANTS]
+               + [n for n in args.check if n not in COLUMNS and n not in FAMILY_COLUMNS])
     if unknown:
-        print(f"unknown design/variant/check {unknown}: designs {list(designs)}, variants {list(VARIANTS)}, "
-              f"checks {list(COLUMNS)}", file=sys.stderr)
+        print(f"unknown design/variant/check {unknown}: designs {list(designs)}, family designs "
+              f"{list(FAMILY_DESIGNS)}, variants {list(VARIANTS)}, family variants {list(FAMILY_VARIANTS)}, "
+              f"checks {list(COLUMNS)}, family checks {list(FAMILY_COLUMNS)}", file=sys.stderr)
         return 2
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: give 1 or more processes")
@@ -195,35 +265,52 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(f"{DOC}: {problem}")
     chosen = args.design or args.variant  # naming some rows runs only those (and the reference)
-    rows = [designs[n] for n in (args.design if chosen else designs)]
-    variants = [VARIANTS[n] for n in (args.variant if chosen else VARIANTS)]
+    rows = [designs[n] for n in (args.design if chosen else designs) if n in designs]
+    variants = [VARIANTS[n] for n in (args.variant if chosen else VARIANTS) if n in VARIANTS]
     checks = [c for c in COLUMNS if not args.check or c in args.check]
+    family_checks = [c for c in FAMILY_COLUMNS if not args.check or c in args.check]
+    # the family rows run where a family column does (on cpu: the family checks' device)
+    family_designs = [FAMILY_DESIGNS[n] for n in (args.design if chosen else FAMILY_DESIGNS)
+                      if n in FAMILY_DESIGNS] if family_checks else []
+    family_variants = [FAMILY_VARIANTS[n] for n in (args.variant if chosen else FAMILY_VARIANTS)
+                       if n in FAMILY_VARIANTS] if family_checks else []
+    if not (family_designs or family_variants):
+        family_checks = []
+    if not checks:  # only family columns named: no MPT row (the reference stays, with no column)
+        rows, variants = [], []
 
     torch.set_num_threads(1)  # tiny tensors: more threads only contend (and make timings jump)
     start = time.perf_counter()
     rows, variants = with_progress(rows, variants, start)
-    matrix = run_matrix_in(args.jobs, rows, variants, checks, args.device)
+    if family_checks:
+        print(f"killmatrix: and {len(family_designs) + len(family_variants)} family rows x {len(family_checks)} "
+              "family checks (cpu)", file=sys.stderr, flush=True)
+    matrix = run_matrix_in(args.jobs, rows, variants, checks, args.device, torch.float32, family_designs,
+                           family_variants, family_checks)
     seconds = time.perf_counter() - start
 
     print(f"kill matrix: {len(matrix['must_pass'])} must-pass rows and {len(variants)} must-kill variants x "
-          f"{len(checks)} checks on {args.device}, fp32, {len(CASES)} cases ({seconds:.1f} s)")
-    print(format_text(matrix, checks))
+          f"{len(checks)} checks on {args.device}, fp32, {len(CASES)} cases; {len(family_designs)} family must-pass "
+          f"rows and {len(family_variants)} family must-kill variants x {len(family_checks)} family checks on cpu "
+          f"({seconds:.1f} s)")
+    print(format_text(matrix, checks, family_checks))
     print("* = expected killer.", legend(matrix))
     if args.verbose:
-        for name, cells in [*matrix["must_pass"].items(), *matrix["must_kill"].items()]:
+        for name, cells in [*matrix["must_pass"].items(), *matrix["must_kill"].items(),
+                            *matrix["family_must_pass"].items(), *matrix["family_must_kill"].items()]:
             for c, cell in cells.items():
                 if cell.detail:
                     print(f"  {name} / {c}: {cell.detail}")
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(format_markdown(matrix, checks, seconds))
+            f.write(format_markdown(matrix, checks, seconds, family_checks))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json(matrix, checks, seconds), f, indent=1)
+            json.dump(to_json(matrix, checks, seconds, family_checks), f, indent=1)
 
     stale = False
     if args.update_docs or args.check_docs:
-        block = format_markdown(matrix, checks, None)
+        block = format_markdown(matrix, checks, None, family_checks)
         if args.update_docs:
             docblocks.rewrite(DOC, doc_text, doc_start, doc_end, block)
             print(f"{DOC}: kill matrix block rewritten")

@@ -4,8 +4,12 @@
   python -m mpt_kv reach --draw ci         the draws of a hypothesis profile (no model run)
   python -m mpt_kv reach --update-docs     rewrite the default run's table (the `ci` profile's draws)
                                            between <!-- reach:begin --> and <!-- reach:end --> in
-                                           docs/reach.md (or --doc PATH)
-  python -m mpt_kv reach --check           exit 1 if that block is not what --draw ci prints
+                                           docs/reach.md, and the family checks' edges reached (a run
+                                           of family-P1 and family-ops on transformers' concat path,
+                                           a few seconds) between <!-- family-reach:begin --> and
+                                           <!-- family-reach:end --> in docs/families.md (--doc PATH:
+                                           the blocks of that one doc)
+  python -m mpt_kv reach --check           exit 1 if a block is not what those runs print
 
 Exit status 0; 1 for a stale block or a report without reach records; 2 for bad arguments or a
 doc that is missing, unwritable or has no block (checked before any work)."""
@@ -22,6 +26,8 @@ from mpt_kv.checks import profiles, reach
 from mpt_kv.outputs import file_problem, path_arg
 
 DOC = package_data.REACH_DOC
+FAMILIES_DOC = package_data.FAMILIES_DOC
+BLOCKS = ("reach", "family-reach")  # the generated blocks this command keeps
 COMMAND = "python -m mpt_kv reach --update-docs"
 DOC_PROFILE = "ci"  # the default CI run's draws: derandomized, so the table is the same on every machine
 
@@ -42,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("report", nargs="?", help="a JSON report with a 'reach' list of records")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--draw", metavar="PROFILE", help="the draws of a hypothesis profile (ci, dev, thorough)")
-    mode.add_argument("--update-docs", dest="update", action="store_true", help="rewrite docs/reach.md's table")
-    mode.add_argument("--check", action="store_true", help="exit 1 if docs/reach.md's table is stale")
-    p.add_argument("--doc", type=path_arg, default=None, help=f"the doc (default {DOC})")
+    mode.add_argument("--update-docs", dest="update", action="store_true", help="rewrite docs/reach.md's and docs/families.md's reach tables")
+    mode.add_argument("--check", action="store_true", help="exit 1 if one of those tables is stale")
+    p.add_argument("--doc", type=path_arg, default=None, help=f"one doc, its reach blocks (default {DOC} and {FAMILIES_DOC})")
     p.add_argument("--reference-model", help="a real model's values (default mpt-7b)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     generated = args.update or args.check
@@ -66,25 +72,50 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(reach.table_lines(reach.summarize(drawn_records(args.draw)),
                                           reach.load_reference_model(args.reference_model))))
         return 0
-    path = args.doc or DOC
-    try:
-        text, start, end = docblocks.read_block(path, "reach")
-    except (OSError, ValueError) as e:
-        usage_error(f"{path}: {e}")
-    if args.update:
-
-        if problem := file_problem(path):
+    docs = [args.doc] if args.doc is not None else [DOC, FAMILIES_DOC]
+    found = []  # (doc, block, text, start, end): checked before any work
+    for path in docs:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            usage_error(f"{path}: {e}")
+        names = [b for b in BLOCKS if docblocks.markers(b)[0] in text] if args.doc is not None else \
+            [BLOCKS[docs.index(path)]]
+        if not names:
+            names = ["reach"]  # its error names the block a doc needs
+        for name in names:
+            try:
+                found.append((path, name, *docblocks.read_block(path, name)))
+            except (OSError, ValueError) as e:
+                usage_error(f"{path}: {e}")
+        if args.update and (problem := file_problem(path)):
             usage_error(f"{path}: {problem}")
-    from mpt_kv.checks.registry import drawn_records  # lazy: torch and the models only where this command needs them
+    stale = 0
+    for path, name, text, start, end in found:
+        if args.update:  # a doc with both blocks: the second rewrite reads what the first wrote
+            text, start, end = docblocks.read_block(path, name)
+        table = "\n".join(block_lines(name, args.reference_model)) + "\n"
+        what = "reach table" if name == "reach" else "family checks' reach table"
+        if args.check:
+            if not docblocks.is_current(text, start, end, table):
+                print(f"mpt-kv reach: the {what} in {path} is stale: run {COMMAND}", file=sys.stderr)
+                stale = 1
+            else:
+                print(f"{path}: the {what} is up to date")
+            continue
+        docblocks.rewrite(path, text, start, end, table)
+        print(f"{path}: {what} rewritten")
+    return stale
 
-    table = "\n".join(reach.table_lines(reach.summarize(drawn_records(DOC_PROFILE)),
-                                        reach.load_reference_model(args.reference_model))) + "\n"
-    if args.check:
-        if not docblocks.is_current(text, start, end, table):
-            print(f"mpt-kv reach: the reach table in {path} is stale: run {COMMAND}", file=sys.stderr)
-            return 1
-        print(f"{path}: the reach table is up to date")
-        return 0
-    docblocks.rewrite(path, text, start, end, table)
-    print(f"{path}: reach table rewritten")
-    return 0
+
+def block_lines(name: str, reference_model: str | None) -> list[str]:
+    """A generated block's table: "reach" the `ci` profile's draws (no model run); "family-reach" a run of
+    the family programs (`running.family_program_records`)."""
+    # lazy: torch and the models only where this command needs them
+    if name == "reach":
+        from mpt_kv.checks.registry import drawn_records
+
+        return reach.table_lines(reach.summarize(drawn_records(DOC_PROFILE)), reach.load_reference_model(reference_model))
+    from mpt_kv.checks.running import family_program_records
+
+    return reach.family_doc_lines(family_program_records())

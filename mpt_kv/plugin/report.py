@@ -259,7 +259,7 @@ def summary(tw, config, results: list[dict], extras: dict) -> None:
 
         tw.write_sep("=", "mpt-kv reach")
         try:
-            lines = reach.table_lines(reach.summarize(extras["reach"]), reference_model(config))
+            lines = reach.report_lines(extras["reach"], reference_model(config))  # MPT's, then the families'
         except ValueError as e:  # a project's own check recording a malformed knob: say so, keep the summary
             lines = [f"reach: {e}"]
         for line in lines:
