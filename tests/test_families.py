@@ -18,6 +18,7 @@ from mpt_kv.families import FAMILIES, variants
 from mpt_kv.findings import entries as kf
 from mpt_kv.checks.family import CHECKS
 from mpt_kv.checks.family_driver import pinning_problems
+from mpt_kv.catalogue.family_catalogue import store_first_as_given
 
 # the family checks by property: (implementation, family, variant, path) -> notes
 check_cached, check_memory, check_no_pinned_storage = CHECKS["family-P1"], CHECKS["family-memory"], CHECKS["family-P3"]
@@ -30,16 +31,9 @@ needs_5x = pytest.mark.skipif(not hasattr(getattr(cache_utils, "DynamicLayer", N
                               reason="these patches are written against transformers 5.x DynamicLayer")
 
 
-def views_update(self, key_states, value_states, *args, **kwargs):
-    """DynamicLayer.update as in transformers <4.56: the first K/V stored as they come (views of
-    the fused output where the model splits one), later ones concatenated."""
-    if not self.is_initialized:
-        self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = key_states, value_states
-        return self.keys, self.values
-    self.keys = torch.cat([self.keys, key_states], dim=-2)
-    self.values = torch.cat([self.values, value_states], dim=-2)
-    return self.keys, self.values
+# DynamicLayer.update as in transformers <4.56: the first K/V stored as they come (views of the
+# fused output where the model splits one), later ones concatenated (the catalogue's one copy)
+views_update = store_first_as_given
 
 
 def lossy_update(self, key_states, value_states, *args, **kwargs):

@@ -22,6 +22,7 @@ from mpt_kv.findings.raw import raw_entries, target_of
 from mpt_kv.checks.family import CHECKS
 from mpt_kv.checks.family_driver import BATCH, PROMPT
 from mpt_kv.families.models import build
+from mpt_kv.catalogue.family_catalogue import store_first_as_given
 
 transformers = pytest.importorskip("transformers")
 from packaging.version import Version  # noqa: E402
@@ -115,16 +116,9 @@ def test_formula_is_the_measured_pin(entry):
     assert_formula_gives(entry, measured_pins(entry))
 
 
-def views_update(self, key_states, value_states, *args, **kwargs):
-    """DynamicLayer.update as in transformers <4.56 (as tests/test_families.py puts it back): the
-    first K/V stored as the model hands them, later ones concatenated."""
-    if not self.is_initialized:
-        self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = key_states, value_states
-        return self.keys, self.values
-    self.keys = torch.cat([self.keys, key_states], dim=-2)
-    self.values = torch.cat([self.values, value_states], dim=-2)
-    return self.keys, self.values
+# DynamicLayer.update as in transformers <4.56: the first K/V stored as they come (views of the
+# fused output where the model splits one), later ones concatenated (the catalogue's one copy)
+views_update = store_first_as_given
 
 
 @pytest.mark.skipif(not hasattr(getattr(pytest.importorskip("transformers.cache_utils"), "DynamicLayer", None),

@@ -224,13 +224,13 @@ def family_program():
     from mpt_kv.checks import family_driver
 
     family_driver.clear_caches()
-    return running_layer().family_program_records()
+    return registry_of_checks().family_program_records()
 
 
-def running_layer():
-    from mpt_kv.checks import running
+def registry_of_checks():
+    from mpt_kv.checks import registry
 
-    return running
+    return registry
 
 
 def test_the_family_programs_reach_every_edge_the_zoo_claims(family_program):
@@ -262,7 +262,7 @@ def test_the_remote_code_families_programs_reach_their_edges():
     as the block's: its cache holds 4, 2 and 1 K/V heads in its three layers (read from the cached
     tensors). minicpm's port cannot run off an HPU (FusedSDPA at module level): no case, no record here,
     its latent is reached on Gaudi only."""
-    records = running_layer().family_program_records(["minicpm", "decilm"], implementation="optimum-habana")
+    records = registry_of_checks().family_program_records(["minicpm", "decilm"], implementation="optimum-habana")
     assert not_reached(records, {(reach.MIXED_HEADS, "family-P1/concat"): {"decilm"},
                                  (reach.MIXED_HEADS, "family-ops/concat"): {"decilm"}}) == {}
     decilm = [r["knobs"] for r in records if r["knobs"].get("family") == "decilm"]
@@ -277,7 +277,7 @@ def test_a_shorter_program_leaves_the_window_edges_unreached(monkeypatch):
 
     monkeypatch.setattr(family_driver, "STEPS", 0)
     monkeypatch.setattr(family_driver, "EXTEND", 2)
-    records = running_layer().family_program_records(["gpt_oss", "gemma3"], checks=("family-P1/concat",))
+    records = registry_of_checks().family_program_records(["gpt_oss", "gemma3"], checks=("family-P1/concat",))
     claimed = {key: families & {"gpt_oss", "gemma3"} for key, families in CLAIMED.items()
                if key[1] == "family-P1/concat" and families & {"gpt_oss", "gemma3"}}
     assert not_reached(records, claimed) == {(reach.WINDOW_DECODE, "family-P1/concat"): ["gpt_oss"],
@@ -293,7 +293,7 @@ def test_experts_are_the_routers_own_not_the_configs(monkeypatch):
     from mpt_kv.checks import family_driver
 
     monkeypatch.setattr(family_driver, "router_modules", lambda model: [])
-    records = running_layer().family_program_records(["mixtral"], checks=("family-P1/concat",))
+    records = registry_of_checks().family_program_records(["mixtral"], checks=("family-P1/concat",))
     assert not_reached(records, {(reach.EXPERTS, "family-P1/concat"): {"mixtral"}}) == {
         (reach.EXPERTS, "family-P1/concat"): ["mixtral"]}
     assert "experts" not in records[0]["knobs"]
@@ -362,10 +362,10 @@ def test_the_cli_prints_the_family_table_under_the_mpt_one(tmp_path, capsys):
 
 
 def test_reach_update_docs_keeps_the_family_block(tmp_path, capsys, monkeypatch, family_program):
-    from mpt_kv.checks import running
+    from mpt_kv.checks import registry
     from mpt_kv.cli import reach as reach_cli
 
-    monkeypatch.setattr(running, "family_program_records", lambda: family_program)  # the run is the fixture's
+    monkeypatch.setattr(registry, "family_program_records", lambda: family_program)  # the run is the fixture's
 
     doc = tmp_path / "families.md"
     doc.write_text("# f\n\n<!-- family-reach:begin -->\nstale\n<!-- family-reach:end -->\nafter\n")

@@ -356,7 +356,7 @@ class FamilyReach:
 
 
 def family_doc_lines(records: list[dict]) -> list[str]:
-    """docs/families.md's block: the family table of `running.family_program_records`, less the rows of
+    """docs/families.md's block: the family table of `registry.family_program_records`, less the rows of
     what the cache itself held (CACHE_MEASURED: a run's own table has them), so the block is the same
     under every transformers release the envs pin."""
     summary = summarize(records, FAMILY_MAX_VALUES)

@@ -51,7 +51,7 @@ from mpt_kv.checks.stored_ceilings import StoredCeilings, compare_stored  # noqa
 from mpt_kv.checks.running import (SHRINKING_PROFILES, RunContext, hypothesis_profile,  # noqa: F401  (their
                                    one_thread, record, running)                              # home was here)
 from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE  # noqa: F401  (public here before)
-from mpt_kv.errors import Finding, UnknownName
+from mpt_kv.errors import Finding, UnknownName, Unsupported
 from mpt_kv.model.config import DTYPES, as_dtype  # noqa: F401  (as_dtype: its home was here)
 from mpt_kv.targets import FamilyTarget, Target, required_features, target_name
 
@@ -204,6 +204,48 @@ def drawn_records(profile: str = "ci", device: str = "cpu", dtypes=(torch.float3
     """The reach records of every check under `profile`, without running a model (running.drawn_records)."""
     return run_layer.drawn_records(CHECKS.values(), profile, device, dtypes)
 
+
+
+# the checks whose programs carry every design edge the zoo claims: family-P1 (prefill 6, 2 decodes, a
+# 3-token call, a decode) and family-ops (prefill 8; beam: decodes and reorders; assisted: extend 3, crop 2,
+# decode, extend 3), on transformers' concat path (the same calls in every transformers release, 4.x and 5.x)
+PROGRAM_CHECKS = ("family-P1/concat", "family-ops/concat")
+
+
+def has_edges(family) -> bool:
+    """A family whose design has edges to reach (local windows, a latent, experts: its design's word, or
+    per-layer K/V heads) that transformers ships: a remote-code family's model is its port's
+    (optimum-habana's env measures it, its conformance report has its records)."""
+    per_layer_heads = family.design == "per-layer-gqa"
+    return not family.remote_code and (family.windows is not None or family.latent_width is not None
+                                       or "moe" in family.design or per_layer_heads)
+
+
+def family_program_records(families=None, checks=PROGRAM_CHECKS, implementation: str = "transformers") -> list[dict]:
+    """The reach records of a run of `checks` on `implementation` for every variant of `families` (default:
+    the registry's families with design edges, `has_edges`), through the run layer as under pytest (the
+    records only; a check that fails or is unsupported still records what it reached): deterministic
+    (fixed prompts and weights), a few seconds on CPU. docs/families.md's edge table is this run's
+    (`python -m mpt_kv reach --update-docs`)."""
+    from mpt_kv.checks.compare import PropertyFailure
+    from mpt_kv.families import FAMILIES  # lazy: the registry of checks loads no family module
+
+    chosen = [FAMILIES[f] for f in families] if families is not None else [f for f in FAMILIES.values() if has_edges(f)]
+    records: list[dict] = []
+
+    def keep(name, value):
+        if name == "mpt_kv_reach":
+            records.append(value)
+
+    with run_layer.running(RunContext(record=keep)):
+        for family in chosen:
+            for variant in family.variants:
+                for check in checks:
+                    try:
+                        run_layer.run(CHECKS[check], FamilyTarget(implementation, family.name, variant), "cpu", torch.float32)
+                    except (PropertyFailure, Unsupported):
+                        pass  # the verdict is the conformance run's; what the program reached is recorded
+    return records
 
 # --- the Python API for a project's own tests --------------------------------------------------------------
 

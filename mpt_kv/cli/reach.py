@@ -110,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def block_lines(name: str, reference_model: str | None) -> list[str]:
     """A generated block's table: "reach" the `ci` profile's draws (no model run); "family-reach" a run of
-    the family programs (`running.family_program_records`)."""
+    the family programs (`registry.family_program_records`)."""
     # lazy: torch and the models only where this command needs them
     if name == "reach":
         from mpt_kv.checks.registry import drawn_records
 
         return reach.table_lines(reach.summarize(drawn_records(DOC_PROFILE)), reach.load_reference_model(reference_model))
-    from mpt_kv.checks.running import family_program_records
+    from mpt_kv.checks.registry import family_program_records
 
     return reach.family_doc_lines(family_program_records())
