@@ -145,12 +145,20 @@ PROGRAMS = {
     # family-P1/P2: the prefill, 2 greedy steps, then a chunk of 3 tokens in one cached call
     "extend": [("prefill",), ("extend", 1), ("extend", 1), ("extend", 3)],
     "reorder": [("prefill",), ("reorder",)],
+    "uncached": [("uncached",)],  # family-P0: the forward with use_cache=False
+    # family-ops' beam search: a step, the reorder, the next step
+    "beam-decode": [("prefill",), ("extend", 1), ("reorder",), ("extend", 1)],
 }
 
 PROGRAM_CALLS = {"prefill": "the prefill", "decode": "a decode step after the prefill",
                  "(prefill|decode)": "the prefill or the decode step after it",
                  "extend": "a 3-token cached call after the prefill and 2 decode steps",
-                 "reorder": "the beam-search cache reorder after the prefill"}
+                 "reorder": "the beam-search cache reorder after the prefill",
+                 "uncached": "the uncached forward (use_cache=False)",
+                 "beam-decode": "the decode step after a beam-search cache reorder"}
+
+BEAM_AXIS_FIX = ("select the beams along the batch dimension of each cached (batch, heads, seq, head_dim) K/V "
+                 "(index_select(0, beam_idx)) in the port's _reorder_cache (the upstream line), not along the heads")
 
 # (a text of the error, its short name, a one-sentence suggested fix), the first that matches
 PROGRAM_ERRORS = [
@@ -159,6 +167,10 @@ PROGRAM_ERRORS = [
      "mask with past_key_values_length zero columns (not past_key_values_length - tgt_len), as transformers' "
      "AttentionMaskConverter does"),
     ("The size of tensor a", "size-mismatch", None),
+    # before index_copy_'s chunk error: the same function's other messages
+    ("expected to have the same dtype", "dtype-mismatch",
+     "allocate the reuse_cache K/V in the model's dtype (KVCache.allocate, the upstream line), not bfloat16 always"),
+    ("Source/destination tensor must have same slice shapes", "index-copy-slice-shapes", BEAM_AXIS_FIX),
     ("index_copy_", "index-copy",
      "write the chunk's k slots (index_copy_ with token_idx - 1 + arange(k)) instead of one slot per call"),
     ("index_add_", "index-add", "add the chunk's k slots (token_idx - 1 + arange(k)) instead of one index"),
@@ -184,6 +196,7 @@ PROGRAM_ERRORS = [
     ("'torch.Size' object has no attribute 'shape'", "past-size-has-no-shape",
      "with reuse_cache the past is the preallocated cache's shape (a torch.Size): read its length as "
      "past_key_value[0][-2] there (or from token_idx), not past_key_value[0].shape[-2] (modeling_gemma.py:316)"),
+    ("Sizes of tensors must match except in dimension", "cat-size-mismatch", BEAM_AXIS_FIX),
     ("The provided attention mask has length", "attention-mask-length",
      "compare the attention mask against past_key_values_length + seq_length (modeling_opt.py:273-288), as "
      "transformers' OPT does: mask_seq_length = past_key_values_length leaves out the call's own tokens"),
@@ -209,6 +222,7 @@ ALTERNATION_FIX = ("see the upstream lines: the concat path's causal mask (model
 UNNAMED_CALLS = {
     ("gemma2", "hybrid-window4", "The size of tensor a"): "decode",
     ("gemma3", "hybrid-window9", "The size of tensor a"): "decode",
+    ("chatglm", "mq-groups2", "expected to have the same dtype"): "decode",
 }
 
 
@@ -225,6 +239,7 @@ class Program:
     fix: str
     observe: tuple = ()   # ((call, "views" | "memory" | "logits"), ...)
     seen: str = ""        # what the observation sees, for the title
+    pads: tuple = (2, 0)  # each prompt's left padding (the batch: its length)
 
 
 def expected_errors(pattern: str) -> str:
@@ -234,13 +249,19 @@ def expected_errors(pattern: str) -> str:
     return re.sub(r"^.*?raised ", "", pattern)
 
 
+def templated(family: str) -> bool:
+    """Whether the port templates cover the family: its adapt_transformers_to_gaudi lines are
+    replayed (PORT_PATCHES), or it is remote code (the port's own model: nothing to patch)."""
+    return family in PORT_PATCHES or bool(FAMILIES[family].remote_code)
+
+
 def crash_program(entries: list[dict]) -> Program | None:
     """The program of an optimum-habana crash finding: its call from the pattern, its path from the
     entries (concat where an entry holds there, else static, else concat where an entry holds on
     every path, else static+reuse)."""
     entry = entries[0]
     implementation, family, variant = target_of(entry)
-    if implementation != "optimum-habana" or family not in PORT_PATCHES:
+    if implementation != "optimum-habana" or not templated(family):
         return None
     pattern = entry["pattern"].replace("\\", "")
     found = re.search(r"(\(prefill\|decode\)|prefill|decode|extend|reorder) raised \w+", pattern)
@@ -248,6 +269,8 @@ def crash_program(entries: list[dict]) -> Program | None:
         (c for (f, v, text), c in UNNAMED_CALLS.items() if (f, v) == (family, variant) and text in pattern), None)
     if call is None:
         return None
+    if call == "decode" and re.search(r"beam step \d+ \(decode\)", pattern):  # family-ops' beam program
+        call = "beam-decode"
     paths = {e.get("path") for e in entries}
     # an entry without a path holds on every path the check drives (family-P2: concat, then static)
     path = ("concat" if "concat" in paths else "static" if "static" in paths else "concat" if None in paths
@@ -268,7 +291,10 @@ def crash_program(entries: list[dict]) -> Program | None:
     prefix = re.match(r"(family-\w+) ", pattern)  # a second finding of the same error, seen by one check
     short = "-".join(filter(None, [slugify("-then-".join(paths)), "beam-reorder" if call == "reorder" else slugify(call), error,
                                    slugify(prefix.group(1)) if prefix else None]))
-    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix)
+    # family-ops' beam program: batch 3 (mpt-kv's OPS_PADS), whose first reorder [2, 0, 1] reaches
+    # past a dimension of 2 (ChatGLM's 2 multi-query groups, where its _reorder_cache selects)
+    beam = call in ("reorder", "beam-decode") and all(e.get("property") == "family-ops" for e in entries)
+    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix, pads=(2, 0, 1) if beam else (2, 0))
 
 
 # optimum-habana findings seen in what a call leaves, not in an error (port_program.py.tmpl's
@@ -287,25 +313,90 @@ EAGER_ALIBI_FIX = ("in transformers' eager Falcon attention add ALiBi once: it i
 EAGER_ALIBI_SEEN = ("the prefill's logits equal transformers' sdpa forward, not its eager forward (mpt-kv's "
                     "reference), which adds ALiBi twice")
 
+WINDOW_FIX = ("cache a local (sliding-window) layer's window only: on the concat path its last window - 1 "
+              "positions (the next query attends to itself and those), on the static path a buffer of "
+              "min(length, window) slots written as a ring, as transformers 5.x's DynamicSlidingWindowLayer and "
+              "StaticSlidingWindowLayer do; the global layers keep the whole history")
+
 EXTEND_CRASHES = {"concat": r"RuntimeError: The expanded size of the tensor \(\d+\) must match the existing size",
                   "static": r"RuntimeError: The size of tensor a \(\d+\) must match the size of tensor b"}
 
 EXTEND_CRASH_FIXES = {"concat": PROGRAM_ERRORS[0][2], "static": SIZE_MISMATCH_FIXES[("extend", "3")]}
 
 
+# optimum-habana findings of wrong logits (the family checks' P0, P1, P2 and ops comparisons), by
+# the property whose check saw them and what the pattern compares: (the call, the observation, what
+# the folder's short name says, what is seen); prefill or decode from the pattern's step
+LOGITS_SEEN = {
+    "uncached": "the port's uncached logits differ from transformers' uncached forward (same weights)",
+    "prefill": "the prefill's logits differ from transformers' uncached forward (same weights)",
+    "decode": "a decode step's logits differ from transformers' uncached forward over the same tokens",
+    "static-vs-concat": "a decode step's logits on the static path differ from the concat path's (same tokens)",
+}
+
+
+def logits_program(entries: list[dict]) -> Program | None:
+    """The program of an optimum-habana finding of wrong logits against transformers' uncached
+    forward (family-P0, P1, ops) or the concat path's (family-P2): the call the pattern's step
+    names, on the finding's path (concat where an entry holds there or on every path)."""
+    entry = entries[0]
+    implementation, family, _ = target_of(entry)
+    # transformers' own model is the reference: a remote-code family has none
+    if implementation != "optimum-habana" or family not in PORT_PATCHES:
+        return None
+    pattern = entry["pattern"].replace("\\", "")
+    found = re.match(r"(family-\w+) (.*?)logits vs (transformers' uncached forward|the concat path's)", pattern)
+    if found is None:
+        return None
+    prop, step, against = found.groups()
+    paths = {e.get("path") for e in entries}
+    path = "concat" if "concat" in paths or None in paths else "static" if "static" in paths else None
+    if path is None:
+        return None
+    if prop == "family-P0":
+        call, kind, short = "uncached", "uncached-logits", "uncached-logits-vs-transformers"
+    elif "prefill" in step:
+        call, kind, short = "prefill", "uncached-logits", f"{path}-prefill-logits-vs-uncached"
+    elif "decode" in step:
+        call = "decode"
+        kind = "concat-logits" if against == "the concat path's" else "uncached-logits"
+        short = f"{path}-decode-logits-vs-" + ("concat" if kind == "concat-logits" else "uncached")
+    else:
+        return None
+    if prop not in ("family-P0", "family-P1", "family-P2"):  # a second finding of the same comparison
+        short += f"-{slugify(prop)}"
+    seen = LOGITS_SEEN["static-vs-concat" if kind == "concat-logits" else call]
+    observe = (("extend" if call == "decode" else call, kind),)
+    paths_driven = ("concat", path) if kind == "concat-logits" else (path,)
+    fix = f"see the upstream line{'s' if ' and ' in entry['upstream'] else ''}: {entry['upstream']}"
+    return Program(call, path, paths_driven, short, None, fix, observe, seen)
+
+
 def observed_program(entries: list[dict]) -> Program | None:
     """The program of an optimum-habana finding seen after a call (`views` or `logits`)."""
     entry = entries[0]
     implementation, family, variant = target_of(entry)
-    if implementation != "optimum-habana" or family not in PORT_PATCHES:
+    if implementation != "optimum-habana" or not templated(family):
         return None
     path = next((e["path"] for e in entries if e.get("path")), "concat")
-    if entry.get("views") and path in ("concat", "static"):
+    fused = FAMILIES[family].fused
+    # the views, as the entry lists them or as a family-P3 pattern names them ("... are views of
+    # <module>.<fused>'s output")
+    named = fused and re.search(rf"are views of .*{re.escape(fused)}'s output", entry["pattern"].replace("\\", ""))
+    if (entry.get("views") or named) and path in ("concat", "static"):
         memory = entry["pattern"].startswith("family-memory")
         observe = (("prefill", "memory"), ("prefill", "views")) if memory else (("prefill", "views"),)
-        seen = ("the cache's storages hold more bytes than its K/V: " if memory else "") + what(entry).replace("`", "")
+        views = what(entry).replace("`", "") if entry.get("views") else f"K and V view {fused}'s output"
+        seen = ("the cache's storages hold more bytes than its K/V: " if memory else "") + views
         return Program("prefill", path, (path,), f"{path}-prefill-" + ("storage-bytes" if memory else "kv-views"),
                        None, VIEWS_FIX, observe, f"after the prefill, {seen}")
+    if entry["pattern"].startswith("the cached tensors themselves hold") and "windows per layer" in entry["pattern"]:
+        # family-memory of a window: the local layers' cache against the window's analytic bytes
+        static = path.startswith("static")
+        return Program("prefill", path, (path,), f"{path}-prefill-local-layers-beyond-window", None, WINDOW_FIX,
+                       (("prefill", "window-memory"),),
+                       "after the prefill, the local layers' cached K/V hold more positions than their window "
+                       + ("(the static buffer's every slot)" if static else "(the whole history)"))
     if "vs transformers' uncached forward" in entry["pattern"] and (family, variant) == (
             "falcon", "alibi"):
         if "did not get past extend 3" not in entry["pattern"]:  # family-P0 and the ops' prefill
@@ -367,7 +458,7 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
     _, family, variant = target_of(entry)
     program = program_of(entries)
     port = FAMILIES[family].gaudi
-    config_class, _ = class_names(family)
+    config_class, imports, remote_config, remote_weights = model_source(family)
     what_fails = PROGRAM_CALLS[program.call]
     where = {"concat": "static shapes off", "static": "static shapes (token_idx)",
              "static+reuse": "static shapes and reuse_cache"}[program.path]
@@ -382,16 +473,19 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
         title = (f"optimum-habana {family}/{variant}, {where}: {what_fails} raises "
                  f"{program.expected.replace(chr(92), '')}")
     patches = "\n".join(f"    hf.{name}{'.' + attribute if attribute else ''} = port.{value}"
-                        for name, attribute, value in PORT_PATCHES[family])
+                        for name, attribute, value in PORT_PATCHES.get(family, ())) or "    # (none: remote code)"
     script = fill(
         template("port_program.py.tmpl"), title=title, summary=textwrap.fill(entry["reason"], 96), upstream=entry["upstream"], when=versions(entry),
-        family=family, variant=variant, config_class=config_class, hf_module=port.hf_module,
+        family=family, variant=variant, config_class=config_class, imports=imports, remote_config=remote_config,
+        remote_weights=remote_weights,
         port_module=port.module, causal_lm=port.causal_lm, expected=repr(program.expected),
         config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
         generation_config=repr(dict(port.generation)), patches=patches,
         load_module=part("load_with_standin" if port.standin else "load_plain"), what_fails=what_fails,
         program=repr(PROGRAMS[program.call]), paths=repr(program.paths), observe=repr(list(program.observe)),
-        fused=FAMILIES[family].fused, generation_function=part("generation_function"))
+        fused=FAMILIES[family].fused, generation_function=part("generation_function"),
+        layout=layout_literal(family, variant, program), vocab_key=repr(vocab_key(family, variant)),
+        pads=repr(program.pads), fresh_transformers=FRESH_TRANSFORMERS if FAMILIES[family].remote_code else "")
     options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
                "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
     calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
@@ -403,16 +497,72 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
                        f"{options}) - a cached call of k > 1 tokens; here a prefill, 2 greedy steps, then 3 tokens "
                        "in one call",
              "reorder": f"model.generate(input_ids, attention_mask=attention_mask, num_beams=2, {options}) - here "
-                        "its first reorder"}
+                        "its first reorder",
+             "beam-decode": f"model.generate(input_ids, attention_mask=attention_mask, num_beams=2, {options}) - here "
+                            "its prefill, a step, the reorder and the next step",
+             "uncached": "model(input_ids, attention_mask=attention_mask, use_cache=False) - any forward of the "
+                         "port; here the uncached one, as transformers' own model's"}
     readme = readme_text(entries, title, calls[program.call], program.fix)
     return Repro(slug, title, script, readme, tuple(entries))
+
+
+# A remote-code port imports transformers' classes itself (DeciLM's subclass Llama's): in an interpreter
+# that ran other optimum-habana scripts, whose replayed patches replaced those classes in place, the
+# modules are read again first and the port imported anew
+FRESH_TRANSFORMERS = (
+    "    # transformers' model modules read again: another optimum-habana script run in this interpreter may\n"
+    "    # have patched their classes (adapt_transformers_to_gaudi), which this remote-code port imports\n"
+    "    for name in [n for n in sys.modules if n.startswith(\"transformers.models.\") and \".modeling_\" in n]:\n"
+    "        importlib.reload(sys.modules[name])\n"
+    "    sys.modules.pop(PORT_MODULE, None)\n")
+
+
+def vocab_key(family_name: str, variant: str) -> str:
+    """The tiny config's key of the vocabulary size (ChatGLM's remote config names it padded_vocab_size)."""
+    config = tiny_config(family_name, variant)
+    return next(key for key in ("vocab_size", "padded_vocab_size") if key in config)
+
+
+def layout_literal(family_name: str, variant: str, program: Program) -> str:
+    """The script's LAYOUT: each caching layer's window (None: global), its K/V heads and head dim,
+    from the family entry (mpt_kv/families/<family>.py), where the script checks a window's bytes."""
+    if not any(kind == "window-memory" for _, kind in program.observe):
+        return "LAYOUT = None  # (this script checks no window's bytes)"
+    family = FAMILIES[family_name]
+    config = family.config(variant)
+    layout = {"windows": family.layer_windows(config), "kv_heads": family.kv_heads(config),
+              "head_dim": family.head_dim(config)}
+    return ("# Each caching layer's window (None: a global layer), its K/V heads and head dim\n"
+            f"LAYOUT = {layout!r}")
+
+
+def model_source(family_name: str) -> tuple[str, str, str, str]:
+    """(the config class's name, the script's imports of it and of transformers' module of the
+    family, the line that takes a remote-code config class from the port's folder once it is
+    loaded, the lines that set a remote-code model's unset weights), for port_program.py.tmpl."""
+    family = FAMILIES[family_name]
+    if not family.remote_code:
+        config_class, _ = class_names(family_name)
+        return (config_class, f"    from transformers import {config_class}\n    import {family.gaudi.hf_module} as hf",
+                "", "")
+    module, config_class = family.remote_config.split(":")
+    imports = ("    hf = None  # remote code: transformers has no module of this family, the port's own model is "
+               "the model")
+    remote_config = (f"    # remote code: the config class is the port's own copy of the Hub file, beside its model\n"
+                     f"    {config_class} = importlib.import_module({module!r}).{config_class}\n")
+    remote_weights = ("    # remote code leaves some parameters as torch.empty for a checkpoint to fill (whatever memory "
+                      "held):\n    # the 1-D weights (the norms') set to 1 and 1-D biases to 0, as their own init does "
+                      "elsewhere\n    with torch.no_grad():\n        for name, param in model.named_parameters():\n"
+                      "            if param.dim() == 1:\n"
+                      "                param.fill_(1.0 if name.endswith(\"weight\") else 0.0)\n")
+    return config_class, imports, remote_config, remote_weights
 
 
 def port_operation(entries: list[dict]) -> tuple[str, str] | None:
     """(operation, short name) of an optimum-habana finding a port template covers, else None."""
     entry = entries[0]
     implementation, family, variant = target_of(entry)
-    if implementation != "optimum-habana" or family not in PORT_PATCHES:
+    if implementation != "optimum-habana" or family not in PORT_PATCHES:  # port.py.tmpl replays the patches
         return None
     for (crash_family, crash_variant, text), short in FORWARD_CRASHES.items():
         if (family, variant) == (crash_family, crash_variant) and text in entry["pattern"]:
@@ -424,4 +574,4 @@ def port_operation(entries: list[dict]) -> tuple[str, str] | None:
 
 def program_of(entries: list[dict]) -> Program | None:
     """The program of an optimum-habana finding port_program.py.tmpl covers: a crash or an observation."""
-    return crash_program(entries) or observed_program(entries)
+    return crash_program(entries) or observed_program(entries) or logits_program(entries)
