@@ -3,10 +3,10 @@ soft-capping, GQA. The tiny window (4) is shorter than the checks' prompt (6): e
 reads a window that has already slid."""
 
 from mpt_kv.families.base import Family, GENERATE_FORWARD_KWARGS, GaudiPort, NO_BUCKETS, self_attn_kv_caches
-from mpt_kv.families.windows import history_before_5, hybrid_windows
+from mpt_kv.families.windows import history_before_4_56, hybrid_windows
 
 FAMILY = Family(name="gemma2", model_type="gemma2", design="hybrid+softcap", windows=hybrid_windows,
-                stored_windows=history_before_5, variants={
+                stored_windows=history_before_4_56, variants={
     "hybrid-window4": {"intermediate_size": 64, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4,
                        "layer_types": ["sliding_attention", "full_attention"]}},
     # optimum-habana 1.21.2 models/gemma2/modeling_gemma2.py: imports habana_frameworks.torch.core at

@@ -3,10 +3,10 @@ window (9) is longer than the checks' prompt (6) and the decode steps: the k-tok
 (positions 9-11) crosses it."""
 
 from mpt_kv.families.base import Family, GENERATE_FORWARD_KWARGS, GaudiPort, NO_BUCKETS, self_attn_kv_caches
-from mpt_kv.families.windows import history_before_5, hybrid_windows
+from mpt_kv.families.windows import history_before_4_56, hybrid_windows
 
 FAMILY = Family(name="gemma3", model_type="gemma3_text", design="hybrid+qk-norm", windows=hybrid_windows,
-                stored_windows=history_before_5, variants={
+                stored_windows=history_before_4_56, variants={
     "hybrid-window9": {"intermediate_size": 64, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 9,
                        "layer_types": ["sliding_attention", "full_attention"]}},
     # optimum-habana 1.21.2 models/gemma3/modeling_gemma3.py: imports habana_frameworks.torch.core at

@@ -20,10 +20,13 @@ def every_layer_window(config) -> list:
     return [config.sliding_window] * config.num_hidden_layers
 
 
-def history_before_5(config) -> list | None:
-    """What transformers 4.x's cache keeps of a hybrid model's local layers: the whole history
-    (4.55.4 generate makes a plain `DynamicCache()`, generation/utils.py:2087-2093, and its
-    StaticCache preallocates every layer to the cache length); None (the windows) from 5.0 on."""
-    from mpt_kv.versions import transformers_major
+def history_before_4_56(config) -> list | None:
+    """What transformers before 4.56 caches of a model's local (sliding-window) layers: the whole
+    history (4.55.4 generate makes a plain `DynamicCache()`, generation/utils.py:2087-2093, and its
+    StaticCache preallocates every layer to the cache length); None (the windows) from 4.56.0 on
+    (the repro sweep of the concat path, docs/releases.md: 4.56.0-4.57.6 and 5.x keep the window)."""
+    from packaging.version import Version
 
-    return [None] * config.num_hidden_layers if transformers_major() < 5 else None
+    from mpt_kv.versions import transformers_version
+
+    return [None] * config.num_hidden_layers if Version(transformers_version()) < Version("4.56.0") else None
