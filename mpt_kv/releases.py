@@ -11,9 +11,11 @@ Which releases: an exact `==X` as given, a range from `pip index versions`. Pins
 and llm-foundry X run with the transformers their own metadata requires (Requires-Dist of the wheel,
 fetched with `pip download --no-deps`): the newest release in that range, or its lower bound where
 the range is open-ended; transformers X with X. Always torch==2.13.0 (the CPU build) and the test
-tools pinned by constraints/hpu.txt. An env: <envs>/<package>-<version>/, a venv layered on one
-shared base venv by a .pth file, mpt-kv from this checkout by another; reused while its lock.json
-(python, the requested pins, the base) matches, else rebuilt. A release whose pins cannot be read or
+tools pinned by constraints/hpu.txt. An env: <envs>/<package>-<version>-<checkout>/, a venv layered on
+one shared base venv by a .pth file, mpt-kv from this checkout by another (<checkout>: a digest of its
+path, so two checkouts sharing the envs folder never rebuild each other's env under a running sweep);
+reused while its lock.json (python, the requested pins, the base) matches, else rebuilt, under a file
+lock beside it (two sweeps of one checkout build it once). A release whose pins cannot be read or
 whose install fails or times out is a `SweepError` saying why: its row of the sweep's table.
 """
 
@@ -35,6 +37,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from filelock import FileLock  # a dependency of torch: present wherever mpt-kv runs
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -221,7 +224,14 @@ def digest(obj) -> str:
 
 
 def ensure_venv(folder: Path, lock: dict, install, timeout: float) -> dict:
-    """A venv in folder/venv whose lock.json matches `lock`; built by `install(venv)` otherwise."""
+    """A venv in folder/venv whose lock.json matches `lock`; built by `install(venv)` otherwise, while
+    holding `<folder>.lock` (another process of the same request waits, then reuses what it built)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        return _ensure_venv(folder, lock, install, timeout)
+
+
+def _ensure_venv(folder: Path, lock: dict, install, timeout: float) -> dict:
     venv, lock_file = folder / "venv", folder / "lock.json"
     if lock_file.is_file() and (venv / "bin" / "python").exists():
         try:
@@ -251,8 +261,9 @@ def base_env(envs: Path, timeout: float) -> tuple[Path, str]:
         pip(venv, ["install", "-q", "--no-compile", "-c", str(constraints), TORCH, "pytest", "hypothesis",
                    "pytest-xdist", "pytest-benchmark", "packaging"], t, f"the base env ({TORCH} and the test tools)")
 
-    written = ensure_venv(envs / "_base", lock, install, timeout)
-    return envs / "_base" / "venv", digest(written)
+    folder = envs / f"_base-{digest(lock)[:8]}"  # one per python and constraints: never rebuilt under another's run
+    written = ensure_venv(folder, lock, install, timeout)
+    return folder / "venv", digest(written)
 
 
 def release_env(release: Release, envs: Path, base: tuple[Path, str], deadline: float,
@@ -283,10 +294,11 @@ def release_env(release: Release, envs: Path, base: tuple[Path, str], deadline: 
             pip(venv, ["install", "-q", "--no-compile", "--no-deps", str(artifact)], deadline - time.monotonic(),
                 f"pip install --no-deps {artifact.name}")
 
-    written = ensure_venv(envs / release.slug, lock, install, deadline - time.monotonic())
+    folder = envs / f"{release.slug}-{digest(str(SOURCE))[:8]}"  # this checkout's own env of the release
+    written = ensure_venv(folder, lock, install, deadline - time.monotonic())
     versions = dict(line.split("==", 1) for line in written["installed"] if "==" in line)
     pins = ", ".join(f"{n} {versions[n]}" for n in ("transformers", "tokenizers") if n in versions)
-    return envs / release.slug / "venv", pins
+    return folder / "venv", pins
 
 
 # --- running the releases --------------------------------------------------------------------------

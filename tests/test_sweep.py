@@ -332,3 +332,51 @@ def test_an_llm_foundry_env_is_its_transformers_pin_its_model_imports_and_the_re
     assert seen["requirements"] == ["transformers==4.51.3", *releases.FOUNDRY_MODEL_IMPORTS] and pins == "transformers 4.51.3"
     assert ["install", "-q", "--no-compile", "--no-deps", str(artifact)] in calls
     assert not [a for a in calls if any("mosaicml" in x or x.startswith("torch") for x in a)]
+
+
+def test_two_checkouts_get_their_own_env_of_a_release(tmp_path, monkeypatch):
+    """The envs folder is shared (~/.cache/mpt-kv/sweep-envs): a second clone's sweep must not rebuild the
+    first's env of a release under its running scripts (the lock names the checkout's path)."""
+    folders = []
+
+    def ensure_venv(folder, lock, install, timeout):
+        folders.append(folder)
+        return {"installed": ["transformers==4.55.4"]}
+
+    monkeypatch.setattr(releases, "ensure_venv", ensure_venv)
+    for checkout in ("/work/a", "/work/b", "/work/a"):
+        monkeypatch.setattr(releases, "SOURCE", Path(checkout))
+        releases.release_env(release("transformers", "4.55.4"), tmp_path, (tmp_path / "base", "d"), 1e12)
+    assert folders[0] != folders[1] and folders[0] == folders[2], folders
+    assert all(f.parent == tmp_path and f.name.startswith("transformers-4.55.4-") for f in folders)
+
+
+def test_one_checkouts_concurrent_sweeps_build_an_env_once(tmp_path, monkeypatch):
+    """Two sweeps of one checkout reaching the same missing env: the second waits on the first's file lock,
+    then reuses what it built (without the lock both build, and one rmtree's the other's venv)."""
+    import threading
+    import time
+
+    builds = []
+
+    def fake_venv(cmd, **kwargs):  # `python -m venv DIR`: the interpreter's file is enough here
+        python = Path(cmd[-1]) / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text("")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def install(venv, timeout):
+        builds.append(venv)
+        time.sleep(0.3)  # a pip install: the other sweep arrives meanwhile
+
+    monkeypatch.setattr(releases.subprocess, "run", fake_venv)
+    monkeypatch.setattr(releases, "pip", lambda venv, args, timeout, what: "transformers==4.55.4")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        releases.ensure_venv(tmp_path / "env", {"request": 1}, install, 60))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1, f"built {len(builds)} times"
+    assert results[0] == results[1]
