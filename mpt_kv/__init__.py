@@ -8,11 +8,14 @@ The public API (docs/targets.md), importable from here:
     GaudiStyleRunner, TransformersRunner, ReferenceRunner
                               ready-made runners (mpt_kv.targets.wrappers)
     CallableRunner            a runner from callables, for a model with its own forward signature
+    FamilyModel               a model of another decoder family (mistral, llama, ...) as a target
+    FamilyTarget              one variant of a family on one implementation: the family checks' target
+    KnownFailures             the known-failure rule for checks called by hand (`known_failures=`)
     load_gaudi_mpt_module     optimum-habana's MPT module, loaded on CPU too (mpt_kv.targets.gaudi)
     ModelConfig, Case         the model shape a factory receives; one drawn input
     Session, PagedLayout, BlockGrowth, QuantizedKV
                               one generation; how a paged, block-grown or quantized cache describes itself
-    PropertyFailure, Unsupported, TargetUnavailable, InputError
+    PropertyFailure, Unsupported, TargetUnavailable, InputError, KnownFailure, UnexpectedPass
 
 Names load on first use, so `import mpt_kv` (and the pytest plugin) does not import torch.
 """
@@ -45,6 +48,11 @@ _EXPORTS = {
     "TargetUnavailable": "mpt_kv.errors",
     "InputError": "mpt_kv.errors",
     "CallableRunner": "mpt_kv.targets.callables",
+    "FamilyModel": "mpt_kv.families.own",
+    "FamilyTarget": "mpt_kv.targets",
+    "KnownFailures": "mpt_kv.findings.known",
+    "KnownFailure": "mpt_kv.errors",
+    "UnexpectedPass": "mpt_kv.errors",
 }
 __all__ = list(_EXPORTS)
 

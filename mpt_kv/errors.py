@@ -8,6 +8,8 @@ What a check's caller sees:
       TargetRaised      the target's own call raised (the crash rule made it a verdict)
         Crash           ... with the operation, the exception and the steps judged before it
     Unsupported         the target declares it does not implement what the case needs (a skip)
+    KnownFailure        with `known_failures=`: the PropertyFailure a known-failures entry names (an xfail)
+    UnexpectedPass      with `known_failures=`: a case an entry covers passed (the entry is stale: XPASS)
     InputError          bad input to mpt-kv, named with its limit, before any work
       UnknownName       a name a registry does not hold (also a KeyError)
     TargetUnavailable   a target that cannot be imported here (the reason is the message)
@@ -17,7 +19,8 @@ What a check's caller sees:
 and the files and tools behind them: BaselineError (stored ceilings), KnownFailuresError (a
 known-failures file), PortError (an optimum-habana port), MeterError (a memory meter),
 BuildError (the benchmark's target), SweepError (a release the sweep could not run),
-AliasedComparison (a check comparing a buffer with itself: a bug in the check).
+ProfileError (the stored gate profile: missing, malformed or edited), AliasedComparison (a check
+comparing a buffer with itself: a bug in the check).
 
 No torch here: the pytest plugin imports this module before a worker's device card is pinned.
 """
@@ -62,6 +65,22 @@ class Unsupported(pytest.skip.Exception):
 
     def __init__(self, msg: str):
         super().__init__(msg=msg)
+
+
+class KnownFailure(pytest.xfail.Exception):
+    """A check called with `known_failures=` (mpt_kv.findings.known.KnownFailures) failed with the
+    PropertyFailure an applying entry names: a pytest xfail (an expected failure, as the plugin's strict
+    xfail reads it), with the `entry` and the `failure` (the PropertyFailure, also chained)."""
+
+    def __init__(self, msg: str, entry=None, failure: BaseException | None = None):
+        super().__init__(msg)
+        self.entry, self.failure = entry, failure
+
+
+class UnexpectedPass(AssertionError):
+    """A check called with `known_failures=` passed where an applying entry says it fails: the
+    plugin's XPASS(strict). Not a PropertyFailure (no property failed): the entry is stale, or the
+    implementation fixed what it records."""
 
 
 class UnknownName(InputError, KeyError):
@@ -153,6 +172,10 @@ class BuildError(RuntimeError):
 
 class SweepError(Exception):
     """A release that could not be swept: the reason is its row of the sweep's table."""
+
+
+class ProfileError(Exception):
+    """The stored gate profile cannot be used (missing, malformed, edited): the message says why and what to run."""
 
 
 # --- registries --------------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ takes), and a command that writes a folder writes only into a new or empty folde
 earlier output, marked by a file `MARKER` naming the command (`dir_problem(path, command)`, then
 `mark_output(path, command)`): `findings --repro .` in a project's root is refused, a rerun
 replaces its own folders.
+
+And no output replaces an input or another output: `clash_problem(outputs, inputs)` refuses two
+outputs that name one file or folder, and an output that names a file the same run reads (`report
+r.json --markdown r.json` would replace the report it merges; `--mpt-kv-report X --mpt-kv-markdown
+X` would keep only the Markdown). Every command and the pytest plugin ask it, before any work.
 """
 
 from __future__ import annotations
@@ -27,10 +32,40 @@ EMPTY = "an empty path ('') names no file or folder (it is not the current folde
 
 
 def path_arg(value: str) -> Path:
-    """The argparse type of every output path option: '' is a usage error naming it, never '.'."""
+    """The argparse type of every path option, output or input: '' is a usage error naming it, never '.'."""
     if str(value).strip() == "":
         raise argparse.ArgumentTypeError(EMPTY)
     return Path(value)
+
+
+def same_place(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file or folder: one absolute path once links and '..' are resolved,
+    or (both existing) one file by another name (a hard link, a case-insensitive file system)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): the resolved paths said it all
+        return False
+
+
+def clash_problem(outputs, inputs=()) -> str | None:
+    """Why a run's outputs cannot all be written as named (None if they can): two outputs naming one file
+    or folder (the second write would replace the first), or an output naming a file the run reads (the
+    write would replace its own input). `outputs`, `inputs`: (what, path) pairs, `what` as the user named
+    it (an option, "the report"); a path None is one not given."""
+    outputs = [(what, path) for what, path in outputs if path is not None]
+    inputs = [(what, path) for what, path in inputs if path is not None]
+    for i, (what, path) in enumerate(outputs):
+        for other, other_path in outputs[:i]:
+            if same_place(path, other_path):
+                return (f"{what} {path} is also {other} {other_path}: two outputs never share a file (the second "
+                        "write would replace the first); name another")
+        for other, other_path in inputs:
+            if same_place(path, other_path):
+                return (f"{what} {path} is {other} {other_path}, which this run reads: an output never replaces an "
+                        "input; name another file")
+    return None
 
 
 def _make_parents(folder: Path, created: list[Path]) -> None:

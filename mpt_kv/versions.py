@@ -37,6 +37,27 @@ BUILTIN = {
 # the family implementations (mpt_kv.families.implementations) are built-in targets of the same names
 
 
+def split_attention(implementation: str) -> tuple[str, str | None]:
+    """A family target's implementation part as named (`mpt_kv.targets.FamilyTarget.name`): 'transformers[sdpa]'
+    -> ('transformers', 'sdpa'), transformers' implementation with that attention implementation (its
+    attention axis: mpt_kv.families.implementations.ATTENTION); 'transformers' -> ('transformers', None)."""
+    base, bracket, rest = implementation.partition("[")
+    if not bracket:
+        return implementation, None
+    return base, rest.removesuffix("]")
+
+
+def with_attention(implementation: str, attention: str | None) -> str:
+    """The name of `implementation` with `attention` ('transformers', 'sdpa' -> 'transformers[sdpa]')."""
+    return implementation if attention is None else f"{implementation}[{attention}]"
+
+
+def builtin_of(spec: str) -> Builtin | None:
+    """The built-in target a spec names: itself, or a family implementation's (`transformers[sdpa]/gpt2/mha`:
+    transformers)."""
+    return BUILTIN.get(split_attention(spec.split("/", 1)[0])[0])
+
+
 @functools.lru_cache(maxsize=None)
 def installed(dist: str) -> str | None:
     """The installed version of distribution `dist`, or None (read once per process: a metadata lookup
@@ -50,7 +71,7 @@ def installed(dist: str) -> str | None:
 def missing(spec: str) -> str | None:
     """For a built-in target (or a family implementation, `transformers/<family>`): why it cannot
     run here because a distribution it wraps is not installed; None otherwise."""
-    builtin = BUILTIN.get(spec.split("/", 1)[0])
+    builtin = builtin_of(spec)
     for dist in builtin.requires if builtin else ():
         if installed(dist) is None:
             return f"{dist} is not installed" + (f" ({builtin.install})" if builtin.install else "")
@@ -60,7 +81,7 @@ def missing(spec: str) -> str | None:
 def target_version(spec: str) -> str:
     """'transformers 5.24', 'optimum-habana 1.21, transformers 4.55', '' (the reference, a user's
     target): the major.minor of what a built-in target (or `<implementation>/<family>`) wraps."""
-    builtin = BUILTIN.get(spec.split("/", 1)[0])
+    builtin = builtin_of(spec)
     out = []
     for dist in builtin.versions if builtin else ():
         v = installed(dist)

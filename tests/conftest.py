@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plugin_testing import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,7 @@ class WheelVenv:
 
 
 def _sh(*cmd, **kw) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=HANG_S, **kw)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done

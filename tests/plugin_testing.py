@@ -17,6 +17,10 @@ from mpt_kv import devices
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "tests" / "fakes"
 BASE = ("-p", "no:cacheprovider")
+# The time limit of a subprocess in mpt-kv's own tests: a guard against a hang, never a judge of speed (a
+# test's verdict must not depend on how busy the machine is). Far above any of them on a 2-core machine
+# at load 30, and under CI's 90 minutes, so that a hang still ends in a failure that names its test.
+HANG_S = 3000
 
 ONE_CASE_PER_DEVICE = """
 import torch
@@ -51,7 +55,7 @@ def subprocess_runner(pytester, monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         pytester.makepyfile(test_gated=source, **(files or {}))
-        return pytester.runpytest_subprocess(*BASE, *args, timeout=300)
+        return pytester.runpytest_subprocess(*BASE, *args, timeout=HANG_S)
 
     return _run
 

@@ -86,3 +86,21 @@ def test_p3_kills_views_of_the_clamped_mixed_qkv():
                                               r"value \(2, 3, 4, 4\) were views of a per-step temporary, made at step "
                                               r"prefill .* 384 bytes pinned beyond the cache .*target=kv_views"):
         P.check_no_aliasing(runner, P.Context("kv_views_of_mixed_qkv", "cpu", torch.float32, case, "concat"))
+
+
+def test_a_kv_in_another_axis_order_is_an_adapter_error_naming_the_shape_and_the_one_expected():
+    """Issue 49: was a pass of P3/concat: a kv() that hands over a token-major cache as stored, (batch, seq, heads,
+    head_dim), owns every byte of its storages (variants.kv_in_token_major_order). Now an AdapterError, one line."""
+    from mpt_kv.errors import AdapterError
+
+    cfg = ModelConfig(d_model=12, n_heads=3, n_layers=1, vocab_size=32, max_seq_len=16)
+    case = P.Case(cfg, (5, 2), 2, seed=0)
+    runner = VARIANTS["kv_in_token_major_order"].build(cfg, random_state_dict(cfg), torch.device("cpu"), torch.float32)
+    with pytest.raises(AdapterError) as e:
+        P.check_no_aliasing(runner, P.Context("kv_in_token_major_order", "cpu", torch.float32, case, "concat"))
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith(
+        "StoredOrderSession: kv() layer 0 key has shape (2, 5, 3, 4), expected (batch 2, heads 3, positions >= 5, "
+        "head_dim 4): kv() hands the cache over as (batch, heads, seq, head_dim); this is (batch, seq, heads, "
+        "head_dim): return the stored tensor's .transpose(1, 2)"), e.value
+    P.check_no_aliasing(runner, P.Context("kv_in_token_major_order", "cpu", torch.float32, case, "static"))  # right order

@@ -23,6 +23,7 @@ from mpt_kv.checks.registry import StoredCeilings, compare_stored
 from mpt_kv.targets import build
 from mpt_kv.targets.reference import ReferenceRunner, ReferenceSession
 from mpt_kv.catalogue.variants import VARIANTS, runner_factory
+from plugin_testing import HANG_S
 
 pytest_plugins = ["pytester"]
 
@@ -124,6 +125,39 @@ def test_a_whole_cache_dequantized_or_upcast_still_fails_naming_the_allowance(na
     assert allowance in msg, msg
 
 
+@pytest.mark.parametrize("config", C.CONFIGS, ids=lambda c: c.id)
+def test_a_bf16_only_target_holding_a_second_cache_during_each_static_step_fails(config):
+    """Issue 49: was a pass on every config (2 layers: the step peaked at 0.90 of its bound, as the legitimate
+    upcast design does), because one layer's fp32 upcast allowance in bf16 is a whole 2-layer bf16 cache. The
+    target declares fp32 unsupported, so no fp32 run could catch it. 4 layers: the copy is twice the allowance."""
+    build_fn = VARIANTS["static_step_copies_whole_cache"].build
+    m = measure_variant(build_fn, "static", config, torch.bfloat16)
+    msg = next((p for p in m.problems if "peaked" in p), "")
+    assert "memory: static decode step 0 peaked" in msg, m.problems
+    assert "(the allowance of a model below float32)" in msg and "dtype=bfloat16" in msg, msg
+    whole_cache = analytic.kv_cache_bytes(A.shape_of(config.cfg), config.batch, config.max_input + config.max_new, 2)
+    assert m.decode_transient >= whole_cache, (m.decode_transient, whole_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", C.CONFIGS, ids=lambda c: c.id)
+def test_every_memory_config_tells_one_layers_allowance_from_a_whole_cache_copy(config, dtype):
+    """The decode bounds are per layer; what separates one layer's transient from a whole-cache copy is the layer
+    count. In every memory config and dtype, a static step's bound with the allowance of a model below float32
+    (where it applies) stays under one more whole cache in the model's dtype, by at least a fifth of the cache."""
+    cfg, B, L, s = config.cfg, config.batch, config.max_input + config.max_new, A.itemsize(dtype)
+
+    class Plain:  # a session with no declared layout: the upcast allowance applies below float32
+        def cache_layout(self):
+            return None
+
+    allowance, _ = A.step_allowance(Plain(), cfg, B, L, s)
+    bound = A.decode_bound(cfg, B, L, s, "static") + allowance
+    whole_cache = analytic.kv_cache_bytes(A.shape_of(cfg), B, L, s)
+    assert bound <= 0.8 * whole_cache, (f"{config.id} {dtype}: a static step may allocate {bound} bytes, a second "
+                                        f"whole cache is {whole_cache}: a whole-cache copy would pass")
+
+
 @pytest.mark.parametrize("name, what", [
     ("quantized_kv_full_precision_copy", "session.cache.shadow"),
     ("quantized_kv_old_codes_kept", "session.cache.old"),
@@ -212,6 +246,37 @@ def test_a_session_kept_after_generation_is_a_leak():
         f"the generation, {n * m.allocated} after {n} generations ({m.allocated} per generation): they leak across "
         f"steps and calls [target=hoarder, device=cpu, dtype=float32, path=static, case={CONFIG.case().describe()}]"
     ], m.problems
+
+
+@pytest.mark.parametrize("path", ["concat", "static"])
+def test_a_constant_built_on_the_first_forward_is_model_state(path):
+    """Issue 49: was "model.alibi (4, 1, 96) float32 keeps 1536 bytes" of per-generation state: the level is taken
+    before the warm-up generation, in which llm-foundry's MPT builds its ALiBi bias (designs.alibi_built_on_first_forward)."""
+    from mpt_kv.catalogue.designs import DESIGNS
+
+    m = measure_variant(DESIGNS["alibi_built_on_first_forward"].build, path, C.CONFIGS[1])
+    assert m.problems == [], m.problems
+
+
+def test_state_made_in_the_warm_up_that_later_generations_rewrite_is_per_generation_state():
+    """The other side of the rule: a buffer made on the first forward and rewritten in place by every later
+    generation (its last logits, kept for inspection) is the same storage, but not the same bytes once a generation
+    decodes other tokens: per-generation state, named."""
+    from mpt_kv.model.reference import ReferenceMPT
+
+    class KeepsLastLogits(ReferenceMPT):
+        def forward(self, *args, **kwargs):
+            logits = super().forward(*args, **kwargs)
+            last = logits[:, -1]
+            if getattr(self, "last_logits", None) is None or self.last_logits.shape != last.shape:
+                self.last_logits = last.clone()
+            else:
+                self.last_logits.copy_(last)
+            return logits
+
+    m = measure_variant(runner_factory("keeps_last_logits", KeepsLastLogits), "concat", C.CONFIGS[1])
+    state = next((p for p in m.problems if "per-generation state" in p), "")
+    assert "model.last_logits (2, 256) float32 keeps 2048 bytes" in state, m.problems
 
 
 # --- a cache pool (designs.cache_pool_*): its bytes are the cache; growth, not the level, is a leak ----
@@ -359,7 +424,7 @@ def pytester(pytester, monkeypatch):
 def run_suite(pytester, paths: str, *args):
     """mpt_kv/conformance/test_memory.py::test_memory_ceilings for the reference, fp32, config B16, `paths` (-k)."""
     return pytester.runpytest_subprocess(str(REPO / "mpt_kv" / "conformance" / "test_memory.py"), *ONE_TARGET, "-k",
-                                         f"test_memory_ceilings and B16 and ({paths})", *args, timeout=300)
+                                         f"test_memory_ceilings and B16 and ({paths})", *args, timeout=HANG_S)
 
 
 def entry(data: dict, prefix: str) -> tuple[str, dict]:

@@ -9,6 +9,7 @@ import pytest
 
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS
 from mpt_kv.checks import index, running
+from plugin_testing import HANG_S
 
 
 @pytest.mark.parametrize("prop", index.PROPERTIES, ids=index.NAMES)
@@ -40,7 +41,7 @@ def test_the_index_and_the_plugin_import_no_torch():
     code = ("import sys, mpt_kv.checks.index, mpt_kv.plugin, mpt_kv.versions, mpt_kv.findings.entries, "
             "mpt_kv.findings.patterns, mpt_kv.checks.stored_ceilings, mpt_kv.checks.profiles; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr
 
 

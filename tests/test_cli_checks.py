@@ -8,13 +8,14 @@ import pytest
 from mpt_kv.checks import index
 from mpt_kv.checks.registry import CHECKS
 from mpt_kv.cli import checks as cli
+from plugin_testing import HANG_S
 
 
 def test_the_readmes_table_is_the_index():
     """README.md's block is what the command prints: a row added to the index without the table
     regenerated fails here (python -m mpt_kv checks --update-docs)."""
     run = subprocess.run([sys.executable, "-m", "mpt_kv", "checks", "--check"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=HANG_S)
     assert run.returncode == 0, run.stderr
 
 

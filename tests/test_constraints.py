@@ -30,7 +30,10 @@ def test_locked_versions_are_the_ones_the_ceilings_are_keyed_by(constraints_diff
     cpu = constraints_diff.read_lock(ROOT / "constraints" / "cpu.txt")
     oh = constraints_diff.read_lock(ROOT / "constraints" / "ohabana.txt")
     assert f"transformers (transformers {minor(cpu['transformers'])})" in keys
-    assert f"transformers (transformers {minor(oh['transformers'])})" in keys
+    # the ohabana lock's transformers (4.55) records none: its MPT memory cases are all the concat path's known
+    # failure (the views of Wqkv's output), and it has no static path; no key names another version
+    assert {k for k in keys if k.startswith("transformers (")} <= {
+        f"transformers (transformers {minor(cpu['transformers'])})", f"transformers (transformers {minor(oh['transformers'])})"}
     assert f"optimum-habana (optimum-habana {minor(oh['optimum-habana'])}, transformers {minor(oh['transformers'])})" \
         in keys
     assert cpu["torch"] == oh["torch"] == "2.13.0"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plugin_testing import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[+-]\d+)?")
@@ -57,7 +58,7 @@ def test_the_p1_failure_docs_checks_shows_is_what_p1_prints():
 def test_the_gate_error_the_readme_shows_is_what_pytest_m_hpu_prints(tmp_path):
     shown = sample("README.md", "ERROR: -m 'hpu'")
     run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "-m", "hpu", "-q",
-                          "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=tmp_path, timeout=HANG_S,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode == 4 and shown in " ".join(run.stderr.split()), run.stderr
 
@@ -65,7 +66,7 @@ def test_the_gate_error_the_readme_shows_is_what_pytest_m_hpu_prints(tmp_path):
 def test_the_seed_table_docs_memory_model_shows_is_what_the_command_prints():
     """docs/memory-model.md's output of `python -m mpt_kv memory --model mpt-7b --seed-table`, line by line."""
     run = subprocess.run([sys.executable, "-m", "mpt_kv", "memory", "--model", "mpt-7b", "--seed-table"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr
     printed = {line.rstrip() for line in run.stdout.splitlines()}
     (shown,) = [b for b in fenced_blocks((REPO / "docs" / "memory-model.md").read_text(encoding="utf-8"))

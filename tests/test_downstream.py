@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from mpt_kv.checks import index
+from plugin_testing import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "downstream"
@@ -62,7 +64,7 @@ def installed(wheel_venv, tmp_path_factory):
 def pytest_in(installed, *args) -> subprocess.CompletedProcess:
     python, project, env, _ = installed
     return subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "-rs", *args], cwd=project,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=HANG_S)
 
 
 def row(out: str, path: str) -> list[str]:
@@ -156,7 +158,7 @@ def own_run(installed, cmd: list[str], **env) -> subprocess.CompletedProcess:
     if not where.exists():
         shutil.copytree(OWN, where)
     return subprocess.run([str(python), *cmd[1:], "-p", "no:cacheprovider"], cwd=where, capture_output=True,
-                          text=True, timeout=600, env={**base, "CI": "true", **env})
+                          text=True, timeout=HANG_S, env={**base, "CI": "true", **env})
 
 
 def own_row(out: str, dtype: str, path: str) -> dict[str, str]:
@@ -208,3 +210,105 @@ def test_own_signature_recipe_fails_with_kv_views_of_wqkv(installed):
     summary = (installed[1].parent / "ownmpt" / "reports" / "mpt-kv-summary.md").read_text()
     assert summary.startswith("## mpt-kv: FAILED") and "### What broke" in summary, summary
     assert "| ownmpt.mpt_kv_target:build | P3/concat" in summary, summary
+
+
+# --- examples/own_family: a model of another family (mistral: GQA, a sliding window), through mpt_kv.FamilyModel --
+
+FAMILY_EXAMPLE = REPO / "examples" / "own_family"
+FAMILY_TARGET = "owngqa.mpt_kv_target:build"
+FAMILY_SECTION = "### A whole example: an own GQA model with a sliding window"
+
+
+def family_section() -> str:
+    text = (REPO / "docs" / "targets.md").read_text()
+    start = text.index(FAMILY_SECTION)
+    return text[start:text.index("\n### ", start + len(FAMILY_SECTION))]
+
+
+def family_docs_commands() -> list[tuple[str, str, int]]:
+    """(the comment above it, the command, the exit code it documents) of the section's bash block."""
+    (block,) = re.findall(r"^```bash\n(.*?)^```", family_section(), flags=re.S | re.M)
+    out, comment = [], ""
+    for line in block.splitlines():
+        if line.startswith("#"):
+            comment = line[1:].strip()
+        elif line.strip():
+            code = re.search(r"exit (\d+)", comment)
+            out.append((comment, line.strip(), int(code.group(1)) if code else 0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def family_project(installed):
+    """The example copied outside the repository, its adapter replaced by the docs' (their python block)."""
+    python, project, env, purelib = installed
+    where = project.parent / "owngqa"
+    if not where.exists():
+        shutil.copytree(FAMILY_EXAMPLE, where, ignore=shutil.ignore_patterns("__pycache__", "reports"))
+    adapter = re.findall(r"^```python\n(.*?)^```", family_section(), flags=re.S | re.M)[0]
+    (where / "src" / "owngqa" / "mpt_kv_target.py").write_text(adapter)
+    return python, where, env, purelib
+
+
+def family_row(out: str, path: str) -> dict[str, str]:
+    """The matrix row of the example's target (mistral gqa, float32, `path`): {column: cell}."""
+    columns = None
+    for line in out.splitlines():
+        cells = line.split()
+        if cells[:4] == ["target", "device", "dtype", "path"]:
+            columns = cells[4:]
+        elif columns and cells[:4] == [f"{FAMILY_TARGET}/mistral/gqa", "cpu", "float32", path]:
+            return dict(zip(columns, cells[4:]))
+    raise AssertionError(f"no matrix row for {FAMILY_TARGET}/mistral/gqa cpu float32 {path}:\n{out}")
+
+
+def test_the_docs_adapter_is_the_examples_whole_file():
+    adapter = re.findall(r"^```python\n(.*?)^```", family_section(), flags=re.S | re.M)[0]
+    assert adapter == (FAMILY_EXAMPLE / "src" / "owngqa" / "mpt_kv_target.py").read_text()
+
+
+@pytest.mark.parametrize("comment, command, code", family_docs_commands(),
+                         ids=["gaudi-gate" if "-m hpu" in c else "planted-bug" if code else "suite"
+                              for _, c, code in family_docs_commands()])
+def test_the_docs_commands_run_the_whole_suite_on_an_own_family_model_from_outside(family_project, comment, command,
+                                                                                    code):
+    """docs/targets.md's commands, copied, from the example's folder outside the repository: the family
+    checks pass on the docs' adapter; the planted seed bug fails family-P3 and family-memory on concat and
+    nothing else; the Gaudi gate is a usage error here."""
+    python, where, env, _ = family_project
+    argv = shlex.split(command)
+    extra = dict(a.split("=", 1) for a in argv if re.fullmatch(r"[A-Z_]+=\S*", a))
+    argv = [a for a in argv if not re.fullmatch(r"[A-Z_]+=\S*", a)]
+    assert argv[:3] == ["python", "-m", "pytest"], command
+    done = subprocess.run([str(python), *argv[1:], "-p", "no:cacheprovider"], cwd=where, capture_output=True, text=True,
+                          timeout=600, env={**env, "CI": "true", **extra})
+    out = done.stdout + done.stderr
+    assert done.returncode == code, f"{command!r} ({comment}) exited {done.returncode}, not {code}:\n{out[-4000:]}"
+    if "-m hpu" in command:
+        assert "hpu is not available here" in out, out[-2000:]
+        return
+    concat, static = family_row(out, "concat"), family_row(out, "static")
+    checks = ("family-P0", "family-P1", "family-P3", "family-P4", "family-ops", "family-memory")
+    if code == 0:
+        assert all(concat[c] == "passed" for c in checks), out
+        assert all(static[c] == "passed" for c in checks[1:] + ("family-P2",)), out
+    else:
+        assert concat["family-P3"] == concat["family-memory"] == "failed", out
+        assert [c for c in checks if concat[c] == "failed"] == ["family-P3", "family-memory"], out
+        assert all(static[c] == "passed" for c in checks[1:]), out
+        assert "128 bytes pinned beyond the cache" in out, out
+
+
+def test_own_family_recipe_runs_the_docs_command_and_its_own_tests(family_project):
+    """Its CI recipe (workflow and tox.ini alike): the conformance command is the docs' first one with the
+    CI's flags; its own tests (the caches, and the family checks through parametrize_with_checks) pass."""
+    workflow, tox = (FAMILY_EXAMPLE / ".github" / "workflows" / "cpu.yml").read_text(), (FAMILY_EXAMPLE / "tox.ini").read_text()
+    cmds = [line.split("run: ", 1)[1] for line in workflow.splitlines() if line.strip().startswith("- run: python -m pytest")]
+    assert len(cmds) == 2 and all(c in tox for c in cmds), cmds
+    assert cmds[0].startswith(family_docs_commands()[0][1] + " --strict-known-failures"), cmds[0]
+    python, where, env, _ = family_project
+    done = subprocess.run([str(python), *cmds[1].split()[1:], "-p", "no:cacheprovider"], cwd=where, capture_output=True,
+                          text=True, timeout=600, env={**env, "CI": "true"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and re.search(r"\b\d+ passed\b", out) and "failed" not in out.split("passed")[-1], out
+    assert family_row(out, "concat")["family-P3"] == "passed", out  # the family checks of its own test file ran

@@ -62,7 +62,7 @@ def test_p3_and_memory_catch_views_of_the_fused_output(monkeypatch, family, vari
     check_memory("transformers", family, variant)
     monkeypatch.setattr(cache_utils.DynamicLayer, "update", views_update)
     context = (f"[target=transformers/{family}, implementation=transformers, family={family}, variant={variant}, "
-               "path=concat, dtype=float32, batch=2, step=prefill, operation=prefill]")
+               "path=concat, device=cpu, dtype=float32, batch=2, step=prefill, operation=prefill]")
     for check, start in ((check_no_pinned_storage, "family-P3 cache pins storage after prefill: "),
                          (check_memory, "family-memory after prefill: the cache's distinct storages hold ")):
         with pytest.raises(PropertyFailure) as e:
@@ -164,7 +164,7 @@ def test_known_failures_file_is_checked(tmp_path, change, message):
 def test_the_packaged_known_failures_load_and_the_views_are_on_the_concat_path():
     entries = kf.load_families()
     views = [e for e in entries if e.implementation == "transformers" and "view" in e.pattern.pattern]
-    assert {e.property for e in views} == {"family-P3", "family-memory"}
+    assert {e.property for e in views} == {"family-P3", "family-memory", "generate"}  # generate: its drive sees them too
     assert all(e.path == "concat" for e in views)  # transformers' StaticCache copies: no views there
 
 
@@ -190,22 +190,30 @@ def test_a_known_failure_absorbs_only_its_own_message(monkeypatch):
 def test_the_matrix_cells_follow_the_implementations():
     from mpt_kv.conformance.test_families import cases
 
-    transformers_cells = [p.values for p in cases(["transformers"])]  # (check, target, device, dtype)
-    port_cells = [p.values for p in cases(["optimum-habana"])]
-    assert {t.implementation for _, t, _, _ in transformers_cells} == {"transformers"}
-    assert {t.implementation for _, t, _, _ in port_cells} == {"optimum-habana"}
-    # P0 is not drawn for transformers itself; P2 only on static paths; static+reuse only for the ports
-    assert not [c for c, _, _, _ in transformers_cells if c.property == "family-P0" or c.path == "static+reuse"]
-    assert {c.path for c, _, _, _ in port_cells if c.property == "family-P0"} == {"concat"}
-    assert {c.path for c, _, _, _ in port_cells if c.property == "family-P2"} == {"static", "static+reuse"}
+    # (check, target): parametrize_with_checks' marker; the plugin gives device and dtype (tests/test_plugin_parametrize.py)
+    transformers_cells = [p.values for p in cases(["transformers"]).args[1]]
+    port_cells = [p.values for p in cases(["optimum-habana"]).args[1]]
+    assert cases([]) is None  # no implementation: no cell (the module's placeholder says why)
+    assert {t.implementation for _, t in transformers_cells} == {"transformers"}
+    assert {t.implementation for _, t in port_cells} == {"optimum-habana"}
+    # P0 is not drawn for transformers itself with eager attention (its oracle): only for another attention
+    # implementation of it, against eager; P2 only on static paths; static+reuse only for the ports
+    assert not [c for c, _ in transformers_cells if c.path == "static+reuse"]
+    assert {t.attention for c, t in transformers_cells if c.property == "family-P0"} == {"sdpa"}
+    assert {c.path for c, _ in port_cells if c.property == "family-P0"} == {"concat"}
+    assert {c.path for c, _ in port_cells if c.property == "family-P2"} == {"static", "static+reuse"}
     # concat: P0 and 5 more; each static path: P2 and 5 more; a remote-code family's port is its own
     # oracle (baichuan): no P0 cell
     remote = [(f, v) for f, v in variants() if FAMILIES[f].remote_code]
     assert remote and len(port_cells) == len(variants()) * 3 * 6 - len(remote)
-    assert not [t for c, t, _, _ in port_cells if c.property == "family-P0" and t.family_name == "baichuan"]
-    assert len(transformers_cells) == len(variants()) * (5 + 6)
-    names = {(t.name, c.id) for c, t, _, _ in transformers_cells}
-    assert ("transformers/falcon/new-arch-gqa", "family-memory/static") in names
+    assert not [t for c, t in port_cells if c.property == "family-P0" and t.family_name == "baichuan"]
+    # transformers: each variant with sdpa (P0 and 5 more on concat, 6 on static) and with eager (no P0); a
+    # remote-code family has no transformers model, nor an attention axis: one target (its cells unsupported)
+    assert len(transformers_cells) == (len(variants()) - len(remote)) * (12 + 11) + len(remote) * 11
+    names = {(t.name, c.id) for c, t in transformers_cells}
+    assert ("transformers[eager]/falcon/new-arch-gqa", "family-memory/static") in names
+    assert ("transformers[sdpa]/falcon/new-arch-gqa", "family-P0/concat") in names
+    assert ("transformers/baichuan/alibi", "family-P1/concat") in names
 
 
 @pytest.mark.parametrize("options, expected", [
@@ -223,7 +231,10 @@ def test_the_run_selects_the_implementations(options, expected):
                                                                                   "CI": "true"})
     ids = [line for line in out.stdout.splitlines() if "::test_family[" in line]
     assert ids, out.stdout[-2000:] + out.stderr[-2000:]
-    assert {i.split("-cpu-", 1)[1].split("-")[0] for i in ids} == {e.split("-")[0] for e in expected}
+    # an id: <device>-<dtype>-<check id>-<implementation>/<family>/<variant>, the implementation as its cases name
+    # it: transformers[sdpa], transformers[eager], optimum-habana
+    assert {impl for i in ids for impl in ("transformers", "optimum-habana")
+            if f"-{impl}/" in i or f"-{impl}[" in i} == expected
 
 
 @pytest.mark.parametrize("implementation, prop, path", [
@@ -240,3 +251,16 @@ def test_an_entry_about_a_cell_the_matrix_lacks_is_an_error(implementation, prop
                                          rf"{re.escape(path or 'any')}: the matrix has no such cell"):
         check_entries_cover_cells([entry])
     check_entries_cover_cells([dataclasses.replace(entry, property="family-P3", path=None)])
+
+
+def test_every_build_of_a_family_gives_the_config_the_first_build_gave():
+    """A port is built from the config transformers' build returns. The first build of a process returned it with
+    eager attention set, a later one (the model cached) a fresh config, from which a port picked transformers'
+    default (sdpa in 4.55): which attention the ports ran depended on xdist's order of the cases (seen as reach
+    that moved between two runs of the ohabana env, `python -m mpt_kv coverage`)."""
+    from mpt_kv.families.models import build
+
+    model, first = build(FAMILIES["llama"], "mha")
+    again_model, again = build(FAMILIES["llama"], "mha")
+    assert first._attn_implementation == again._attn_implementation == "eager"
+    assert again is not first and again_model is not model

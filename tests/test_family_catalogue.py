@@ -69,6 +69,34 @@ def test_family_design_passes_every_family_check(name):
     assert [c for c, cell in cells.items() if cell.result == "pass"], f"{name}: no family check ran"
 
 
+# The must-kill variants whose effect is below bf16's noise (docs/calibration.md, "The family checks"): no
+# bound that passes the correct MoE families in bf16 sees them; the fp32 cases, which every run has too,
+# kill them. Strict: a variant listed here that bf16 kills fails the test (the list must stay true).
+BF16_BELOW_NOISE = {
+    ("routing_capacity_not_cached", "family-P1"): "moves mixtral's cached logits by 3.6-6.3% of their scale "
+    "(measured); a correct MoE family reaches 13.7% in bf16 at a routing near-tie (gpt_oss, seed 1); fp32: "
+    "450-720 x the bound",
+    ("sdpa_decode_mask_dropped", "family-ops"): "a padded row's first beam decode step moves llama's logits by "
+    "4.6e-2 at most (measured in fp32: 1.8e3 x fp32's bound), within bf16's; family-P2 still kills it in bf16",
+}
+
+
+@needs_5x
+def test_in_bf16_too_every_family_variant_is_killed_and_every_family_design_passes():
+    """The kill matrix's family rows run in fp32; the family cases run in bf16 too, against the fp32 oracle
+    from the bf16-rounded weights within bf16's calibrated bounds (docs/calibration.md): every must-kill
+    variant is still killed by each check it names, but those whose effect is below bf16's noise
+    (BF16_BELOW_NOISE), and every design passes every family column."""
+    import torch
+
+    survived = {(name, check) for name, v in FAMILY_VARIANTS.items() for check in v.killed_by
+                if not KM.run_family_column(check, v, torch.bfloat16).killed}
+    assert survived == set(BF16_BELOW_NOISE), f"family variants that survive in bf16: {sorted(survived)}"
+    failed = {(name, check): cell.detail for name, d in FAMILY_DESIGNS.items() for check in FAMILY_COLUMNS
+              if (cell := KM.run_family_column(check, d, torch.bfloat16)).result not in ("survived", "unsupported")}
+    assert not failed, f"family designs that fail in bf16 (false positives): {failed}"
+
+
 # --- the command's verdicts on the family rows ------------------------------------------------------------------
 
 @needs_5x
@@ -165,3 +193,35 @@ def test_the_family_rows_in_two_processes_are_the_family_rows_in_one():
     assert two == one
     assert list(two["family_must_kill"]) == [v.name for v in variants]
     assert two["family_must_kill"]["window_one_short"]["family-P1"].killed
+
+
+# --- the sdpa rows: their change lives in transformers' sdpa path alone -----------------------------------------
+
+SDPA_ROWS = [e for e in [*FAMILY_DESIGNS.values(), *FAMILY_VARIANTS.values()] if e.attention == "sdpa"]
+
+
+def test_the_catalogue_has_sdpa_rows_of_both_kinds():
+    assert {e.name for e in SDPA_ROWS} >= {"sdpa_mask_always_built", "sdpa_gqa_in_the_kernel",
+                                           "sdpa_is_causal_with_a_cache", "sdpa_decode_mask_dropped"}
+    assert {e.name in FAMILY_VARIANTS for e in SDPA_ROWS} == {True, False}
+
+
+@needs_5x
+@pytest.mark.parametrize("name", [e.name for e in SDPA_ROWS if e.name in FAMILY_VARIANTS])
+def test_an_sdpa_variant_on_eager_attention_survives_every_family_check(name):
+    """The same change with the row built on eager attention changes nothing the checks see: the bug the
+    sdpa row is killed for is on the sdpa path only (eager's mask never asks _ignore_causal_mask_sdpa)."""
+    eager = dataclasses.replace(FAMILY_VARIANTS[name], attention=None)
+    cells = {c: KM.run_family_column(c, eager) for c in FAMILY_COLUMNS}
+    assert not [c for c, cell in cells.items() if cell.killed], {c: cell.detail for c, cell in cells.items()}
+
+
+@needs_5x
+def test_the_is_causal_variant_needs_family_p1s_unpadded_batch(monkeypatch):
+    """is_causal with a cache is reached where sdpa skips the mask, a batch without padding: family-P1's drive
+    of an sdpa row kills it; with the left-padded batch every other drive has, it survives."""
+    variant = FAMILY_VARIANTS["sdpa_is_causal_with_a_cache"]
+    cell = KM.run_family_column("family-P1", variant)
+    assert cell.killed and "family-P1 extend 3 (step 3): cached logits" in cell.detail, cell.detail
+    monkeypatch.setattr(family_driver, "unpadded_p1", lambda c: False)
+    assert KM.run_family_column("family-P1", variant).result == "survived"

@@ -62,7 +62,8 @@ def test_fused_key_value_view():
 
 def remote_code_marks(name: str) -> list:
     """A remote-code family's model is optimum-habana's own copy (baichuan): the ohabana env; one whose
-    port cannot import off an HPU (minicpm: `GaudiPort.needs_hpu`) has no model to build on CPU."""
+    port cannot import off an HPU (`GaudiPort.needs_hpu`; none today: minicpm's FusedSDPA is the kernel
+    stand-in's) has no model to build on CPU."""
     family = FAMILIES[name]
     if not family.remote_code:
         return []

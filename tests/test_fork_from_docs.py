@@ -108,3 +108,33 @@ def test_the_fork_named_optimum_habana_fails_after_the_port_passed_in_one_proces
     CHECKS[check]("optimum-habana", FAMILY, VARIANT, "concat")
     with pytest.raises(PropertyFailure, match=r"layer 0 value \([\d, ]+\) is a view of \S+query_key_value's output"):
         CHECKS[check]("optimum-habana", fork, VARIANT, "concat")
+
+
+# --- the same fork as a target of its own: mpt_kv.FamilyModel (docs/targets.md, "A model of another family") -----
+
+def test_the_fork_declared_as_a_target_is_told_apart_from_the_port(port_installed):
+    """Declared with fork_of="optimum-habana", the fork inherits the port's shipped entries (its k-token
+    extend's crash: an xfail on the fork too) and nothing covers its own bug (the port passes P3): it fails,
+    naming the fused module. The port's own cases keep their entries."""
+    from mpt_kv import CHECKS as REGISTRY, FamilyModel, KnownFailure, KnownFailures
+
+    fork = FamilyModel(FAMILY, module=FORK_MODULE, fork_of="optimum-habana", name="neox-fork")
+    known = KnownFailures()
+    with pytest.raises(KnownFailure) as inherited:
+        REGISTRY["family-P1/concat"](fork, known_failures=known)
+    assert inherited.value.entry.origin == f"optimum-habana/{FAMILY}/{VARIANT}", inherited.value.entry
+    with pytest.raises(PropertyFailure, match=r"layer 0 value \([\d, ]+\) is a view of \S+query_key_value's output"):
+        REGISTRY["family-P3/concat"](fork, known_failures=known)
+    with pytest.raises(KnownFailure):  # the port's own entry, by its name
+        REGISTRY["family-P1/concat"](f"optimum-habana/{FAMILY}/{VARIANT}", known_failures=known)
+    REGISTRY["family-P3/concat"](f"optimum-habana/{FAMILY}/{VARIANT}", known_failures=known)
+
+
+def test_a_fork_under_the_ports_name_takes_none_of_its_entries(fork):
+    """The route above (a Family copy with the fork's loader, named optimum-habana): its cases carry the
+    port's name, but the port's entries were measured on the port, so none applies (fail closed)."""
+    from mpt_kv import CHECKS as REGISTRY, FamilyTarget, KnownFailures
+
+    with pytest.raises(PropertyFailure, match="the implementation's extend raised RuntimeError"):
+        REGISTRY["family-P1/concat"](FamilyTarget("optimum-habana", fork, VARIANT, ("concat", "static", "static+reuse")),
+                                     known_failures=KnownFailures())

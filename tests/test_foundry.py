@@ -18,6 +18,7 @@ from mpt_kv.findings.entries import parse_when
 from mpt_kv.errors import InputError, TargetUnavailable
 from mpt_kv.findings import repros, scripts
 from mpt_kv.model.config import ModelConfig, random_state_dict
+from plugin_testing import HANG_S
 
 CFG = ModelConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32)
 FOUNDRY_REPROS = [r for r in repros.target_plan(repros.target_entries())[0] if r.slug.startswith("llm-foundry-")]
@@ -37,7 +38,7 @@ def test_without_llm_foundry_the_named_target_is_a_usage_error_naming_the_instal
         pytest.skip("llm-foundry is installed here")
     run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "--target", "llm-foundry",
                           "--only-targets", "-p", "no:cacheprovider", "-q", "-k", "P0"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
                          env={**os.environ, "MPT_KV_HYPOTHESIS_PROFILE": "ci"})
     assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
     assert "--target llm-foundry: llm-foundry is not installed (pip install --no-deps llm-foundry einops catalogue " \
@@ -85,7 +86,7 @@ def broken_release(tmp_path):
 def test_a_release_whose_files_do_not_load_names_the_file_and_the_import(broken_release):
     code = ("from mpt_kv.targets import foundry\n"
             "try:\n    foundry.load()\nexcept foundry.TargetUnavailable as e:\n    print(e)\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S,
                          env={**os.environ, "PYTHONPATH": str(broken_release)})
     assert "llm-foundry 0.0.1: llmfoundry.models.mpt.modeling_mpt does not load: llmfoundry/models/mpt/modeling_mpt.py:3 " \
            "(import no_such_module_of_the_release) raised ModuleNotFoundError" in run.stdout, run.stdout + run.stderr
@@ -95,7 +96,7 @@ def test_a_gating_run_fails_where_the_installed_llm_foundry_does_not_load(broken
     """Fail closed: named with --target, a release that does not load is an error of every case, never a skip."""
     run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "--target", "llm-foundry",
                           "--only-targets", "-p", "no:cacheprovider", "-q", "-k", "P0 and fp32", "--device", "cpu"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
                          env={**os.environ, "PYTHONPATH": str(broken_release), "MPT_KV_HYPOTHESIS_PROFILE": "ci"})
     assert run.returncode == 1, run.stdout[-3000:]
     assert "target llm-foundry cannot be built here (named with --target: an error, not a skip)" in run.stdout
@@ -221,7 +222,7 @@ def test_its_repros_exit_1_where_their_finding_holds(tmp_path):
     repros.write(tmp_path, [])
     paths = [str(tmp_path / r.slug / "repro.py") for r in FOUNDRY_REPROS]
     run = subprocess.run([sys.executable, "-I", "-c", scripts.DRIVER, "", *paths], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         cwd=tmp_path, timeout=HANG_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])
     assert report["mpt_kv_modules"] == []

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mpt_kv.plugin import gate
+from plugin_testing import HANG_S
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def pytest_run(pytester, monkeypatch):
     def _run(*args, ini=""):
         if ini:
             pytester.makeini(f"[pytest]\n{ini}\n")
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=300)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=HANG_S)
         return result.ret, "\n".join(result.outlines + result.errlines)
 
     return _run

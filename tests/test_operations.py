@@ -22,6 +22,7 @@ from mpt_kv.model.config import ModelConfig, random_state_dict
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets.reference import build
 from mpt_kv.targets.wrappers import transformers_major
+from plugin_testing import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(d_model=16, n_heads=2, n_layers=2, vocab_size=32, max_seq_len=16)
@@ -212,7 +213,7 @@ def test_on_hpu_programs_feed_few_input_shapes():
     checks on the hpu device and each stays within programs.HPU_SHAPE_BUDGET distinct shapes."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "fakes" / "hpu")]),
            "MPT_KV_FAKE_HPU": "cpu", "CI": "true", "OMP_NUM_THREADS": "1"}  # tiny tensors: one thread
-    done = subprocess.run([sys.executable, "-c", HPU_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", HPU_SCRIPT], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     for check, notes in found.items():

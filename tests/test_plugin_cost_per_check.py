@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from mpt_kv.plugin.report import cost_lines
+from plugin_testing import HANG_S
 
 
 def test_cost_lines_sum_cases_and_seconds_per_check_dearest_first():
@@ -31,7 +32,7 @@ def test_a_run_records_each_cases_seconds_and_prints_the_cost(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance", "--target", "reference",
                           "--only-targets", "-m", "cpu", "-k", "fp32 and (P0 or P1/static) and not P0/ and not P1/static/ "
                           "and not bucket and not ops-", "-q", "-p", "no:cacheprovider", "--mpt-kv-report", str(report)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         capture_output=True, text=True, cwd=tmp_path, timeout=HANG_S,
                          env={**env, "MPT_KV_HYPOTHESIS_PROFILE": "ci"})
     assert "mpt-kv cost per check" in run.stdout, run.stdout[-3000:]
     cases = json.loads(report.read_text())["results"]

@@ -16,7 +16,7 @@ from mpt_kv import devices
 from mpt_kv.plugin import gate, outcomes
 from mpt_kv.plugin.state import run_state
 
-from plugin_testing import EVERY_CASE_SKIPS, FakeConfig, ONE_CASE_PER_DEVICE, output, ROOT, subprocess_runner
+from plugin_testing import EVERY_CASE_SKIPS, FakeConfig, ONE_CASE_PER_DEVICE, output, ROOT, subprocess_runner, HANG_S
 
 pytest_plugins = ["pytester"]
 
@@ -113,7 +113,7 @@ def test_run_cli_device_hpu_without_hpu_is_a_usage_error(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
     result = pytester.run(sys.executable, "-m", "mpt_kv", "run", "--device", "hpu", "--report",
-                          str(pytester.path / "r.json"), timeout=300)
+                          str(pytester.path / "r.json"), timeout=HANG_S)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, output(result)
     assert "ERROR: --device hpu, but hpu is not available here" in output(result)
 

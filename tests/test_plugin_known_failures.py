@@ -114,6 +114,40 @@ def test_an_entry_about_a_builtin_target_not_installed_here_is_not_unmatched(tmp
     assert [e.index for e in known_failures.unmatched(config_where(None))] == [0]
 
 
+DTYPE_CASES = """
+import pytest
+from mpt_kv.checks.compare import PropertyFailure
+
+@pytest.mark.property("P3")
+@pytest.mark.parametrize("path", ["concat"])
+def test_case(target, device, dtype, path):
+    if str(dtype) == "torch.bfloat16":  # a finding one precision shows (a bf16 model's keys cached in fp32)
+        raise PropertyFailure("P3: layer 0 cached key (1, 1, 1, 4) is a view of mixed_qkv (1, 1, 12)")
+"""
+
+
+def test_an_entry_with_a_dtype_or_device_applies_to_those_cases_only(run, tmp_path):
+    """An entry that names a dtype xfails that dtype's case and leaves the other dtype's alone (without
+    the field the fp32 case would be XPASS(strict)); a run that leaves its dtype out (--dtype) or never
+    generates its device has no case of it to match: not unmatched under --strict-known-failures."""
+    path = tmp_path / "known.json"
+    path.write_text(json.dumps([{**ENTRY, "dtype": "bfloat16"}, {**ENTRY, "device": "hpu", "dtype": "float32"}]))
+    common = ("--only-targets", "--target", "reference", "--strict-known-failures", "--allow-no-cache-check", "-rxX")
+    result = run(DTYPE_CASES, *common, MPT_KV_KNOWN_FAILURES=str(path))
+    text = output(result)
+    assert result.ret == pytest.ExitCode.OK, text
+    result.assert_outcomes(passed=1, xfailed=1)
+    assert "XFAIL test_gated.py::test_case[cpu-reference-bf16-concat] - known failure of this project (known.json), " \
+           "entry 0 (reference P3 concat bfloat16)" in text, text
+    assert "1 entries are about built-in targets this run does not run, or dtypes or devices it leaves out (hpu)" \
+        in text, text
+    fp32 = run(DTYPE_CASES, *common, "--dtype", "fp32", MPT_KV_KNOWN_FAILURES=str(path))
+    assert fp32.ret == pytest.ExitCode.OK, output(fp32)
+    fp32.assert_outcomes(passed=1)
+    assert "2 entries are about built-in targets this run does not run, or dtypes or devices it leaves out " \
+           "(bfloat16, hpu)" in output(fp32), output(fp32)
+
+
 def test_a_malformed_known_failures_file_is_a_usage_error_not_an_internal_error(run, tmp_path):
     path = tmp_path / "known.json"
     path.write_text(json.dumps([{**ENTRY, "pattern": "view of (mixed_qkv"}]))
@@ -127,7 +161,11 @@ def test_a_malformed_known_failures_file_is_a_usage_error_not_an_internal_error(
 @pytest.mark.parametrize("content,what", [
     ("[{", "not valid JSON"),
     ('{"target": "x"}', "expected a JSON list of entries, got dict"),
-    (json.dumps([{**ENTRY, "dtype": "bf16"}]), "entry 0 (reference P3): unknown field(s) ['dtype']"),
+    (json.dumps([{**ENTRY, "dtypes": ["bf16"]}]), "entry 0 (reference P3): unknown field(s) ['dtypes']"),
+    (json.dumps([{**ENTRY, "dtype": "bf16"}]), "entry 0 (reference P3): 'dtype' 'bf16': expected one of ('float32', "
+                                               "'bfloat16')"),
+    (json.dumps([{**ENTRY, "device": "gpu"}]), "entry 0 (reference P3): 'device' 'gpu': expected one of ('cpu', "
+                                               "'cuda', 'hpu')"),
     (json.dumps([{k: v for k, v in ENTRY.items() if k != "pattern"}]), "entry 0 (reference P3): missing field(s) "
                                                                        "['pattern']"),
     (json.dumps([{**ENTRY, "when": {"transformers": "<<4.56"}}]), "'when' transformers: '<<4.56' is not a version "
@@ -135,7 +173,14 @@ def test_a_malformed_known_failures_file_is_a_usage_error_not_an_internal_error(
     (json.dumps([{**ENTRY, "pattern": "a(b"}]), "'pattern' 'a(b' is not a regular expression"),
     (json.dumps([{**ENTRY, "pattern": ".*"}]), "matches the empty string"),
     (json.dumps([{**ENTRY, "property": "P9"}]), "unknown property 'P9'"),
-    (json.dumps([{**ENTRY, "property": "family-P3"}]), "unknown property 'family-P3'"),  # the families' file's
+    # a family property: an entry about one of the project's family targets (mpt_kv.FamilyModel), whose target
+    # names the case "<spec>/<family>/<variant>" (was, before a project's file could hold one: "unknown property")
+    (json.dumps([{**ENTRY, "property": "family-P3"}]), "entry 0 (reference family-P3): a family entry's target is "
+                                                       "'<spec>/<family>/<variant>'"),
+    (json.dumps([{**ENTRY, "target": "mypkg:build/mistral/gqa", "property": "family-P3", "bucket": True}]),
+     "unknown field(s) ['bucket']"),
+    (json.dumps([{**ENTRY, "target": "mypkg:build/mistral/gqa", "property": "family-P3", "path": "static+bucket"}]),
+     "unknown path 'static+bucket'"),
     (json.dumps([{**ENTRY, "path": "paged"}]), "unknown path 'paged'"),
     (json.dumps([{**ENTRY, "bucket": "yes"}]), "'bucket' must be a bool"),
     (json.dumps([ENTRY, "P3"]), "entry 1: expected an object, got str"),

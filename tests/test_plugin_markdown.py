@@ -7,6 +7,7 @@ from __future__ import annotations
 from importlib.metadata import version
 
 from mpt_kv.plugin.markdown import judged_by, render
+from plugin_testing import HANG_S
 
 MPT_KV = version("mpt-kv")  # this checkout's, as installed (pip install -e)
 
@@ -80,7 +81,7 @@ def test_the_plugin_and_report_write_the_summary_with_every_failure(tmp_path):
                           "--only-targets", "-m", "cpu", "--dtype", "fp32", "-k", "(P3/concat or P1/concat) and not "
                           "P3/concat/ and not P1/concat/ and not ops-", "-q",
                           "-p", "no:cacheprovider", "--mpt-kv-report", "r.json", "--mpt-kv-markdown", "reports/summary.md"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+                         capture_output=True, text=True, cwd=tmp_path, timeout=HANG_S, env=env)
     assert run.returncode == 1, run.stdout[-2000:]
     assert f" mpt-kv conformance (mpt-kv {MPT_KV}) " in run.stdout, run.stdout[-2000:]  # the matrix's title
     assert json.loads((tmp_path / "r.json").read_text())["mpt_kv_version"] == MPT_KV
@@ -89,7 +90,7 @@ def test_the_plugin_and_report_write_the_summary_with_every_failure(tmp_path):
     failed = [r for r in results if r["outcome"] == "failed"]
     assert failed
     merged = subprocess.run([sys.executable, "-m", "mpt_kv", "report", "r.json", "--markdown", "merged/merged.md"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                            capture_output=True, text=True, cwd=tmp_path, timeout=HANG_S)
     assert merged.returncode == 1, merged.stderr
     for name in ("reports/summary.md", "merged/merged.md"):  # their folders made, as --junitxml makes its own
         md = (tmp_path / name).read_text()

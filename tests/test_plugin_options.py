@@ -19,6 +19,7 @@ import pytest
 from mpt_kv.errors import TargetUnavailable
 from mpt_kv.plugin import ceilings, options, parametrize, report
 from mpt_kv.targets import resolve_target
+from plugin_testing import HANG_S
 
 pytest_plugins = ["pytester"]
 
@@ -227,7 +228,7 @@ def run(pytester, monkeypatch):
             monkeypatch.setenv(k, v)
         pytester.makepyfile(test_mine=source)
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *device, "--dtype", "fp32", *args,
-                                               timeout=300)
+                                               timeout=HANG_S)
         return result, "\n".join(result.outlines + result.errlines)
 
     return _run
@@ -283,7 +284,7 @@ def test_a_ceilings_folder_elsewhere_moves_no_node_id(tmp_path, form):
         [sys.executable, "-m", "pytest", "--pyargs", "mpt_kv.conformance.test_memory", "-p", "no:cacheprovider",
          "--target", "mpt_kv.catalogue.variants:kv_views_of_mixed_qkv", "--only-targets", "-m", "cpu", "-rf",
          "-k", "fp32 and B4-in32 and concat", *named],
-        cwd=ROOT, env={**env, "MPT_KV_HYPOTHESIS_PROFILE": "ci"}, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, env={**env, "MPT_KV_HYPOTHESIS_PROFILE": "ci"}, capture_output=True, text=True, timeout=HANG_S)
     text = result.stdout + result.stderr
     assert result.returncode == 1, text  # the views bug fails memory
     assert f"rootdir: {ROOT}" in text and "configfile: pyproject.toml" in text, text

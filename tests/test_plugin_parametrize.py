@@ -17,7 +17,7 @@ from mpt_kv import devices
 from mpt_kv.plugin import parametrize
 from mpt_kv.plugin.state import run_state
 
-from plugin_testing import BASE, FakeConfig, FAKES, ONE_CASE_PER_DEVICE, output, ROOT, subprocess_runner
+from plugin_testing import BASE, FakeConfig, FAKES, ONE_CASE_PER_DEVICE, output, ROOT, subprocess_runner, HANG_S
 
 pytest_plugins = ["pytester"]
 
@@ -58,7 +58,7 @@ def test_run_cli_with_a_target_that_fails_to_build_reports_it_and_fails(pytester
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
     pytester.makepyfile(bad_target=BAD_FACTORY)
     result = pytester.run(sys.executable, "-m", "mpt_kv", "run", "--target", "bad_target:build", "--report",
-                          str(pytester.path / "r.json"), "-k", "P0 and fp32 and bad_target", timeout=300)
+                          str(pytester.path / "r.json"), "-k", "P0 and fp32 and bad_target", timeout=HANG_S)
     text = output(result)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, text
     assert "target bad_target:build does not build on cpu: TypeError: build() got an unexpected keyword" in text
@@ -72,7 +72,7 @@ def test_an_installed_builtin_that_fails_to_load_is_an_error_not_a_skip(pytester
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(FAKES / "optimum_habana_broken")]))
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
     result = pytester.runpytest_subprocess(*BASE, "--pyargs", "mpt_kv.conformance.test_properties", "-k",
-                                           "P0 and optimum and not P0/", "--device", "cpu", "--dtype", "fp32", timeout=300)
+                                           "P0 and optimum and not P0/", "--device", "cpu", "--dtype", "fp32", timeout=HANG_S)
     text = output(result)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, text
     outcomes = result.parseoutcomes()
@@ -229,3 +229,53 @@ def test_the_summary_line_names_what_was_left_out_where_the_run_had_such_cases(m
         tw = Lines()
         parametrize.summary(tw, config, results)
         assert tw.lines == ([line] if line else []), tw.lines
+
+
+# --- the family cases: the run's devices and dtypes, as the MPT cases (docs/gate.md rows 79-82) ----------------------
+
+FAMILY_ONLY = ("--pyargs", "mpt_kv.conformance.test_families", "--only-targets", "--target", "transformers")
+
+
+@NO_ACCELERATOR
+def test_m_cpu_selects_the_family_cases_in_both_dtypes_with_ids_that_name_them(run):
+    """`-m cpu` selected none of the family cases (they were parametrized on "cpu" and float32 with no
+    device marker): a cpu gate dropped the zoo. Now the plugin gives them `device` with its marker and
+    `dtype`, as it gives the MPT cases, and the id says both; --dtype selects among them."""
+    result = run("", *FAMILY_ONLY, "--collect-only", "-q", "-m", "cpu")  # (its gate fails: nothing ran)
+    ids = [line for line in result.outlines if "::test_family[" in line]
+    assert ids, output(result)
+    params = [line.split("[", 1)[1] for line in ids]
+    assert all(p.startswith(("cpu-fp32-family-", "cpu-bf16-family-")) for p in params), params[:5]
+    assert any(p.startswith("cpu-bf16-") for p in params) and any(p.startswith("cpu-fp32-") for p in params)
+    assert "cpu-bf16-family-P1/concat-transformers[sdpa]/gpt2/mha]" in params, params[:5]
+    bf16 = run("", *FAMILY_ONLY, "--collect-only", "-q", "-m", "cpu", "--dtype", "bf16")
+    assert {line.split("[", 1)[1][:9] for line in bf16.outlines if "::test_family[" in line} == {"cpu-bf16-"}
+
+
+GPT2_ON_HPU = "family-P1/concat-transformers[sdpa]/gpt2/mha or family-memory/concat-transformers[sdpa]/gpt2/mha"
+
+
+def test_m_hpu_runs_family_cases_on_the_hpu_in_bf16_and_the_gate_counts_them(run, pytester):
+    """`pytest -m hpu` on a Gaudi runner ran no family case (no hpu marker): none of optimum-habana's ports
+    ran on the HPU. On the simulated HPU (tests/fakes/hpu) `-m hpu` selects the family cases and runs them
+    on the hpu device in bf16; with only family cases selected, the gate's required-device rule is met by
+    them (and fails when they all fail: the broken HPU)."""
+    report = pytester.path / "report.json"
+    result = run("", *FAMILY_ONLY, "-m", "hpu", "--dtype", "bf16", "-k", GPT2_ON_HPU, "--mpt-kv-report", str(report),
+                 fakes=["hpu"], MPT_KV_HYPOTHESIS_PROFILE="ci")
+    text = output(result)
+    assert result.ret == pytest.ExitCode.OK, text
+    result.assert_outcomes(passed=2)
+    import json
+
+    data = json.loads(report.read_text())
+    cases = [(r["device"], r["dtype"], r["kinds"], r["check"], r["outcome"]) for r in data["results"]]
+    assert sorted(cases) == [("hpu", "bfloat16", ["hpu"], "family-P1/concat", "passed"),
+                             ("hpu", "bfloat16", ["hpu"], "family-memory/concat", "passed")], cases
+    # the family reach records carry the device and dtype they ran on
+    knobs = [r["knobs"] for r in data["reach"] if r["check"].startswith("family-")]
+    assert knobs and {(k.get("device"), k.get("dtype")) for k in knobs if "family" in k} == {("hpu", "bfloat16")}
+    broken = run("", *FAMILY_ONLY, "-m", "hpu", "--dtype", "bf16", "-k", GPT2_ON_HPU, fakes=["hpu"],
+                 MPT_KV_FAKE_HPU="broken", MPT_KV_HYPOTHESIS_PROFILE="ci")
+    assert broken.ret == pytest.ExitCode.TESTS_FAILED, output(broken)
+    assert "no hpu case passed: 2 of the 2 hpu cases failed" in output(broken), output(broken)

@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from plugin_testing import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Check your own implementation"
@@ -88,7 +89,7 @@ def test_a_readme_command_runs_from_a_fresh_folder(wheel_venv, project, comment,
     assert argv[:3] == ["python", "-m", "pytest"], f"{command!r}: the README runs pytest as `python -m pytest`"
     # CI=true: the small derandomized hypothesis profile, as in CI
     done = subprocess.run([str(wheel_venv.python), *argv[1:], "-p", "no:cacheprovider"], cwd=project,
-                          env=wheel_venv.env(CI="true"), capture_output=True, text=True, timeout=600)
+                          env=wheel_venv.env(CI="true"), capture_output=True, text=True, timeout=HANG_S)
     out = done.stdout + done.stderr
     assert done.returncode == code, f"{command!r} ({comment}) exited {done.returncode}, not {code}:\n{out[-4000:]}"
     if "-m hpu" in command:

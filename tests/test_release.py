@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from mpt_kv import package_data
+from plugin_testing import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = version("mpt-kv")  # this checkout's, as installed (pip install -e): the one a build makes
@@ -58,7 +59,7 @@ def test_releasings_twine_check_passes_on_both_artifacts(wheel_venv):
     built = wheel_venv.sdist.parent
     assert sorted(p.name for p in built.iterdir()) == sorted([wheel_venv.sdist.name, wheel_venv.wheel.name])
     done = subprocess.run([sys.executable, *command.split()[1:-1], *map(str, sorted(built.iterdir()))],
-                          cwd=built.parent, capture_output=True, text=True, timeout=120)
+                          cwd=built.parent, capture_output=True, text=True, timeout=HANG_S)
     out = done.stdout + done.stderr
     assert done.returncode == 0 and out.count("PASSED") == 2, out
     print(f"python -m build: {wheel_venv.build_seconds} s (sdist, then the wheel from it)")
@@ -108,7 +109,7 @@ def test_releasings_install_check_runs_the_shipped_suite_from_the_wheel(wheel_ve
     argv = shlex.split(command.split("&&", 1)[1])  # after `cd /tmp &&`: any folder outside a clone
     assert argv[0] == "/tmp/mpt-kv-installed/bin/python" and argv[1:4] == ["-m", "pytest", "--pyargs"], argv
     done = subprocess.run([str(wheel_venv.python), *argv[1:], "-p", "no:cacheprovider"], cwd=tmp_path,
-                          env=wheel_venv.env(CI="true"), capture_output=True, text=True, timeout=600)
+                          env=wheel_venv.env(CI="true"), capture_output=True, text=True, timeout=HANG_S)
     out = done.stdout + done.stderr
     assert done.returncode == 0 and re.search(r"\d+ passed", out), out[-3000:]
 
@@ -146,7 +147,7 @@ def test_the_installed_wheel_opens_the_files_of_its_list_and_no_other(wheel_venv
     config; the known failures, the reach table's reference model and the gate profile load): each file of the list is
     in the wheel and opened, and no other file of the package is."""
     done = subprocess.run([str(wheel_venv.python), "-c", PROBE, str(tmp_path / "repros")], cwd=tmp_path,
-                          env=wheel_venv.env(), capture_output=True, text=True, timeout=300)
+                          env=wheel_venv.env(), capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["root"] == str(wheel_venv.purelib / "mpt_kv"), got["root"]  # the wheel's copy, not the checkout

@@ -18,6 +18,7 @@ from packaging.version import Version
 from mpt_kv import releases
 from mpt_kv.cli import sweep
 from mpt_kv.findings import sweep as repro_sweep
+from plugin_testing import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,8 +138,8 @@ def test_sweep_two_transformers_releases(tmp_path):
     mixed_qkv (a known failure: xfail), 5.24.0 copies (pass)."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "mpt_kv", "sweep", "transformers==4.55.4", "transformers==5.24.0",
-                           "-k", "P3/concat", "--timeout", "900", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1900, cwd=tmp_path,
+                           "-k", "P3/concat", "--timeout", str(HANG_S), "--out", str(out)],
+                          capture_output=True, text=True, timeout=3 * HANG_S, cwd=tmp_path,  # two releases
                           env={**os.environ, "PYTHONPATH": str(ROOT), "PIP_CONSTRAINT": str(ROOT / "constraints" / "cpu.txt")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = (out / "table.md").read_text()
@@ -194,7 +195,7 @@ def test_main_runs_the_releases_in_parallel_and_writes_the_table(tmp_path, monke
     every row lands in rows.json and table.md, and a row that did not run makes the exit status 1."""
     import threading
 
-    both_running = threading.Barrier(2, timeout=10)  # a -p 1 sweep would stop here: BrokenBarrierError
+    both_running = threading.Barrier(2, timeout=HANG_S)  # a -p 1 sweep would stop here: BrokenBarrierError
 
     def fake_run_release(rel, envs, out, base, timeout, run_args, listing=None):
         both_running.wait()

@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugin_testing import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def tox_config(envs: str) -> dict[str, dict[str, list[str]]]:
     run = subprocess.run([sys.executable, "-m", "tox", "config", "-e", envs, "-k", "commands", "commands_post"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr
     out, env, key = {}, None, None
     for line in run.stdout.splitlines():

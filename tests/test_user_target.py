@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugin_testing import HANG_S
 
 pytest_plugins = ["pytester"]
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ def three_targets(tmp_path_factory):
     env.update(PYTHONPATH=os.pathsep.join([TINYMPT, str(where)]), MPT_KV_HYPOTHESIS_PROFILE="ci")
     done = subprocess.run([sys.executable, "-m", "pytest", PROPERTIES, f"--rootdir={REPO}", "-p", "no:cacheprovider",
                            "--device=cpu", "--dtype=fp32", "--only-targets", *targets, "-rA", "-k", k],
-                          cwd=where, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=where, env=env, capture_output=True, text=True, timeout=HANG_S)
     return done.returncode, done.stdout + done.stderr
 
 

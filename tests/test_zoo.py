@@ -393,22 +393,33 @@ def test_chatglm_port_caches_its_groups_batch_first_and_its_reuse_cache_in_bf16(
 
 
 @pytest.mark.optimum_habana
-def test_minicpm_is_a_latent_whose_port_caches_expanded_kv_and_needs_an_hpu():
+def test_minicpm_is_a_latent_whose_port_caches_expanded_kv_through_the_kernel_standin():
     """minicpm (MiniCPM3): the analytic bytes are the latent's (kv_lora_rank 4 + rope 4 < head dim 12);
     the port's remote code caches the expanded K (4 heads x 12) and V (4 heads x 8): `stored_width`, a
-    known excess. Its module imports an HPU kernel at module level, so its rows are unsupported off an
-    HPU with that reason, while its config (its own module) still builds for the matrix."""
-    from mpt_kv.errors import TargetUnavailable
+    known excess. Its module imports FusedSDPA at module level and its attention calls it with no CPU
+    fallback: off an HPU it runs through the kernel stand-in (its cases labelled cpu+standin), the
+    stand-in's FusedSDPA in every forward."""
+    from mpt_kv.families import habana_standin, hpu_kernels
     from mpt_kv.families.implementations import IMPLEMENTATIONS
+    from mpt_kv.targets import FamilyTarget
 
     family, c = config("minicpm")
     assert c.kv_lora_rank < c.qk_nope_head_dim + c.qk_rope_head_dim
     assert family.layer_widths(c) == [8, 8] and family.layer_widths(c, stored=True) == [4 * 12 + 4 * 8] * 2
     assert family.cache_bytes(c, torch.float32, batch=2, written=6) == 2 * 8 * 2 * 6 * 4
     assert family.describe_cache(c) == "2 layers x a latent of 8 per token"
-    with pytest.raises(TargetUnavailable, match=r"port of minicpm \(MiniCPM3ForCausalLM\) cannot run off an HPU: its "
-                                                r"module imports FusedSDPA .*modeling_minicpm\.py:31 and :903\)"):
-        IMPLEMENTATIONS["optimum-habana"](family, "mla")
+    runner = IMPLEMENTATIONS["optimum-habana"](family, "mla")
+    assert sys.modules[type(runner.model).__module__].FusedSDPA is hpu_kernels.FusedSDPA
+    assert habana_standin.device_label(FamilyTarget("optimum-habana", "minicpm", "mla"), "cpu") == "cpu+standin"
+    before = hpu_kernels.CALLS["FusedSDPA"]
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    session = runner.session("concat", 16)
+    hpu_before = torch.ops.__dict__.get("hpu")  # (another test may have made torch.ops' lazy hpu namespace)
+    with torch.inference_mode():
+        session.prefill(ids, torch.ones_like(ids))
+    assert hpu_kernels.CALLS["FusedSDPA"] - before == c.num_hidden_layers  # one per layer, in its forward
+    assert [tuple(t.shape) for layer in session.kv() for t in layer] == [(2, 4, 6, 12), (2, 4, 6, 8)] * 2
+    assert torch.ops.__dict__.get("hpu") is hpu_before  # the scope ended with the forward, put back what was there
 
 
 def cache_fused_views(model, monkeypatch):

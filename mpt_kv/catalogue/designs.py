@@ -1032,3 +1032,39 @@ cache_length_as_python_int = layout_design(
     "optimum-habana passes cache_idx and kv_cache_len as Python ints, constant within a bucket (its bucketed "
     "generation compiles a new graph only when the bucket changes)",
     ReferenceMPT, CacheLengthSession)
+
+
+# --- a constant the model builds on its first forward and keeps (issue 49: model state, not per-generation) ----
+
+from torch import nn  # noqa: E402
+
+from mpt_kv.model.reference import alibi_bias  # noqa: E402
+
+
+class LazyAlibiMPT(ReferenceMPT):
+    """ALiBi built on the first forward and kept on the model for every later call, as llm-foundry's
+    MPTModel builds its attn_bias (`_attn_bias()`: built once when `_attn_bias_initialized` is False)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        del self._buffers["alibi"]  # not a buffer made with the weights: an attribute set by the first forward
+        self.alibi = None
+
+    def _apply(self, fn, recurse=True):
+        nn.Module._apply(self, fn, recurse)  # not the reference's rebuild: the next forward builds it
+        self.alibi = None
+        return self
+
+    def forward(self, input_ids, *args, **kwargs):
+        if self.alibi is None:
+            self.alibi = alibi_bias(self.cfg, input_ids.device)
+        return super().forward(input_ids, *args, **kwargs)
+
+
+alibi_built_on_first_forward = design(
+    "alibi_built_on_first_forward",
+    "the model builds its ALiBi bias on its first forward and keeps it on the model for every later call and "
+    "generation: a constant made by the first (warm-up) generation, never rebuilt or changed",
+    "llm-foundry's MPTModel (llmfoundry/models/mpt/modeling_mpt.py: `_attn_bias()` builds `self.attn_bias` once, "
+    "`_attn_bias_initialized`), what the Hub's mosaicml/mpt-* run with trust_remote_code",
+    LazyAlibiMPT)

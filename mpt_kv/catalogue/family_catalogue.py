@@ -20,7 +20,9 @@ expected to kill it (`killed_by`, as an MPT variant's). The change itself is one
 The implementation is a builder of its own (`implementation(entry)`, named "transformers+<entry>"):
 transformers' runner of the family, then `model_change`. So a row is judged as any implementation of
 the family is (against transformers' uncached forward of the same weights), never as transformers
-itself (whose cache must hold what the family entry says: `family_driver.check_entry_bytes`).
+itself (whose cache must hold what the family entry says: `family_driver.check_entry_bytes`). An
+entry's `attention` builds that runner with one of transformers' attention implementations (the sdpa
+rows: the change lives in the sdpa path; the oracle keeps eager attention, as for every family target).
 
 Every entry needs transformers 5.x (its sliding-window layers, its latent cache, its experts
 interface): `unavailable()` says why where it is not (transformers 4.55.4 keeps a window's whole
@@ -52,6 +54,7 @@ class FamilyEntry:
     model_change: Callable[[torch.nn.Module], None] | None = None
     killed_by: tuple[str, ...] = ()  # variants: the family columns expected to kill it
     waits_for: str = ""         # variants: the check feature, not in this build, that will kill it (as Variant's)
+    attention: str | None = None  # transformers' attention implementation of the row (implementations.ATTENTION)
 
 
 def unavailable() -> str | None:
@@ -74,7 +77,7 @@ def implementation(entry: FamilyEntry):
     from mpt_kv.families.implementations import transformers_runner
 
     def build(family, variant, dtype=torch.float32, *, seed=0, **options):
-        runner = transformers_runner(family, variant, dtype, seed=seed, **options)
+        runner = transformers_runner(family, variant, dtype, seed=seed, **options)  # options: the row's attention
         if entry.model_change is not None:
             entry.model_change(runner.model)
         return runner
@@ -91,10 +94,11 @@ def applied(entry: FamilyEntry, family: str | None = None) -> Iterator[None]:
 
 
 def run(entry: FamilyEntry, check: str, path: str | None = None, family: str | None = None,
-        variant: str | None = None) -> list[str]:
+        variant: str | None = None, dtype: torch.dtype = torch.float32) -> list[str]:
     """One family check (`mpt_kv.checks.family.CHECKS`) on the entry's implementation, its patch
     applied around it; path: the row's (family-P2: static); family, variant: another family the
-    change applies to (the tests run the window entries on gemma3 and gpt_oss too)."""
+    change applies to (the tests run the window entries on gemma3 and gpt_oss too); dtype: the kill
+    matrix's fp32, or bf16 (tests/test_family_catalogue.py runs every row in both)."""
     from mpt_kv.checks.family import CHECKS
     from mpt_kv.families import FAMILIES
 
@@ -102,7 +106,7 @@ def run(entry: FamilyEntry, check: str, path: str | None = None, family: str | N
     variant = variant or (entry.variant if family == entry.family else next(iter(FAMILIES[family].variants)))
     path = path or ("static" if check == "family-P2" else entry.path)
     with applied(entry, family):
-        return CHECKS[check](implementation(entry), family, variant, path)
+        return CHECKS[check](implementation(entry), family, variant, path, dtype, attention=entry.attention)
 
 
 @contextlib.contextmanager
@@ -165,6 +169,24 @@ def window_layer(update):
         return replaced(cache_utils().DynamicSlidingWindowLayer, "update", update)
 
     return patch
+
+
+def crop_keeps_history(self, tokens_to_remove: int) -> None:
+    """DynamicSlidingWindowLayer.crop written as a full layer's (DynamicLayer.crop, copied out): the cropped
+    positions go, the past recorded for the crop stays, never restricted back to sliding_window - 1
+    (transformers 5.24.0 cache_utils.py:281-310 restricts it)."""
+    if tokens_to_remove == 0 or not self.is_initialized:
+        return
+    n = abs(tokens_to_remove)
+    self.keys, self.values = self.keys[..., :-n, :].clone(), self.values[..., :-n, :].clone()
+    self.cumulative_length -= n
+
+
+@contextlib.contextmanager
+def window_crop_keeps_history(family: str) -> Iterator[None]:
+    layer = cache_utils().DynamicSlidingWindowLayer
+    with replaced(layer, "update", window_update(keep=-1, copy=True)), replaced(layer, "crop", crop_keeps_history):
+        yield
 
 
 def full_length_static_windows(family: str):
@@ -270,12 +292,75 @@ def capacity_routing(family: str) -> Iterator[None]:
         priority = (chosen.reshape(batch, length * top, experts).cumsum(1)
                     * chosen.reshape(batch, length * top, experts)).sum(-1).reshape(batch * length, top)
         over = priority > EXPERT_CAPACITY
-        index = index.masked_fill(over, experts)  # the experts' "no expert" slot (transformers skips it)
+        # a dropped choice weighs 0 (its expert's output times 0). Not the "no expert" index (num_experts):
+        # transformers 5.24's grouped_mm experts leave such rows uninitialized unless expert-parallel
+        # (integrations/moe.py:452-470), and 0 x NaN garbage is NaN: the prefill failed at random
         weights = weights.masked_fill(over, 0.0)
         return self.experts(flat, index, weights).reshape(batch, length, width)
 
     with replaced(causal_lm, "forward", keep_mask), replaced(block, "forward", forward):
         yield
+
+
+# --- multi-head latent attention: the latent and the rope key in one cached tensor (issue 49) --------------------
+
+def one_tensor(update):
+    """A cache layer's update that stores the latent and the rope key part side by side in its key tensor,
+    (B, 1, T, kv_lora_rank + qk_rope_head_dim), and a value tensor of zero width (B, 1, T, 0), and hands
+    attention the two parts as views of it: vLLM's MLA cache layout (one kv_c_and_k_pe tensor per layer)."""
+
+    def combined(self, key_states, value_states, *args, **kwargs):
+        width = key_states.shape[-1]
+        both = torch.cat([key_states, value_states], dim=-1)
+        keys, _ = update(self, both, both.new_empty(*both.shape[:-1], 0), *args, **kwargs)
+        return keys[..., :width], keys[..., width:]
+
+    return combined
+
+
+@contextlib.contextmanager
+def latent_and_rope_in_one(family: str) -> Iterator[None]:
+    utils = cache_utils()
+    with replaced(utils.DynamicLayer, "update", one_tensor(utils.DynamicLayer.update)), \
+            replaced(utils.StaticLayer, "update", one_tensor(utils.StaticLayer.update)):
+        yield
+
+
+# --- the sdpa path: when transformers skips the mask (is_causal instead), and how the kernel groups heads -----------
+# transformers 5.24.0 masking_utils.py `_ignore_causal_mask_sdpa` (lines 252-301): where no row is padded and the
+# call has one query or as many queries as keys, sdpa_mask returns None and sdpa_attention_forward calls the kernel
+# with is_causal (upper-left aligned: right only where queries and keys start together) or with no mask at all
+
+def mask_skip(rule):
+    """masking_utils._ignore_causal_mask_sdpa replaced by `rule(padding_mask, q_length, kv_length, q_offset)`
+    (True: no mask, is_causal where q_length > 1), for the row's duration: the sdpa path alone reads it
+    (the eager path's mask never skips: allow_is_causal_skip=False)."""
+    def patch(family: str):
+        import transformers.masking_utils as masking
+
+        def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+            if padding_mask is not None and padding_mask.shape[-1] > kv_length:  # as the original slices it
+                padding_mask = padding_mask[:, torch.arange(kv_length, device=padding_mask.device) + kv_offset]
+            if local_attention_size is not None and kv_length >= local_attention_size:
+                return False  # a window needs its mask (the original's rule, kept)
+            return rule(padding_mask, q_length, kv_length, q_offset)
+
+        return replaced(masking, "_ignore_causal_mask_sdpa", ignore)
+
+    return patch
+
+
+def unpadded(padding_mask) -> bool:
+    return padding_mask is None or bool(padding_mask.all())
+
+
+def gqa_in_the_kernel(family: str):
+    """sdpa_attention_forward asks the kernel to group the query heads (`enable_gqa=True`) instead of
+    repeating K and V to every query head (repeat_kv) or packing a decode step's heads (pack_gqa): what it
+    does on XPU and MPS, or with TRANSFORMERS_SDPA_FORCE_GQA=1 (integrations/sdpa_attention.py:42-54)."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    return replaced(sdpa, "use_gqa_in_sdpa", lambda attention_mask, key, value: True)
 
 
 # --- the catalogues ---------------------------------------------------------------------------------------------
@@ -309,6 +394,28 @@ FAMILY_DESIGNS: dict[str, FamilyEntry] = {e.name: e for e in (
         "same values within family-P1's tolerance; the cache is the attention's alone",
         "transformers 5.24.0 integrations/moe.py:112 (batched_mm_experts_forward), config._experts_implementation",
         model_change=batched_mm_experts),
+    FamilyEntry(
+        "latent_and_rope_in_one_tensor", "deepseek_v2", "mla", "concat",
+        "multi-head latent attention caches the latent and the rope key part side by side in one tensor per layer, "
+        "(B, 1, T, kv_lora_rank + qk_rope_head_dim), and a value of zero width (B, 1, T, 0) beside it: the latent's "
+        "bytes in one storage, an empty tensor compared and counted as one (family-P2: static and concat alike)",
+        "vLLM's MLA attention backends (one kv_c_and_k_pe_cache tensor per layer); transformers 5.24.0 "
+        "cache_utils.py:119 (DynamicLayer.update) and :462 (StaticLayer.update) given the two parts as one",
+        patch=latent_and_rope_in_one),
+    FamilyEntry(
+        "sdpa_mask_always_built", "llama", "gqa", "concat",
+        "the sdpa path never skips the mask: every call gets the materialized causal and padding mask, no "
+        "is_causal (what transformers does while tracing or exporting): the same values as the skip's kernel "
+        "calls",
+        "transformers 5.24.0 masking_utils.py:280-281 (`_ignore_causal_mask_sdpa` returns False under export)",
+        patch=mask_skip(lambda padding_mask, q_length, kv_length, q_offset: False), attention="sdpa"),
+    FamilyEntry(
+        "sdpa_gqa_in_the_kernel", "llama", "gqa", "concat",
+        "the sdpa path hands the kernel the K/V heads as cached and `enable_gqa=True`, instead of repeat_kv's "
+        "expanded copies or a decode step's packed query heads: the same attention, grouped inside the kernel",
+        "transformers 5.24.0 integrations/sdpa_attention.py:42-54 and :118-127 (use_gqa_in_sdpa: XPU, MPS, "
+        "TRANSFORMERS_SDPA_FORCE_GQA=1)",
+        patch=gqa_in_the_kernel, attention="sdpa"),
 )}
 
 FAMILY_VARIANTS: dict[str, FamilyEntry] = {e.name: e for e in (
@@ -356,6 +463,33 @@ FAMILY_VARIANTS: dict[str, FamilyEntry] = {e.name: e for e in (
         "transformers 5.24.0 models/switch_transformers/modeling_switch_transformers.py:105-109 "
         "(SwitchTransformersTop1Router: token_priority, a cumsum over the call's positions)",
         patch=capacity_routing, killed_by=("family-P1",)),
+    FamilyEntry(
+        "window_keeps_history_after_crop", "gemma2", "hybrid-window4", "concat",
+        "the window (window_copied) is cropped as a full layer is: the cropped positions go, but the past it kept for "
+        "the crop (from the k-token call on) stays, never restricted back to sliding_window - 1: right values, the "
+        "window layer's bytes those of its history after every crop",
+        "DynamicSlidingWindowLayer.crop written as DynamicLayer.crop (transformers 5.24.0 cache_utils.py:164 for "
+        ":281-310), or a window cache that records its past for assisted decoding and forgets to drop it",
+        patch=window_crop_keeps_history, killed_by=("family-memory",)),
+    FamilyEntry(
+        "sdpa_is_causal_with_a_cache", "llama", "gqa", "concat",
+        "the sdpa path skips the mask whenever no row is padded, a cached call of several tokens too: the kernel "
+        "gets is_causal, upper-left aligned, so the k new queries see the cache's first positions (sliced to k "
+        "keys), not their own history",
+        "the skip rule without its `q_length == 1 or kv_length == q_length` condition (transformers 5.24.0 "
+        "masking_utils.py:292): an extend (assisted decoding's k-token call, a chunked prefill) of an unpadded batch",
+        patch=mask_skip(lambda padding_mask, q_length, kv_length, q_offset: unpadded(padding_mask)),
+        killed_by=("family-P1",), attention="sdpa"),
+    FamilyEntry(
+        "sdpa_decode_mask_dropped", "llama", "gqa", "concat",
+        "the sdpa path drops the mask of every one-token call, padded rows too: a left-padded row's decode step "
+        "attends its padding positions (and on a StaticCache every unwritten slot), only on the sdpa path (the "
+        "eager one builds its mask)",
+        "the skip rule without its padding condition (transformers 5.24.0 masking_utils.py:292: `padding_mask is "
+        "None or fast_all(padding_mask)`): batched generation of prompts of different lengths",
+        patch=mask_skip(lambda padding_mask, q_length, kv_length, q_offset: q_length == 1 or (
+            kv_length == q_length and unpadded(padding_mask))),
+        killed_by=("family-P2", "family-ops"), attention="sdpa"),
 )}
 
 

@@ -20,10 +20,17 @@ package (`mpt_kv/data/gate-profile.json`), made by one repeatable rule:
    cpu, under the `ci` hypothesis profile (derandomized, no example database: the same examples every
    time, as under `CI=true`). A check kills when it raises (a PropertyFailure, or any other exception:
    the kill matrix's crash rule).
-2. Cover. Greedy set cover over (variant killed by case): repeatedly take the case that kills the
-   most variants not yet killed; ties go to the lower stored cost, then to the registry's order
+2. Cover. Greedy set cover over (variant killed by case) and (required coverage met by case):
+   repeatedly take the case that kills the most variants not yet killed, or meets the most
+   requirements not yet met; ties go to the lower stored cost, then to the registry's order
    (CHECKS, fp32 before bf16). Then, in the order of decreasing cost, a chosen case whose every
-   variant another chosen case also kills is dropped (the cover stays a cover, and smaller).
+   variant and requirement another chosen case also covers is dropped (the cover stays a cover, and
+   smaller). The required coverage (`requirements`, from the index, not from kill data) is what the
+   profile keeps whatever the catalogue's variants happen to need: a case of every column the
+   variants name as their killers, and a value check (a property with an oracle) after an extend
+   and after a reorder on every cache path, bucketed included, so that a bug on an operation no
+   variant covers still meets a value check there. A requirement every candidate of which fails a
+   must-pass design is given up, and the file says so (`gives_up`).
 3. Must pass. Every chosen case is run on the reference and every design in that dtype; a case that
    fails one (a false positive) is removed from the candidates and step 2 is redone.
 
@@ -33,11 +40,14 @@ candidates: their catalogue (`mpt_kv.catalogue.family_catalogue`) is the kill ma
 CI runs; the gate profile runs no family case, the whole run does.
 
 The stored profile carries a fingerprint of what it was computed from: the catalogue modules' source
-(variants.py, designs.py, assembly.py), the kill matrix's cases and columns, the candidate check ids
-and the `ci` hypothesis profile's example count. A gate-profile run whose installed package does not
-match the stored fingerprint, or whose profile selects no case, fails before any test, with the
-reason (mpt_kv/plugin/profile.py). tests/test_gate_profile.py fails when the catalogue changed without
-`--update`, and reruns each variant's killer from the stored profile (it must still kill).
+(variants.py, designs.py, assembly.py), the kill matrix's cases and columns, the candidate check ids,
+the required coverage and the `ci` hypothesis profile's example count; and a digest of each of its own
+parts (`digests`: the cases and what each kills, the killers, the fingerprint, ...), written with them,
+so that a hand-edited file (a case cut, a killer emptied, a fingerprint pasted over a stale one) is
+refused when loaded, naming the parts edited. A gate-profile run whose installed package does not
+match the stored fingerprint, whose file was edited, or whose profile selects no case, fails before any
+test, with the reason (mpt_kv/plugin/profile.py). tests/test_gate_profile.py fails when the catalogue
+changed without `--update`, and reruns each variant's killer from the stored profile (it must still kill).
 """
 
 from __future__ import annotations
@@ -48,10 +58,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpt_kv import package_data
+from mpt_kv.errors import ProfileError  # defined with every exception mpt-kv raises (issue 48)
 
 PROFILE_FILE = package_data.GATE_PROFILE
 PROFILES = ("full", "gate")  # the names users pass (--mpt-kv-profile, ini mpt_kv_profile); full is the default
-RULE = ("greedy set cover over (variant killed by case), ties to the lower stored cost then the registry's order; "
+RULE = ("greedy set cover over (variant killed by case) and (required coverage met by case), ties to the lower stored "
+        "cost then the registry's order; "
         "redundant cases dropped in decreasing cost; every chosen case passes every must-pass design "
         "(mpt_kv/catalogue/gate_profile.py)")
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}  # the case ids' dtype names
@@ -78,6 +90,46 @@ def candidates() -> list[str]:
     return [c.id for c in CHECKS.values() if not is_family(c)]
 
 
+VALUE_OPERATIONS = ("extend", "reorder")  # a value check after each, on every path (module doc: required coverage)
+
+
+def path_label(check) -> str:
+    """A check's cache path as the index names them: concat, static, static+bucket ('' uncached)."""
+    return "static+bucket" if check.bucket else (check.path or "")
+
+
+def operations_run(prop) -> tuple[str, ...]:
+    """The cache operations a property's cases run besides prefill and decode: a program check's are its
+    fixed programs' (every program check runs them: `mpt_kv.checks.programs.fixed_programs`), an
+    operation check's its own (`Property.operations`); the other properties run none."""
+    if prop.runs == "program":
+        from mpt_kv.checks.programs import FIXED
+
+        return tuple(sorted({op.kind for p in FIXED.values() for op in p.ops} - {"decode"}))
+    return prop.operations
+
+
+def requirements() -> dict[str, tuple[str, ...]]:
+    """The required coverage (module doc, step 2), each with the candidate check ids that meet it, in the
+    registry's order: a case of every column the catalogue's variants name as killers (`Variant.killed_by`),
+    and a value check (a property with an oracle: it compares logits) after each of VALUE_OPERATIONS on
+    every cache path of the index (`index.ALL_PATHS`, the bucketed static path included)."""
+    from mpt_kv.catalogue.variants import VARIANTS
+    from mpt_kv.checks import index
+    from mpt_kv.checks.registry import CHECKS
+
+    ids = candidates()
+    prop = {i: index.by_name(CHECKS[i].property) for i in ids}
+    named = {column for v in VARIANTS.values() for column in v.killed_by}
+    out = {f"a case of column {column}": tuple(i for i in ids if prop[i].column == column)
+           for column in index.COLUMNS if column in named}
+    for path in index.ALL_PATHS:
+        for op in VALUE_OPERATIONS:
+            out[f"a value check after {op} on {path}"] = tuple(
+                i for i in ids if prop[i].oracle and op in operations_run(prop[i]) and path_label(CHECKS[i]) == path)
+    return out
+
+
 def fingerprint() -> str:
     """sha256 of what the stored profile is computed from (module doc); a change of any makes it stale."""
     from hypothesis import settings
@@ -90,6 +142,7 @@ def fingerprint() -> str:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(json.dumps([[mc.case.describe(), mc.bucket, list(mc.columns)] for mc in killmatrix.CASES]).encode())
     h.update(json.dumps(candidates()).encode())
+    h.update(json.dumps(requirements()).encode())
     h.update(str(settings.get_profile("ci").max_examples).encode())
     return h.hexdigest()
 
@@ -100,8 +153,9 @@ def fingerprint() -> str:
 def cover(kills: dict[str, set[GateCase]], cost: dict[GateCase, float], order: list[GateCase],
           excluded: set[GateCase] = frozenset()) -> list[GateCase]:
     """The greedy set cover of the module doc (step 2): `kills` maps each variant to the cases that kill
-    it; `cost` each case's stored seconds; `order` the registry's order. Variants no case kills are left
-    out (the caller lists them as waiting). Deterministic: the same data gives the same cases."""
+    it (and each requirement to the cases that meet it); `cost` each case's stored seconds; `order` the
+    registry's order. What no case covers is left out (the caller lists the variants as waiting, the
+    requirements as given up). Deterministic: the same data gives the same cases."""
     rank = {c: i for i, c in enumerate(order)}
     killed_by_case: dict[GateCase, set[str]] = {}
     for variant, cases in kills.items():
@@ -153,27 +207,69 @@ class StoredProfile:
     def selects(self, check: str, dtype: str) -> bool:
         return GateCase(check, dtype) in self.cases
 
+    def _lists(self, field: str) -> dict[GateCase, tuple[str, ...]]:
+        return {GateCase(c["check"], c["dtype"]): tuple(c.get(field, ())) for c in self.data.get("cases", ())}
 
-class ProfileError(Exception):
-    """The stored gate profile cannot be used (missing, malformed, stale): the message says why and what to run."""
+    def unkilled(self, kept) -> list[str]:
+        """The variants the profile kills that no case of `kept` is known to kill (its cases' kill data)."""
+        kills = self._lists("kills")
+        return sorted(v for v in self.killers if not any(v in kills.get(c, ()) for c in kept))
+
+    def unmet(self, kept) -> list[str]:
+        """The required coverage the profile meets that no case of `kept` meets."""
+        meets = self._lists("meets")
+        return [r for r in dict.fromkeys(r for c in self.cases for r in meets.get(c, ()))
+                if not any(r in meets.get(c, ()) for c in kept)]
 
 
 UPDATE = "python -m mpt_kv gateprofile --update"
 
 
+def digests(data: dict) -> dict[str, str]:
+    """A sha256 (16 hex digits) of each part of a profile file but the digests themselves: written with them."""
+    return {key: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+            for key, value in data.items() if key != "digests"}
+
+
+def edited_parts(data: dict) -> list[str]:
+    """The parts of a profile file whose content differs from the digest written with it (removed and added
+    parts too), each with its size where it is a list or a map: `cases (1 now)`."""
+    stored, now = data.get("digests") or {}, digests(data)
+    out = []
+    for key in dict.fromkeys([*stored, *now]):
+        if key not in now:
+            out.append(f"{key} (removed)")
+        elif key not in stored:
+            out.append(f"{key} (added)")
+        elif stored[key] != now[key]:
+            size = f" ({len(data[key])} now)" if isinstance(data[key], (list, dict)) else ""
+            out.append(f"{key}{size}")
+    return out
+
+
 def load(path: Path | str | None = None) -> StoredProfile:
-    """The stored profile (default: the package's file); ProfileError naming the file and the problem."""
+    """The stored profile (default: the package's file); ProfileError naming the file and the problem: missing,
+    malformed, or edited since `--update` wrote it (its parts' digests)."""
     path = PROFILE_FILE if path is None else path
     try:
         data = json.loads(Path(path).read_text())
         cases = tuple(GateCase(c["check"], c["dtype"]) for c in data["cases"])
         killers = {v: GateCase(*k) for v, k in data["killers"].items()}
-        return StoredProfile(cases, data["fingerprint"], killers, tuple(data.get("waiting", ())), data)
+        profile = StoredProfile(cases, data["fingerprint"], killers, tuple(data.get("waiting", ())), data)
+        if not isinstance(data.get("digests"), dict):
+            raise ProfileError(f"the gate profile {path} has no digests of its parts: it was not written by "
+                               f"`{UPDATE}` (or was edited since): run it")
     except FileNotFoundError:
         raise ProfileError(f"the gate profile {path} is missing: the package is incomplete; a checkout makes it "
                            f"with `{UPDATE}`") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ProfileError(f"the gate profile {path} is malformed ({type(e).__name__}: {e}): run `{UPDATE}`") from None
+    edited = edited_parts(data)
+    if edited:
+        raise ProfileError(f"the gate profile {path} was edited after `{UPDATE}` wrote it: its {', '.join(edited)} "
+                           "differ from the digests written with them (the profile is the rule's output, not a "
+                           f"list to edit; a stale one is brought up to date by `{UPDATE}`)")
+    return profile
 
 
 def stale_reason(profile: StoredProfile) -> str | None:
@@ -299,6 +395,17 @@ def _pool_map(fn, jobs: list, processes: int) -> list:
         return pool.map(fn, jobs, chunksize=1)
 
 
+def given_up_because(cases: set[GateCase], failing_reference: set[str], false_positives: dict[str, list[str]]) -> str:
+    """Why the profile gives a requirement up: no candidate meets it, or each that does fails the reference or
+    a must-pass design (module doc, step 3)."""
+    if not cases:
+        return "no check id of the registry meets it"
+    why = [f"{c} fails the reference" if c.check in failing_reference else
+           f"{c} fails {'; '.join(false_positives.get(f'{c.check}|{c.dtype}', ['a must-pass design']))}"
+           for c in sorted(cases)]
+    return "every case that meets it fails a must-pass row: " + "; ".join(why)
+
+
 def compute(processes: int = 1, progress=print) -> dict:
     """The whole profile file (module doc: kill data, cover, must pass), as a dict."""
     import time
@@ -333,10 +440,11 @@ def compute(processes: int = 1, progress=print) -> dict:
     kills = {r["variant"]: {GateCase(i, r["dtype"]) for i, cell in r["cells"].items() if cell["killed"]} for r in rows}
     order = [GateCase(i, d) for d in dtypes for i in ids]
     order.sort(key=lambda c: (ids.index(c.check), dtypes.index(c.dtype)))
+    required = {r: {GateCase(i, d) for i in meeting for d in dtypes} for r, meeting in requirements().items()}
     designs = [n for n in killmatrix.must_pass() if n != "reference"]
     false_positives: dict[str, list[str]] = {}
     while True:
-        chosen = cover(kills, cost, order, excluded)
+        chosen = cover({**kills, **required}, cost, order, excluded)
         progress(f"gateprofile: {len(chosen)} cases chosen; checking {len(designs)} designs pass them "
                  f"({time.perf_counter() - start:.0f} s)")
         results = _pool_map(_design_passes, [(n, tuple((c.check, c.dtype) for c in chosen)) for n in designs],
@@ -350,15 +458,21 @@ def compute(processes: int = 1, progress=print) -> dict:
             false_positives.setdefault(key, []).append(why)
     waiting = sorted(v for v, cases in kills.items() if not (cases - excluded))
     killers = {v: killer_of(kills[v], chosen, cost) for v in kills if v not in waiting}
+    gives_up = {r: given_up_because(cases, failing_reference, false_positives) for r, cases in required.items()
+                if not (cases - excluded)}
     return {
         "about": "the gate profile (mpt_kv/catalogue/gate_profile.py); made by `" + UPDATE + "`, do not edit",
         "rule": RULE,
         "fingerprint": fingerprint(),
         "hypothesis_profile": "ci",
         "cases": [{"check": c.check, "dtype": c.dtype, "kills": sorted(v for v in kills if c in kills[v]),
-                   "reference_seconds": cost.get(c)} for c in chosen],
+                   "meets": [r for r in required if c in required[r]], "reference_seconds": cost.get(c)}
+                  for c in chosen],
         "killers": {v: [c.check, c.dtype] for v, c in sorted(killers.items())},
         "waiting": waiting,
+        "required": {r: next([c.check, c.dtype] for c in chosen if c in cases)
+                     for r, cases in required.items() if r not in gives_up},
+        "gives_up": gives_up,
         "excluded_false_positives": {k: v for k, v in sorted(false_positives.items())},
         "candidates": len(order),
         "reference_seconds": {"gate": round(sum(cost.get(c, 0.0) for c in chosen), 2),
@@ -373,5 +487,6 @@ def compute(processes: int = 1, progress=print) -> dict:
 
 def write(data: dict, path: Path | str) -> None:
     # the seconds of this computation change from run to run: kept out of the file (its diff is the profile's)
-    data = {k: v for k, v in data.items() if k != "seconds"}
+    data = {k: v for k, v in data.items() if k not in ("seconds", "digests")}
+    data["digests"] = digests(data)
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")

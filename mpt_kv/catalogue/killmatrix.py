@@ -11,8 +11,9 @@ deterministic cases (`CASES`) and its cache paths (concat, static, static with t
 bucket), fp32 (or the row's own `dtype`, for an entry that differs from the reference only below
 fp32), CPU by default. Each case names the columns that run it, to keep the matrix fast: the long
 case runs the value columns (P0-P2) only; the memory column (the costliest: an exact byte count of
-every op), graph-capture (a compile per row) and static-shape run the first case, static-shape the
-wide one too.
+every op) runs the first case with 4 layers (its bounds are per layer: 2 layers cannot tell one layer's
+bf16 upcast from a whole-cache copy), graph-capture (a compile per row) and static-shape the first
+case, static-shape the wide one too.
 
 Family rows (`mpt_kv.catalogue.family_catalogue`): the must-pass designs and must-kill variants of
 the Gaudi zoo's cache designs (sliding windows, hybrid static caches, latent attention, mixtures of
@@ -22,13 +23,18 @@ cpu, on the row's cache path (family-P2 on the static path, against the concat p
 family checks' own fixed drive (`mpt_kv.checks.family_driver`), not `CASES`. Where transformers 5.x
 is not installed their cells are "n/a" with the reason (their variants wait).
 
+Generate rows (`mpt_kv.catalogue.generate_catalogue`): must-pass designs and must-kill variants of the half
+of the cache that lives in `generate`, each transformers 5.x's MPT driven by its own generate with one change
+to its generation methods, under the generate columns (`GENERATE_COLUMNS`: greedy, beam, prompt-lookup,
+draft: the generate check of that mode, `mpt_kv.checks.generate`), on cpu, on the row's cache path.
+
 A kill is a check that raises: `PropertyFailure` is "killed", any other exception "killed (error:
 ExcType)" (the variant crashes, which a user would see too). A column stops at its first kill.
 On a must-pass row the same outcomes read "FAIL" and "FAIL (error: ExcType)". A case the target
 declares unsupported (`Capabilities`) is skipped; a column where every case was is "unsupported".
 
 Exit status:
-  (the family rows by the same rules)
+  (the family rows and the generate rows by the same rules)
   0  every must-pass row passes, every variant is killed by the columns it names (where those
      exist in this build), or waits, as declared, for a check feature this build lacks
   1  a variant survived (a missing or weak test), an expected killer missed it, or a waiting
@@ -45,9 +51,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mpt_kv.catalogue import family_catalogue
+from mpt_kv.catalogue import family_catalogue, generate_catalogue
 from mpt_kv.catalogue.designs import DESIGNS, Design
 from mpt_kv.catalogue.family_catalogue import FAMILY_VARIANTS, FamilyEntry
+from mpt_kv.catalogue.generate_catalogue import GENERATE_VARIANTS, GenerateEntry
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant
 from mpt_kv.checks import index, programs, running
 from mpt_kv.checks.cases import Case
@@ -77,10 +84,17 @@ def bool_mask(case: Case) -> Case:
 VALUES = ("P0", "P1", "P2")
 PROPERTIES = ("P0", "P1", "P2", "P3", "P4")
 
+FIRST = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 5, seed=1)
+NOT_MEMORY = tuple(c for c in COLUMNS if c != "memory")
+
 CASES = (
-    MatrixCase(Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, max_seq_len=32), (5, 3), 5, seed=1),
-               4, "3 heads (ALiBi slopes of a non-power of two), left padding, decode steps at and before a "
-                  "bucket boundary (cache_idx 8 and 10)"),
+    MatrixCase(FIRST, 4, "3 heads (ALiBi slopes of a non-power of two), left padding, decode steps at and before a "
+                         "bucket boundary (cache_idx 8 and 10)", NOT_MEMORY),
+    # memory's bounds are per layer: with 2 layers one layer's bf16 upcast allowance is a whole cache, so a
+    # step that copies the whole cache passes; 4 layers separate them (as ceilings.SHAPE)
+    MatrixCase(dataclasses.replace(FIRST, cfg=dataclasses.replace(FIRST.cfg, n_layers=4)), 4,
+               "the first case with 4 layers: a whole-cache copy is twice one layer's bf16 upcast allowance",
+               ("memory",)),
     MatrixCase(bool_mask(Case(ModelConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32,
                                             clip_qkv=0.5), (6, 2, 4), 4, seed=2)),
                4, "clip_qkv small enough to clamp most of mixed_qkv; three rows, two padded; a bool mask", PROPERTIES),
@@ -197,16 +211,17 @@ def run_column(column: str, build, name: str, device, dtype, runners: dict) -> C
     return Cell("survived") if ran else Cell("unsupported", skipped)
 
 
-def run_family_column(column: str, entry: FamilyEntry) -> Cell:
+def run_family_column(column: str, entry: FamilyEntry, dtype: torch.dtype = torch.float32) -> Cell:
     """One family column on one family row: its family check (by property) on the entry's
-    implementation and path (family-P2: static), the entry's patch applied around it, on cpu; the
-    same reading as `run_column` (a PropertyFailure "killed", another exception "killed (error: X)",
-    `Unsupported` "unsupported")."""
+    implementation and path (family-P2: static), the entry's patch applied around it, on cpu, in
+    `dtype` (the matrix's fp32; tests/test_family_catalogue.py runs bf16 too); the same reading as
+    `run_column` (a PropertyFailure "killed", another exception "killed (error: X)", `Unsupported`
+    "unsupported")."""
     reason = family_catalogue.unavailable()
     if reason:
         return Cell("n/a", reason)
     try:
-        family_catalogue.run(entry, column)
+        family_catalogue.run(entry, column, dtype=dtype)
     except Unsupported as e:  # a pytest skip: not an Exception
         return Cell("unsupported", str(e.msg))
     except PropertyFailure as e:
@@ -214,6 +229,25 @@ def run_family_column(column: str, entry: FamilyEntry) -> Cell:
     except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
         return Cell(f"killed (error: {type(e).__name__})", f"{type(e).__name__}: {first_line(e)} "
                     f"[{entry.family}/{entry.variant}, path={entry.path}]")
+    return Cell("survived")
+
+
+def run_generate_column(column: str, entry: GenerateEntry) -> Cell:
+    """One generate column (a mode) on one generate row: the generate check of that mode on the row's path,
+    on its factory (cpu, float32); the same reading as `run_column`. A mode the row does not run, or a build
+    without transformers 5.x, reads "n/a" with the reason."""
+    reason = generate_catalogue.unavailable() or entry.skipped(column)
+    if reason:
+        return Cell("n/a", reason)
+    try:
+        generate_catalogue.run(entry, column)
+    except Unsupported as e:  # a pytest skip: not an Exception
+        return Cell("unsupported", str(e.msg))
+    except PropertyFailure as e:
+        return Cell("killed", first_line(e))
+    except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
+        return Cell(f"killed (error: {type(e).__name__})", f"{type(e).__name__}: {first_line(e)} [{entry.name}, "
+                    f"path={entry.path}, mode={column}]")
     return Cell("survived")
 
 
@@ -246,7 +280,8 @@ def as_must_pass(cell: Cell) -> Cell:
 
 def run_matrix(designs: list[Design], variants: list[Variant], checks: list[str], device="cpu",
                dtype=torch.float32, family_designs: list[FamilyEntry] = (), family_variants: list[FamilyEntry] = (),
-               family_checks: list[str] = ()) -> dict:
+               family_checks: list[str] = (), generate_designs: list[GenerateEntry] = (),
+               generate_variants: list[GenerateEntry] = (), generate_checks: list[str] = ()) -> dict:
     """{"must_pass": {name: {check: Cell}}, "must_kill": {name: {check: Cell}}, "family_must_pass": ...,
     "family_must_kill": ...} (the family rows under `family_checks`, on cpu). The reference is always
     the first must-pass row."""
@@ -260,8 +295,12 @@ def run_matrix(designs: list[Design], variants: list[Variant], checks: list[str]
                for v in variants}
     family_passing = {e.name: {c: as_must_pass(run_family_column(c, e)) for c in family_checks} for e in family_designs}
     family_killing = {e.name: {c: run_family_column(c, e) for c in family_checks} for e in family_variants}
+    generate_passing = {e.name: {c: as_must_pass(run_generate_column(c, e)) for c in generate_checks}
+                        for e in generate_designs}
+    generate_killing = {e.name: {c: run_generate_column(c, e) for c in generate_checks} for e in generate_variants}
     return {"must_pass": passing, "must_kill": killing, "family_must_pass": family_passing,
-            "family_must_kill": family_killing}
+            "family_must_kill": family_killing, "generate_must_pass": generate_passing,
+            "generate_must_kill": generate_killing}
 
 
 _SHARES: list = []  # each forked process's rows (set before the fork: the rows' builds are closures, not picklable)
@@ -273,21 +312,26 @@ def _run_share(i: int) -> dict:
 
 def run_matrix_in(jobs: int, designs: list[Design], variants: list[Variant], checks: list[str], device="cpu",
                   dtype=torch.float32, family_designs: list[FamilyEntry] = (), family_variants: list[FamilyEntry] = (),
-                  family_checks: list[str] = ()) -> dict:
+                  family_checks: list[str] = (), generate_designs: list[GenerateEntry] = (),
+                  generate_variants: list[GenerateEntry] = (), generate_checks: list[str] = ()) -> dict:
     """`run_matrix` over `jobs` forked processes: the rows dealt round robin (the MPT rows, then the
     family rows), the same matrix in the same row order. Each process builds the reference again (the
     oracle its rows are compared with). CPU only (a forked process cannot use a CUDA or HPU context
     made before the fork)."""
     family = (family_designs, family_variants, family_checks)
+    generate = (generate_designs, generate_variants, generate_checks)
     if jobs <= 1 or torch.device(device).type != "cpu":
-        return run_matrix(designs, variants, checks, device, dtype, *family)
+        return run_matrix(designs, variants, checks, device, dtype, *family, *generate)
     rows = [d for d in designs if d.name != "reference"] + list(variants)
     kinds = {id(r): ("must_kill" if any(r is v for v in variants) else "must_pass") for r in rows}
     family_rows = [*family_designs, *family_variants]
+    generate_rows = [*generate_designs, *generate_variants]
     _SHARES[:] = [([r for r in rows[i::jobs] if kinds[id(r)] == "must_pass"],
                    [r for r in rows[i::jobs] if kinds[id(r)] == "must_kill"], checks, device, dtype,
                    [e for e in family_rows[i::jobs] if e in family_designs],
-                   [e for e in family_rows[i::jobs] if e in family_variants], family_checks)
+                   [e for e in family_rows[i::jobs] if e in family_variants], family_checks,
+                   [e for e in generate_rows[i::jobs] if e in generate_designs],
+                   [e for e in generate_rows[i::jobs] if e in generate_variants], generate_checks)
                   for i in range(jobs)]
     try:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -295,12 +339,15 @@ def run_matrix_in(jobs: int, designs: list[Design], variants: list[Variant], che
     finally:
         _SHARES.clear()
     merged = {kind: {name: cells for part in parts for name, cells in part[kind].items()}
-              for kind in ("must_pass", "must_kill", "family_must_pass", "family_must_kill")}
+              for kind in ("must_pass", "must_kill", "family_must_pass", "family_must_kill", "generate_must_pass",
+                           "generate_must_kill")}
     return {"must_pass": {REFERENCE.name: parts[0]["must_pass"][REFERENCE.name],
                           **{d.name: merged["must_pass"][d.name] for d in designs if d.name != REFERENCE.name}},
             "must_kill": {v.name: merged["must_kill"][v.name] for v in variants},
             "family_must_pass": {e.name: merged["family_must_pass"][e.name] for e in family_designs},
-            "family_must_kill": {e.name: merged["family_must_kill"][e.name] for e in family_variants}}
+            "family_must_kill": {e.name: merged["family_must_kill"][e.name] for e in family_variants},
+            "generate_must_pass": {e.name: merged["generate_must_pass"][e.name] for e in generate_designs},
+            "generate_must_kill": {e.name: merged["generate_must_kill"][e.name] for e in generate_variants}}
 
 
 def waiting(v: Variant | FamilyEntry, cells: dict[str, Cell]) -> str:
@@ -317,16 +364,19 @@ def waiting(v: Variant | FamilyEntry, cells: dict[str, Cell]) -> str:
 def catalogued_variant(name: str) -> Variant | FamilyEntry:
     """A must-kill row's entry: an MPT variant or a family variant (an unknown name: one that names no
     expected killer)."""
-    return VARIANTS.get(name) or FAMILY_VARIANTS.get(name) or Variant(name, "", "", (), None)
+    return VARIANTS.get(name) or FAMILY_VARIANTS.get(name) or GENERATE_VARIANTS.get(name) or \
+        Variant(name, "", "", (), None)
 
 
 def problems(matrix: dict) -> tuple[list[str], list[str], list[str]]:
     """(false positives, missed kills, waiting notes) as messages, the MPT rows then the family rows."""
     false_positives = [f"must-pass {name} fails {c}: {cell.detail}"
-                       for kind in ("must_pass", "family_must_pass") for name, cells in matrix.get(kind, {}).items()
+                       for kind in ("must_pass", "family_must_pass", "generate_must_pass")
+                       for name, cells in matrix.get(kind, {}).items()
                        for c, cell in cells.items() if cell.result.startswith("FAIL")]
     missed, notes = [], []
-    for kind, source in (("must_kill", "variants.py"), ("family_must_kill", "family_catalogue.py")):
+    for kind, source in (("must_kill", "variants.py"), ("family_must_kill", "family_catalogue.py"),
+                         ("generate_must_kill", "generate_catalogue.py")):
         for name, cells in matrix.get(kind, {}).items():
             v = catalogued_variant(name)
             why = waiting(v, cells)

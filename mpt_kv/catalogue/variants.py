@@ -28,6 +28,7 @@ from mpt_kv.catalogue.assembly import (StaticAt, StaticDecode, StaticOutputMPT, 
                                        model_with, runner_factory)
 from mpt_kv.model.cache import ConcatCache, StaticCache
 from mpt_kv.model.reference import Attention, ReferenceMPT, alibi_bias
+from mpt_kv.targets import Capabilities
 from mpt_kv.targets.reference import ReferenceSession
 
 # The kill-matrix columns: the index's (mpt_kv.checks.index.COLUMNS): P0-P4, static-shape, memory,
@@ -49,12 +50,13 @@ class Variant:
 VARIANTS: dict[str, Variant] = {}
 
 
-def variant(name, bug, origin, killed_by, waits_for="", dtype=None, **pieces):
+def variant(name, bug, origin, killed_by, waits_for="", dtype=None, capabilities=Capabilities(), **pieces):
     """Register a variant and return its factory (also a module attribute of the same name); `dtype`:
-    the kill matrix runs its row in that dtype (a bug that exists only there)."""
+    the kill matrix runs its row in that dtype (a bug that exists only there); `capabilities`: what
+    the target declares (a bf16-only target declares fp32 unsupported)."""
     session_class = pieces.pop("session", ReferenceSession)
     model_class = pieces.pop("model", None) or model_with(**pieces)
-    build = runner_factory(name, model_class, session_class, module=__name__)
+    build = runner_factory(name, model_class, session_class, capabilities=capabilities, module=__name__)
     VARIANTS[name] = Variant(name, bug, origin, tuple(killed_by), build, waits_for, dtype)
     return build
 
@@ -1201,3 +1203,83 @@ branch_on_an_unpadded_batch = variant(
     "AttentionMaskConverter._ignore_causal_mask_sdpa checks `torch.all(attention_mask == 1)`, and skips the check "
     "only while tracing)",
     ["static-shape", "graph-capture"], model=UnpaddedFastPathMPT)
+
+
+# --- an extend that crosses a bucket (issue 49): only a value check after an extend on the bucketed path kills it ---
+
+class ChunkWithinOneBucketCache(StaticCache):
+    """The bucketed static path writes a k-token call's keys and values only up to the end of the bucket
+    its first token falls in; the rest of the chunk is never written."""
+
+    BUCKET = index.BUCKET  # the value checks' cache_idx bucket (optimum-habana's --bucket_size: 128)
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if self.prefilled[layer] and cache_idx is not None and k.shape[2] > 1:
+            start = int(token_idx.reshape(-1)[0]) - 1
+            room = -(-(start + 1) // self.BUCKET) * self.BUCKET - start  # slots left in the first token's bucket
+            ck, cv = super().update(layer, k[:, :, :room], v[:, :, :room], token_idx, None)
+            return ck[:, :, :cache_idx], cv[:, :, :cache_idx]
+        return super().update(layer, k, v, token_idx, cache_idx)
+
+
+extend_written_within_one_bucket = variant(
+    "extend_written_within_one_bucket",
+    "a k-token extend on the bucketed static path writes only the slots left in its first token's bucket: an "
+    "extend that crosses into the next bucket leaves its later tokens' keys and values unwritten (decodes, and "
+    "extends inside one bucket, are right)",
+    "a chunk copy sized to the bucket, written for a chunked prefill whose chunks are bucket-aligned; an assisted "
+    "decoding's k candidates start anywhere and cross the boundary",
+    ["ops"], static=ChunkWithinOneBucketCache)
+
+
+# --- a bf16-only target that holds a second cache during every static step (memory: issue 49) ----------------
+
+class WholeCacheCopyStaticCache(StaticCache):
+    """At the first layer of each static cached call every layer's K and V are copied, and the copies
+    held until the last layer has run; each layer still attends over its own buffer."""
+
+    def update(self, layer, k, v, token_idx=None, cache_idx=None):
+        if layer == 0 and self.prefilled[0]:  # a cached call (the prefill writes the buffers first)
+            self.snapshot = [(ck.clone(), cv.clone()) for ck, cv in self.kv]
+        out = super().update(layer, k, v, token_idx, cache_idx)
+        if layer == len(self.kv) - 1:
+            self.snapshot = None
+        return out
+
+
+static_step_copies_whole_cache = variant(
+    "static_step_copies_whole_cache",
+    "a bfloat16-only model (fp32 declared unsupported) whose static cached call copies every layer's K and V at "
+    "its first layer and holds the copies until its last: a second whole cache during every step (a bfloat16 row)",
+    "a snapshot of the cache kept for a rollback, or the whole cache handed to a kernel that wants its own "
+    "contiguous copy, once per step; a Gaudi port may run bf16 only, where one layer's fp32 upcast allowance was "
+    "as large as a whole 2-layer cache",
+    ["memory"], dtype=torch.bfloat16,
+    capabilities=Capabilities({"fp32": "this port runs bfloat16 only (as a Gaudi port may)"}),
+    static=WholeCacheCopyStaticCache)
+
+
+# --- kv() handed over in another axis order (an adapter error, issue 49) -------------------------------------
+
+from mpt_kv.catalogue.designs import TokenMajorConcatCache  # noqa: E402
+
+
+class StoredOrderSession(ReferenceSession):
+    """The concat path's kv() hands over the token-major tensors as they are stored, (B, T, H, hd)."""
+
+    def kv(self):
+        pairs = super().kv()
+        if self.path != "concat":
+            return pairs
+        return [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in pairs]
+
+
+kv_in_token_major_order = variant(
+    "kv_in_token_major_order",
+    "the concat cache is kept token-major (designs.contiguous_copies) and kv() returns it as stored, (batch, seq, "
+    "heads, head_dim), not (batch, heads, seq, head_dim): every storage is the cache's own, the values are right, "
+    "only the axes are crossed",
+    "an adapter written for a token-major cache (flash-attention layouts; llm-foundry's flash path stores (b, s, h, "
+    "d)) that hands the stored tensors to kv() without the transpose: P3 and memory read the same storages either "
+    "way, P2 would compare crossed axes",
+    ["P3"], concat=TokenMajorConcatCache, session=StoredOrderSession)

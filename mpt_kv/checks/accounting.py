@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -448,26 +449,60 @@ def _tensors_in(x, where, depth, seen=None):
         yield from _tensors_in(v, w, depth - 1, seen)
 
 
+def _digest(t: torch.Tensor) -> bytes:
+    """The bytes a tensor holds, hashed (read on the host; no copy of it stays allocated)."""
+    flat = t.detach().reshape(-1).contiguous()
+    return hashlib.blake2b(flat.view(torch.uint8).cpu().numpy().tobytes(), digest_size=16).digest()
+
+
+def made_once(runner, preexisting: set[int]) -> dict[int, tuple]:
+    """What the model and runner hold right after the warm-up generation that they did not hold before
+    it: {storage key: (weakref to the storage, its digest, where)}. A tensor still there, the same
+    storage holding the same bytes after later generations (`constants_kept`), is model state built
+    once on the first forward (llm-foundry's MPT builds its ALiBi bias so), not per-generation state."""
+    return {storage_key(t): (weakref.ref(t.untyped_storage()), _digest(t), where)
+            for where, t in model_state_tensors(runner, preexisting)}
+
+
+def constants_kept(runner, once: dict, preexisting: set[int]) -> dict[int, tuple[str, torch.Tensor]]:
+    """Of `made_once`'s tensors, those the model or runner still hold after the generations, in the same
+    storage and unchanged (the later generations ran other tokens: state a generation writes changes)."""
+    out = {}
+    for where, t in model_state_tensors(runner, preexisting):
+        key = storage_key(t)
+        ref, digest, _ = once.get(key, (None, None, None))
+        if ref is not None and ref() is t.untyped_storage() and _digest(t) == digest:
+            out[key] = (where, t)
+    return out
+
+
 def model_state_problem(runner, held: int, pool: dict, preexisting: set[int], slack_per_storage: int,
-                        ctx: dict) -> str | None:
-    """After every generation ended and its session is gone, the model holds its weights and its
+                        ctx: dict, once: dict | None = None) -> str | None:
+    """After every generation ended and its session is gone, the model holds its weights, its
     declared cache pool (`pool`: the storages of the last generations, kept by a target that
-    declares Capabilities(cache_pool=True)) and nothing else: `held` bytes above the level before
-    the warm-up, less the pool, must be 0 (exact on cpu). Otherwise: what is held, by name."""
+    declares Capabilities(cache_pool=True)) and the constants it built once (`once`: `made_once`
+    after the warm-up; those still there and unchanged) and nothing else: `held` bytes above the
+    level before the warm-up, less those, must be 0 (exact on cpu). Otherwise: what is held, by name."""
     alive = {key: ref() for key, ref in pool.items() if ref() is not None}
     pooled = sum(st.nbytes() for st in alive.values())
+    constants = {key: v for key, v in constants_kept(runner, once or {}, preexisting).items() if key not in alive}
+    built = sum(t.untyped_storage().nbytes() for _, t in constants.values())
     # one-sided: less is fine (a pool made before this measurement, as when a runner serves several
     # generations, is not counted in `held`; memory freed is not state kept)
-    excess = held - pooled
+    excess = held - pooled - built
     if excess <= slack_per_storage * 4:
         return None
-    found = [(where, t) for where, t in model_state_tensors(runner, preexisting) if storage_key(t) not in alive]
+    found = [(where, t) for where, t in model_state_tensors(runner, preexisting)
+             if storage_key(t) not in alive and storage_key(t) not in constants]
     named = "; ".join(f"{where} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} keeps "
                       f"{t.untyped_storage().nbytes()} bytes" for where, t in found[:6])
     more = f" and {len(found) - 6} more" if len(found) > 6 else ""
     rest = excess - sum(t.untyped_storage().nbytes() for _, t in found)
+    kept = ", ".join(x for x in (f"{pooled} of them the declared cache pool" if pooled else "",
+                                 f"{built} of them constants built once and unchanged since the warm-up"
+                                 if built else "") if x)
     return (f"memory: after the generations ended and their sessions were deleted, the model and runner hold {held} "
-            f"bytes above the level before the warm-up generation{f' ({pooled} of them the declared cache pool)' if pooled else ''}"
+            f"bytes above the level before the warm-up generation{f' ({kept})' if kept else ''}"
             f": {excess} bytes of per-generation state kept on the model or runner. "
             f"{named + more if named else 'No tensor attribute of the model or runner holds them'}"
             f"{f'; {rest:+d} bytes held by nothing found there (a hook, a global?)' if found and rest else ''} "

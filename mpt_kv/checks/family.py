@@ -1,7 +1,7 @@
 """The family checks, on any implementation of a family (`mpt_kv.families.implementations`):
 each drives the implementation's Runner and Session (prefill, decode, extend, crop, reorder,
-kv()) on a tiny model of the family, fp32 by default, CPU, and compares with transformers' own
-model of the same weights, uncached (the oracle). Each takes what every check takes: the runner
+kv()) on a tiny model of the family, on the case's device and dtype (fp32 and CPU by default), and
+compares with transformers' own model of the same weights, uncached, fp32 on CPU (the oracle). Each takes what every check takes: the runner
 the run layer built and the check's context, `check(runner, c)` (`c` a
 `mpt_kv.checks.family_driver.FamilyContext`; what they run on, the drive and its accounting:
 `mpt_kv.checks.family_driver`). `CHECKS` calls one by property, with an implementation, a family,
@@ -12,7 +12,9 @@ family-P0      the implementation's uncached logits = transformers' uncached log
 family-P1      a left-padded batch of 2: prefill, 2 greedy decode steps, a 3-token cached call
                (extend) and a decode: after each, the logits = one uncached forward of
                transformers' model over each row's tokens (P2 drives the same calls; P3, P4
-               and memory the prefill and 3 decode steps: an extend that crashes is P1's finding)
+               and memory the prefill and the decode steps, P3 and memory then a k-token call, a
+               crop and a decode, `family_driver.closing_operations`: an extend that crashes
+               there is P1's finding, a crop family-ops', a note)
 family-P2      static = concat (implementations with both): the same calls on both paths, their
                logits and, where both layouts are readable, K/V at every written position
 family-P3      after the prefill and every call, the storages of the cached tensors (`kv()`) hold
@@ -28,7 +30,8 @@ family-ops     a fixed beam program (a reorder after each decode: a permutation,
                through the crops and reorders
 family-memory  after the prefill and every call, the bytes of the distinct storages the cache
                reaches = the family's analytic K/V bytes for the tokens written (concat: batch x
-               written, static: batch x cache length; MQA/GQA aware), the excess named (with the
+               written, static: batch x cache length; MQA/GQA aware; a window that keeps its past
+               for a crop: within `Family.layer_tokens`' range, nothing pinned), the excess named (with the
                module where a storage is a fused projection's output); after the session is
                deleted, nothing of it stays reachable and the model and runner keep no new tensor
 
@@ -54,21 +57,23 @@ import torch
 from mpt_kv.checks import index, running
 from mpt_kv.checks.accounting import model_state_tensors
 from mpt_kv.checks.compare import Crash, PropertyFailure, assert_close, describe, judged_before, shares_memory
-from mpt_kv.checks.family_driver import (OPS_PADS, FamilyContext, FusedCapture, Step, analytic_bytes, assisted_program,
-                                         beam_program, cache_tokens, call, check_entry_bytes, check_fused_modules, copy_of, drive,
-                                         last_positions, pinning_problems, prompt, run_program, storage_report,
-                                         warm_up)
+from mpt_kv.checks.family_driver import (OPS_PADS, FamilyContext, FusedCapture, Step, analytic_bytes, analytic_range,
+                                         assisted_program, beam_program, cache_tokens, call, check_entry_bytes,
+                                         check_fused_modules, copy_of, drive, last_positions, pinning_problems, prompt,
+                                         range_text, returned_positions, run_program, storage_report, warm_up,
+                                         aligned_written, token_positions)
 from mpt_kv.checks.storages import storage_key
 from mpt_kv.errors import InputError, Registry, Unsupported
+from mpt_kv.families.implementations import ORACLE_ATTENTION
 from mpt_kv.families.models import named_kv
 
 
 def check_uncached(runner, c: FamilyContext) -> list[str]:
     """family-P0: the implementation's uncached forward = transformers' over the same weights."""
-    if c.implementation == "transformers":
+    if c.implementation == "transformers" and c.attention in (None, ORACLE_ATTENTION):
         raise InputError("family-P0 compares an implementation with transformers' own model: transformers "
-                         "itself is its oracle, not a case")
-    ids, mask = prompt(c.config)
+                         "with eager attention is its oracle, not a case")
+    ids, mask = c.inputs(*prompt(c.config, c.seed))
     with torch.inference_mode():
         got = copy_of(call(c, "family-P0", "uncached", "logits", runner.logits, ids, mask))
     assert_close(got, c.oracle(ids, mask), c.tol("logits:uncached"),
@@ -94,8 +99,11 @@ def check_cached(runner, c: FamilyContext) -> list[str]:
         # causal: one uncached forward over the final tokens (after a crash: the tokens seen so
         # far) is every step's oracle
         full = c.oracle(final["seq"], mask)
+        start = 0
         for step, logits, end in got:
-            k = logits.shape[1]
+            # as many positions as the call fed (a prefill: or its last alone, --trim_logits), each step in turn
+            k = returned_positions(c, f"family-P1 {step.name}", logits, end - start, step.operation, step.name)
+            start = end
             where = mask.bool()[:, end - k:end, None] if step.operation == "prefill" else None
             assert_close(logits, full[:, end - k:end], tol,
                          f"family-P1 {step.name}: cached logits vs transformers' uncached forward over each row's "
@@ -112,34 +120,6 @@ def check_cached(runner, c: FamilyContext) -> list[str]:
         raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: the k-token cached call: {lacks_extend} "
                           "(the prefill and the decode steps held)")
     return c.notes
-
-
-def aligned_written(static: torch.Tensor, concat: torch.Tensor, written: int) -> tuple[torch.Tensor, int] | None:
-    """(the static tensor's written positions in the concat tensor's layout, the position axis):
-    the one axis where the static buffer has the cache length and the concat tensor `written`
-    (or, same shapes, the last axis of size `written` but the head dim); None where the layouts do
-    not line up that way (then only the logits are compared)."""
-    if static.dim() != concat.dim():
-        return None
-    if static.shape == concat.shape:
-        axes = [i for i in range(concat.dim() - 1) if concat.shape[i] == written]
-        return (static, axes[-1]) if axes else None
-    axes = [i for i, (a, b) in enumerate(zip(static.shape, concat.shape)) if a != b]
-    if len(axes) != 1 or concat.shape[axes[0]] != written:
-        return None
-    return static.narrow(axes[0], 0, written), axes[0]
-
-
-def token_positions(t: torch.Tensor, axis: int, mask: torch.Tensor) -> torch.Tensor | None:
-    """A bool mask broadcastable to `t` that is True at real tokens (not padding): its first axis
-    is the batch (or batch x heads, as Bloom's (B*H, hd, T) keys), `axis` the positions."""
-    batch = mask.shape[0]
-    if axis == 0 or t.shape[0] % batch:
-        return None
-    rows = mask.bool().repeat_interleave(t.shape[0] // batch, 0)  # (t.shape[0], written)
-    shape = [1] * t.dim()
-    shape[0], shape[axis] = t.shape[0], t.shape[axis]
-    return rows.reshape(shape)
 
 
 def check_static_concat(runner, c: FamilyContext) -> list[str]:
@@ -231,7 +211,7 @@ def check_no_pinned_storage(runner, c: FamilyContext) -> list[str]:
 
     try:
         with torch.inference_mode():
-            drive(runner, c, c.session(runner), inspect)
+            drive(runner, c, c.session(runner), inspect, operations=True)
     finally:
         capture.close()
     return c.notes
@@ -312,20 +292,22 @@ def measured_memory(runner, c: FamilyContext, modules) -> list[str]:
     def measure(step: Step, session, seq, mask):
         kv = named_kv(session.kv())
         tokens = cache_tokens(c, session)
-        total, analytic, why = storage_report(c, kv, capture.outputs, tokens, analytic_bytes(c, session),
-                                              analytic_bytes(c, session, stored=True))
+        least, most = analytic_range(c, session)
+        total, analytic, why = storage_report(c, kv, capture.outputs, tokens, most,
+                                              analytic_bytes(c, session, stored=True), least)
         for layer, n, t in kv:  # the latest storage at an address (a freed one's address is reused)
             storages[storage_key(t)] = (weakref.ref(t.untyped_storage()), f"layer {layer} {n}")
-        if total != analytic:
+        if why:  # the cached tensors hold the analytic bytes (a window: within its range) and pin nothing more
+            excess = total - (most if total > most else least)
             raise PropertyFailure(f"family-memory after {step.name}: the cache's distinct storages hold {total} "
-                                  f"bytes, the family's analytic K/V for {c.batch} x {tokens} tokens {analytic}: "
-                                  f"{total - analytic:+d} bytes; " + "; ".join(why)
+                                  f"bytes, the family's analytic K/V for {c.batch} x {tokens} tokens "
+                                  f"{range_text(least, most, c)}: {excess:+d} bytes; " + "; ".join(why)
                                   + f" [{describe(c.ctx(step=step.name, operation=step.operation))}]")
 
     try:
         with torch.inference_mode():
             session = c.session(runner)
-            drive(runner, c, session, measure)
+            drive(runner, c, session, measure, operations=True)
     finally:
         capture.close()
     pool = runner.capabilities.cache_pool
@@ -350,13 +332,14 @@ def measured_memory(runner, c: FamilyContext, modules) -> list[str]:
 
 
 def by_property(prop: index.Property):
-    """The family check of `prop` called by property, `(implementation, family, variant, path, dtype)`:
-    the run layer builds its runner and context as for `mpt_kv.CHECKS["<prop>/<path>"](target)`, and
-    runs the same function (`running.call_family`), without the report's records."""
+    """The family check of `prop` called by property, `(implementation, family, variant, path, dtype,
+    device)`: the run layer builds its runner and context as for `mpt_kv.CHECKS["<prop>/<path>"](target)`,
+    and runs the same function (`running.call_family`), without the report's records."""
     function = globals()[prop.function.split(":")[1]]
 
-    def check(implementation, family, variant: str, path: str = prop.paths[0], dtype=torch.float32) -> list[str]:
-        return running.call_family(prop.name, implementation, family, variant, path, dtype)
+    def check(implementation, family, variant: str, path: str = prop.paths[0], dtype=torch.float32,
+              device="cpu", *, attention: str | None = None) -> list[str]:
+        return running.call_family(prop.name, implementation, family, variant, path, dtype, device, attention)
 
     check.__name__, check.__qualname__, check.__doc__ = function.__name__, function.__qualname__, function.__doc__
     return check

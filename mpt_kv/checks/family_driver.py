@@ -4,12 +4,22 @@ tiny model and prompt, the implementation's runner and transformers' model of th
 implementation's call, and the drive of a generation, the fixed beam and assisted programs and
 the storage accounting the checks judge.
 
-    runner = runner_for(implementation, family, variant, dtype, options)   # built once per process
-    c = context_of(implementation, family, variant, path, dtype, check)    # what a check reads
-    check(runner, c)                                                       # every family check
+    runner = runner_for(implementation, family, variant, dtype, options, device)   # built once per process
+    c = context_of(implementation, family, variant, path, dtype, check, device)    # what a check reads
+    check(runner, c)                                                               # every family check
 
 The run layer (`mpt_kv.checks.running`) builds both for every family check, as it builds an MPT
 check's runner and Context.
+
+The device (as the MPT checks'): the implementation's runner is built on the case's device and dtype,
+and every input it is fed (prompts, teacher tokens, reorder indices) is made there (`FamilyContext.
+inputs`); its sessions wait for queued work after each call (`mpt_kv.devices.sync`: on HPU
+`htcore.mark_step()` in lazy mode, as for the MPT runners), and every comparison reads both tensors on
+CPU (`compare.assert_close`). The oracle is transformers' model in fp32 on CPU (in bf16: from the
+bf16-rounded weights, the fp32-twin rule's rounding, `mpt_kv.checks.cases.fp32_twin`), fed the same
+tokens there: exact to fp32 and the cheapest place to run it. Only a remote-code family whose port
+cannot run off an HPU (`GaudiPort.needs_hpu`: its oracle is the port itself) has its oracle on the
+case's device.
 
 The caches are keyed by what they hold, never by a name two models can share (a fork of a port is
 a Family copy under the port's name): the implementation's builder and the Family object itself (by
@@ -25,16 +35,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpt_kv import recipes
 from mpt_kv.checks import index, reach
-from mpt_kv.checks.compare import NOT_CRASHES, Crash, assert_close, crash_of, describe, tolerance
+from mpt_kv.checks.compare import NOT_CRASHES, Crash, PropertyFailure, assert_close, crash_of, describe, tolerance
 from mpt_kv.checks.programs import History, Op
 from mpt_kv.checks.results import snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
-from mpt_kv.errors import InputError
+from mpt_kv.errors import InputError, Unsupported
 from mpt_kv.families.base import Family, per_layer
 from mpt_kv.families.implementations import IMPLEMENTATIONS
 from mpt_kv.families.models import _built, build, config_key, family_of, named_kv
 from mpt_kv.model.config import as_dtype
+from mpt_kv.versions import with_attention
 
 BATCH, PROMPT, PAD, STEPS, EXTEND = 2, 6, 2, 2, 3  # row 0 has PAD left-padding tokens
 MAX_LEN = 16          # every session's cache length: prompt + steps + extend + decode fit
@@ -61,8 +73,8 @@ def teacher_tokens(config, batch: int, k: int, step: int) -> torch.Tensor:
 # Keyed by what they hold, never by a name two models can share (a fork of a port is a Family copy
 # under the port's name): the implementation's builder and the Family object itself (by identity,
 # the entry keeping it alive so its id is not reused), and the transformers config.
-_runners: dict = {}   # (builder, id(family), variant, dtype, options) -> (family, Runner), per process
-_oracles: dict = {}   # (config, dtype) -> transformers' model (fp32)
+_runners: dict = {}   # (builder, id(family), variant, dtype, device, seed, options) -> (family, Runner), per process
+_oracles: dict = {}   # (config, dtype, device, seed) -> transformers' model (fp32)
 
 
 def clear_caches() -> None:
@@ -77,33 +89,51 @@ def implementation_name(implementation) -> str:
     return getattr(implementation, "implementation_name", None) or getattr(implementation, "__name__", "custom")
 
 
-def runner_for(implementation, family: Family, variant: str, dtype: torch.dtype, options: dict):
-    """The implementation's runner, built once per process for a named one and this Family object
-    (a callable, as the tests' broken wrappers, is built every time)."""
+def runner_for(implementation, family: Family, variant: str, dtype: torch.dtype, options: dict, device="cpu",
+               seed: int = 0):
+    """The implementation's runner on `device`, with the weights of `seed` (the checks': 0; the
+    calibration draws others), built once per process for a named one and this Family object (a
+    callable, as the tests' broken wrappers, is built every time). A builder takes `device=` (the
+    built-in ones: `mpt_kv.families.implementations`)."""
+    device = torch.device(device)
     if not isinstance(implementation, str):
-        return implementation(family, variant, dtype, seed=0, **options)
+        return implementation(family, variant, dtype, seed=seed, device=device, **options)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {implementation!r}: implementations {sorted(IMPLEMENTATIONS)}")
     builder = IMPLEMENTATIONS[implementation]
-    key = (builder, id(family), variant, dtype, tuple(sorted(options.items())))
+    key = (builder, id(family), variant, dtype, str(device), seed, tuple(sorted(options.items())))
     if key not in _runners:
-        _runners[key] = (family, builder(family, variant, dtype, seed=0, **options))
+        _runners[key] = (family, builder(family, variant, dtype, seed=seed, device=device, **options))
     return _runners[key][1]
 
 
-def oracle_model(family: Family, variant: str, dtype: torch.dtype):
-    """transformers' model with the same weights, in fp32 (bf16: from the bf16-rounded weights);
-    for a remote-code family, the port's own model so, driven uncached as its runner drives it."""
-    key = (config_key(family.config(variant)), dtype)
+def oracle_device(family: Family, device) -> torch.device:
+    """Where the oracle runs: CPU (transformers' model in fp32 runs anywhere, and there it is exact and
+    cheapest), except for a remote-code family whose port, its own oracle, cannot run off an HPU
+    (`GaudiPort.needs_hpu`): the case's device."""
+    device = torch.device(device)
+    if family.remote_code and family.gaudi is not None and family.gaudi.needs_hpu:
+        return device
+    return torch.device("cpu")
+
+
+def oracle_model(family: Family, variant: str, dtype: torch.dtype, device="cpu", seed: int = 0):
+    """transformers' model with the same weights (`seed`'s), in fp32 (bf16: from the bf16-rounded
+    weights), on `oracle_device(family, device)`, with eager attention whatever the target's
+    (`implementations.ORACLE_ATTENTION`: the attention written out in the model file, which every family
+    has); for a remote-code family, the port's own model so, driven uncached as its runner drives it."""
+    where = oracle_device(family, device)
+    key = (config_key(family.config(variant)), dtype, str(where), seed)
     if key not in _oracles:
-        model, config = build(family, variant)
+        model, config = build(family, variant, seed)
         if dtype != torch.float32:
             model.to(dtype).to(torch.float32)
+        model.to(where)
         if family.remote_code:
             from mpt_kv.families.gaudi import GaudiPortRunner, set_generation_settings
 
             set_generation_settings(model, family.gaudi.generation)
-            model = GaudiPortRunner(family, variant, model, config)
+            model = GaudiPortRunner(family, variant, model, config, device=where)
         _oracles[key] = model
     return _oracles[key]
 
@@ -123,6 +153,12 @@ class FamilyContext:
     notes: list = field(default_factory=list)
     check: str = ""     # the check id, first in a failed call's message
     reach: reach.FamilyReach | None = None  # what the program reaches, where the run layer records it
+    # where the drive's cache keeps its past for a crop from (its first k-token call, then each crop):
+    # a window layer may hold more until a crop (`Family.layer_tokens`); None: no k-token call yet
+    recorded_from: int | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the implementation runs
+    seed: int = 0       # the weights' and the prompt's (the checks': 0; `calibrate families` draws others)
+    attention: str | None = None  # transformers' attention implementation of the target (None: the builder's)
 
     @property
     def session_path(self) -> str:
@@ -130,24 +166,46 @@ class FamilyContext:
 
     @property
     def options(self) -> dict:
-        """The runner's options for this path (static+reuse: the static path with reuse_cache)."""
-        return {"reuse_cache": True} if self.path == "static+reuse" else {}
+        """The runner's options for this path (static+reuse: the static path with reuse_cache; a recipe's
+        path: that recipe, mpt_kv/recipes.py)."""
+        recipe = recipes.recipe_of(self.path)
+        if recipe is not None:
+            return {"recipe": recipe.name}
+        return ({"reuse_cache": True} if self.path == "static+reuse" else {}) | (
+            {"attention": self.attention} if self.attention else {})
+
+    @property
+    def pads(self) -> tuple[int, ...]:
+        """Each row's left padding in this check's prefill: family-ops' programs OPS_PADS; family-P1's drive
+        none where the attention skips the mask without padding (`unpadded_p1`); every other drive (PAD, 0)."""
+        if self.check == "family-ops":
+            return OPS_PADS
+        return (0,) * BATCH if unpadded_p1(self) else (PAD, 0)
 
     def ctx(self, **more) -> dict:
-        return dict(target=f"{self.implementation}/{self.family.name}", implementation=self.implementation,
-                    family=self.family.name, variant=self.variant, path=self.path,
+        implementation = with_attention(self.implementation, self.attention)
+        return dict(target=f"{implementation}/{self.family.name}", implementation=implementation,
+                    family=self.family.name, variant=self.variant, path=self.path, device=self.device.type,
                     dtype=str(self.dtype).replace("torch.", ""), batch=self.batch, **more)
 
     def tol(self, quantity: str):
         return tolerance(self.dtype, quantity)
 
+    def inputs(self, *tensors: torch.Tensor):
+        """The tensors on the implementation's device (the prompt and teacher tokens are drawn on CPU,
+        the same on every device); one tensor, or a tuple of them."""
+        moved = tuple(t.to(self.device) for t in tensors)
+        return moved[0] if len(moved) == 1 else moved
+
     def oracle(self, ids, mask) -> torch.Tensor:
-        """transformers' uncached forward (fp32) over the tokens."""
-        model = oracle_model(self.family, self.variant, self.dtype)
+        """transformers' uncached forward (fp32) over the tokens, on `oracle_device` (CPU)."""
+        model = oracle_model(self.family, self.variant, self.dtype, self.device, self.seed)
+        where = oracle_device(self.family, self.device)
+        ids, mask = ids.to(where), mask.to(where)
         with torch.inference_mode():
             if self.family.remote_code:  # the port's runner: its uncached forward as generate calls it
-                return model.logits(ids, mask).float()
-            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+                return model.logits(ids, mask).float().cpu()
+            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().cpu()
 
     def session(self, runner, path: str | None = None, max_len: int = MAX_LEN):
         path = path or self.session_path
@@ -159,14 +217,32 @@ class FamilyContext:
         return own() if callable(own) else self.family.fused_modules(runner.model)
 
 
-def context_of(implementation, family, variant: str, path: str, dtype=torch.float32, check: str = "") -> FamilyContext:
+def context_of(implementation, family, variant: str, path: str, dtype=torch.float32, check: str = "",
+               device="cpu", seed: int = 0, attention: str | None = None) -> FamilyContext:
     """The context of one family check (the run layer's `Run.family_case`; its runner: `runner_for`)."""
     if path not in PATHS:
         raise InputError(f"unknown path {path!r}: the family paths are {PATHS}")
     dtype = as_dtype(dtype)
     family = family_of(family)
     return FamilyContext(implementation_name(implementation), family, variant, path, dtype, family.config(variant),
-                         check=check)
+                         check=check, device=torch.device(device), seed=seed,
+                         attention=attention)
+
+
+# The attention implementations whose mask transformers skips where no row is padded, calling the kernel
+# with is_causal (or none) instead: sdpa (masking_utils.py `_ignore_causal_mask_sdpa`, 5.24.0 lines 289-293:
+# no padding and one query, or as many queries as keys; 4.55.4 modeling_attn_mask_utils.py
+# `_ignore_causal_mask_sdpa`). The eager path always builds the mask.
+MASK_SKIPPED = ("sdpa", "flash_attention_2")
+
+
+def unpadded_p1(c: FamilyContext) -> bool:
+    """family-P1 drives a batch with no padding where the target's attention skips the mask there
+    (MASK_SKIPPED): the path a single prompt's generation takes (the prefill with is_causal, the decode
+    steps with no mask, the k-token call with the mask built at an offset: where a cache misaligns
+    is_causal). Every other drive keeps row 0 left-padded (family-ops, P2, P3, P4, memory), so the
+    padded mask of the same attention is checked there."""
+    return c.attention in MASK_SKIPPED and c.check == "family-P1"
 
 
 def call(c: FamilyContext, what: str, step, operation: str, fn, *args):
@@ -207,8 +283,9 @@ def reach_of(c: FamilyContext) -> reach.FamilyReach:
     head_dim = family.head_dim(config)
     if family.latent_width is not None:  # multi-head latent attention: a query/key head is nope + rope wide
         head_dim = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0) or head_dim
-    knobs = dict(family=family.name, implementation=c.implementation, variant=c.variant, path=c.path,
-                 dtype=str(c.dtype).replace("torch.", ""), n_layers=family.layers(config),
+    knobs = dict(family=family.name, implementation=c.implementation, attention=c.attention or "-",
+                 padded_rows=sum(1 for n in c.pads if n), variant=c.variant, path=c.path,
+                 dtype=str(c.dtype).replace("torch.", ""), device=c.device.type, n_layers=family.layers(config),
                  n_heads=config.num_attention_heads, kv_heads=reach.per_layer_text(family.layer_kv_heads(config)),
                  head_dim=head_dim)
     latent = getattr(config, "kv_lora_rank", None) if family.latent_width is not None else None
@@ -273,20 +350,25 @@ class Step:
 
 
 def drive(runner, c: FamilyContext, session, on_step, tokens_from=None, extend: bool = False,
-          judges: bool = True) -> list[Step]:
+          judges: bool = True, operations: bool = False) -> list[Step]:
     """Prefill the left-padded prompt, then STEPS greedy decodes, an EXTEND-token cached call and
     a decode (extend=True: P1 and P2, where the implementation declares extend), or STEPS +
     `closing_decodes(c)` greedy decodes (P3, P4, memory: an extend that crashes is P1's finding, not
-    three more).
+    three more). `operations` (P3, memory): then an EXTEND-token call, a crop back CROP positions and a
+    decode (`closing_operations`), the cache judged after the k-token call and after the decode that
+    follows the crop (a crop is judged by the next call, as family-ops judges it); one the
+    implementation lacks, or that raises or is refused, ends the drive with a note: its crash is
+    family-P1's finding (a k-token call) or family-ops' (a crop), whose drives make them.
     `on_step(step, session, seq, mask)` after each (seq, mask: every row's tokens so far).
     `tokens_from(step)`: the logits the next greedy token comes from (default: this session's last).
     A call that crashes (`Crash`) ends the drive; with `judges` (on_step judges each step as it
     comes) the crash names the steps before it, which on_step judged and which held; a check whose
     on_step only records (P1) judges those itself first (`judged_before`)."""
     extend = extend and runner.capabilities.reason("extend") is None
+    lacks = {op: runner.capabilities.reason(op) for op in ("extend", "crop")} if operations else None
     steps: list[Step] = []
     try:
-        return _drive(c, session, on_step, tokens_from, extend, steps)
+        return _drive(c, session, on_step, tokens_from, extend, steps, lacks)
     except Crash as crash:
         raise crash.held([s.name for s in steps]) if judges and steps else crash
 
@@ -304,8 +386,10 @@ def closing_decodes(c: FamilyContext) -> int:
     return past_the_edge if 1 < past_the_edge <= MAX_CLOSING_DECODES else 1
 
 
-def _drive(c: FamilyContext, session, on_step, tokens_from, extend: bool, steps: list[Step]) -> list[Step]:
-    ids, mask = prompt(c.config)
+def _drive(c: FamilyContext, session, on_step, tokens_from, extend: bool, steps: list[Step],
+           lacks: dict | None = None) -> list[Step]:
+    c.recorded_from = None
+    ids, mask = c.inputs(*prompt(c.config, c.seed, pads=c.pads))
     first = Step("prefill", "prefill", observed(c, session, "prefill", ids.shape[1], "prefill", "prefill",
                                                 session.prefill, ids, mask))
     seq = ids
@@ -321,15 +405,80 @@ def _drive(c: FamilyContext, session, on_step, tokens_from, extend: bool, steps:
             name = f"decode step {i}"
             logits = observed(c, session, "decode", tokens.shape[1], name, name, session.decode, tokens)
         else:
-            tokens = teacher_tokens(c.config, c.batch, k, i)
+            tokens = c.inputs(teacher_tokens(c.config, c.batch, k, i))
             name = f"extend {k} (step {i})"
+            c.recorded_from = session.written if c.recorded_from is None else c.recorded_from
             logits = observed(c, session, "extend", tokens.shape[1], name, name, session.extend, tokens)
         seq = torch.cat([seq, tokens], 1)
         mask = torch.cat([mask, torch.ones_like(tokens)], 1)
         step = Step(name, op, logits)
         on_step(step, session, seq, mask)
         steps.append(step)
+    if lacks is not None:
+        closing_operations(c, session, on_step, steps, seq, mask, lacks)
     return steps
+
+
+CROP = 2  # positions the closing operations crop back (family-ops' assisted program crops back 2)
+
+
+def closing_operations(c: FamilyContext, session, on_step, steps: list[Step], seq, mask, lacks: dict) -> None:
+    """After the decodes of a drive without its k-token call (P3, memory): an EXTEND-token call, a crop
+    back CROP positions and a decode, each window then holding what `Family.layer_tokens` lets it
+    keep while the cache keeps its past for a crop (`FamilyContext.recorded_from`). on_step judges the
+    k-token call and the decode; the crop is judged by that decode (what a crop leaves pinned until the
+    next call is the ops checks' measure). An operation the implementation lacks, refuses (Unsupported)
+    or crashes on ends the drive with a note, never a second verdict (module doc of `drive`)."""
+    if session.written + EXTEND > session.max_len:
+        c.notes.append(f"{c.check}: no k-token call or crop after the decodes: {session.written} + {EXTEND} positions "
+                       f"pass the sessions' cache length {session.max_len}")
+        return
+    first = len(steps)
+    for i, (op, k) in enumerate((("extend", EXTEND), ("crop", CROP), ("decode", 1)), first):
+        reason = lacks.get(op)
+        if reason:
+            c.notes.append(f"{c.check}: the cache was not measured after a {op} ({reason})")
+            return
+        name = f"{op} {k} (step {i})" if op != "decode" else f"decode step {i} (after the crop)"
+        before = session.written
+        try:
+            if op == "extend":
+                tokens = teacher_tokens(c.config, c.batch, k, i)
+                c.recorded_from = before if c.recorded_from is None else c.recorded_from
+                logits = observed(c, session, "extend", k, name, name, session.extend, tokens)
+            elif op == "crop":
+                observed(c, session, "crop", before - k, name, name, session.crop, before - k)
+                c.recorded_from = before - k
+                seq, mask = seq[:, :before - k], mask[:, :before - k]
+                continue
+            else:  # the bytes do not depend on which token: a fixed one, as the extend's
+                tokens = teacher_tokens(c.config, c.batch, 1, i)
+                logits = observed(c, session, "decode", 1, name, name, session.decode, tokens)
+        except (Crash, Unsupported) as e:
+            finding = ("family-P1's finding (its drive makes a k-token call)" if op == "extend" else
+                       "family-ops' finding (its assisted program crops, then decodes)")
+            c.notes.append(f"{c.check}: the cache was not measured after the {op}: "
+                           f"{' '.join(str(getattr(e, 'msg', e)).split())[:300]} ({finding})")
+            return
+        seq = torch.cat([seq, tokens], 1)
+        mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+        step = Step(name, op, logits)
+        on_step(step, session, seq, mask)
+        steps.append(step)
+
+
+def returned_positions(c: FamilyContext, what: str, logits: torch.Tensor, tokens: int, operation: str, step) -> int:
+    """The positions a call's logits cover, held to the call: an extend or a decode one per token it fed
+    (assisted decoding's verification reads every one of the k), a prefill the prompt's or its last alone
+    (optimum-habana's --trim_logits, generate's next token: models/llama/modeling_llama.py:1477-1481;
+    transformers' generate keeps the last too). Anything else fails the property, naming what came back."""
+    got = 1 if logits.dim() == 2 else logits.shape[1]
+    allowed = (tokens, 1) if operation == "prefill" else (tokens,)
+    if got not in allowed:
+        raise PropertyFailure(f"{what}: the implementation's {operation} of {tokens} tokens per row returned logits "
+                              f"for {got} positions, expected {' or '.join(map(str, allowed))} "
+                              f"[{describe(c.ctx(step=step, operation=operation))}]")
+    return got
 
 
 def last_positions(logits: torch.Tensor) -> torch.Tensor:
@@ -396,25 +545,44 @@ def cache_tokens(c: FamilyContext, session) -> int:
 
 def analytic_bytes(c: FamilyContext, session, stored: bool = False) -> int:
     """The family's analytic cache bytes for this session now (`Family.cache_bytes`: per layer its
-    window's or the whole history's tokens, its K/V or latent width; static: the cache length);
-    stored: what transformers' cache holds where the entry declares more (stored_kv_heads,
-    stored_windows, stored_width)."""
+    window's or the whole history's tokens, its K/V or latent width; static: the cache length; a
+    window keeping its past for a crop, from `c.recorded_from`: the most it may hold); stored: what
+    transformers' cache holds where the entry declares more (stored_kv_heads, stored_windows, stored_width)."""
     static = session.max_len if c.session_path == "static" else None
-    return c.family.cache_bytes(c.config, c.dtype, c.batch, session.written, static, stored=stored)
+    return c.family.cache_bytes(c.config, c.dtype, c.batch, session.written, static, stored=stored,
+                                recorded_from=c.recorded_from)
+
+
+def analytic_range(c: FamilyContext, session, stored: bool = False) -> tuple[int, int]:
+    """(least, most) analytic bytes: equal, except while the cache may keep a window's past for a
+    crop (`c.recorded_from`, `Family.layer_tokens`): a window that keeps only its w - 1 positions then
+    is as right as one that keeps the past a crop rolls back to."""
+    static = session.max_len if c.session_path == "static" else None
+    least = c.family.cache_bytes(c.config, c.dtype, c.batch, session.written, static, stored=stored)
+    return least, analytic_bytes(c, session, stored)
+
+
+def range_text(least: int, most: int, c: FamilyContext) -> str:
+    return (str(most) if least == most else
+            f"{least} to {most} (a window may keep its past for a crop from position {c.recorded_from} on)")
 
 
 def check_entry_bytes(c: FamilyContext, session, kv) -> None:
     """On transformers' implementation, the cache holds the K/V bytes the family entry says
-    (`stored_kv_bytes_per_token`): a wrong entry is an error, never a verdict."""
+    (`stored_kv_bytes_per_token`): a wrong entry is an error, never a verdict. Counted in the model's
+    dtype (its elements): the entry describes the cache's shape; a tensor cached in another dtype is
+    family-memory's finding (transformers 4.55's GPT-J caches its rotary keys in fp32 in a bf16 model)."""
     if c.implementation != "transformers":
         return
     tokens = cache_tokens(c, session)
-    held = sum(t.numel() * t.element_size() for _, _, t in kv)
-    expected = analytic_bytes(c, session, stored=True)
-    if held != expected:
+    # elements in the model's dtype: the entry describes the cache's shape (keys cached in another dtype are
+    # family-memory's finding, not a wrong entry)
+    held = sum(t.numel() for _, _, t in kv) * torch.tensor([], dtype=c.dtype).element_size()
+    least, most = analytic_range(c, session, stored=True)
+    if not least <= held <= most:
         raise RuntimeError(f"family {c.family.name}: the cache holds {held} bytes of K/V, the family entry says "
-                           f"{expected} ({c.batch} x {tokens} tokens): fix its kv_heads/head_dim/layers or "
-                           f"declare stored_kv_heads [{describe(c.ctx())}]")
+                           f"{range_text(least, most, c)} ({c.batch} x {tokens} tokens): fix its "
+                           f"kv_heads/head_dim/layers or declare stored_kv_heads [{describe(c.ctx())}]")
 
 
 def beam_program():
@@ -430,14 +598,16 @@ def assisted_program():
 
 def run_program(runner, c: FamilyContext, name: str, ops) -> None:
     """One fixed program on a fresh session: P1 after every logits-producing operation."""
-    ids, mask = prompt(c.config, pads=OPS_PADS, length=OPS_PROMPT)
+    ids, mask = c.inputs(*prompt(c.config, c.seed, pads=OPS_PADS, length=OPS_PROMPT))
     tol = c.tol(f"logits:{c.session_path}")
     session = c.session(runner)
     history = History(ids, mask)
     out = copy_of(observed(c, session, "prefill", ids.shape[1], f"family-ops {name}", "prefill", session.prefill,
                            ids, mask))
-    assert_close(out, c.oracle(ids, mask), tol, f"family-ops {name} prefill logits vs transformers' uncached forward",
-                 c.ctx(program=name, step="prefill", operation="prefill"), where=mask.bool()[:, :, None])
+    k = returned_positions(c, f"family-ops {name} prefill", out, ids.shape[1], "prefill", "prefill")
+    out = out[:, None] if out.dim() == 2 else out
+    assert_close(out, c.oracle(ids, mask)[:, -k:], tol, f"family-ops {name} prefill logits vs transformers' uncached "
+                 "forward", c.ctx(program=name, step="prefill", operation="prefill"), where=mask.bool()[:, -k:, None])
     held = ["prefill"]  # each step is judged as it comes: a crash names those before it
     try:
         program_steps(c, name, ops, session, history, tol, held)
@@ -448,17 +618,19 @@ def run_program(runner, c: FamilyContext, name: str, ops) -> None:
 def program_steps(c: FamilyContext, name: str, ops, session, history, tol, held: list) -> None:
     for i, op in enumerate(ops):
         what = f"family-ops {name} step {i} ({op.describe()})"
-        tokens = teacher_tokens(c.config, c.batch, op.k, i) if op.kind in ("decode", "extend") else None
+        tokens = c.inputs(teacher_tokens(c.config, c.batch, op.k, i)) if op.kind in ("decode", "extend") else None
         if op.kind == "decode":
             out = last_positions(copy_of(observed(c, session, "decode", tokens.shape[1], what, i, session.decode,
                                                   tokens)))
         elif op.kind == "extend":
             out = copy_of(observed(c, session, "extend", tokens.shape[1], what, i, session.extend, tokens))
+            returned_positions(c, what, out, op.k, "extend", i)
         elif op.kind == "crop":
             length = session.written - op.k
             out = observed(c, session, "crop", length, what, i, session.crop, length)
         else:
-            out = observed(c, session, "reorder", None, what, i, session.reorder, torch.tensor(op.index))
+            out = observed(c, session, "reorder", None, what, i, session.reorder,
+                           torch.tensor(op.index, device=c.device))
         history.apply(op, tokens)
         if out is not None:
             full = c.oracle(history.ids, history.mask)
@@ -469,17 +641,20 @@ def program_steps(c: FamilyContext, name: str, ops, session, history, tol, held:
 
 
 def storage_report(c: FamilyContext, kv, fused: dict[str, torch.Tensor], tokens: int,
-                   analytic: int | None = None, stored: int | None = None) -> tuple[int, int, list[str]]:
-    """(bytes of the distinct storages the cache reaches, the analytic bytes, what the excess is)."""
+                   analytic: int | None = None, stored: int | None = None,
+                   least: int | None = None) -> tuple[int, int, list[str]]:
+    """(bytes of the distinct storages the cache reaches, the analytic bytes, what the excess is: empty
+    when the cached tensors hold the analytic bytes, or any in least..analytic, and pin nothing more)."""
     by_storage: dict[int, list] = {}
     for entry in kv:
         by_storage.setdefault(storage_key(entry[2]), []).append(entry)
     total = sum(entries[0][2].untyped_storage().nbytes() for entries in by_storage.values())
     if analytic is None:
         analytic = c.family.kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
+    least = analytic if least is None else least
     own = sum(covered_bytes(es[0][2].untyped_storage().nbytes(), [t for _, _, t in es]) for es in by_storage.values())
     why = []
-    if own != analytic:
+    if not least <= own <= analytic:
         if stored is None:
             stored = c.family.stored_kv_bytes_per_token(c.config, c.dtype) * c.batch * tokens
         declared = ""
@@ -496,17 +671,31 @@ def storage_report(c: FamilyContext, kv, fused: dict[str, torch.Tensor], tokens:
             declared = (" (the family entry's stored_windows: the windows transformers' cache keeps, "
                         f"{c.family.layer_windows(c.config, stored=True)} per layer, vs the architecture's "
                         f"{c.family.layer_windows(c.config)})")
-        why.append(f"the cached tensors themselves hold {own} bytes, {own - analytic:+d} vs the analytic K/V "
-                   f"{analytic} ({c.family.describe_cache(c.config)} x {c.batch} x {tokens} tokens){declared}")
+        why.append(f"the cached tensors themselves hold {own} bytes, {own - (analytic if own > analytic else least):+d} "
+                   "vs the analytic K/V "
+                   f"{range_text(least, analytic, c)} ({c.family.describe_cache(c.config)} x {c.batch} x {tokens} "
+                   f"tokens){declared}")
+    why += other_dtypes(c, kv)
     why += pinning_problems(kv, fused)
     return total, analytic, why
+
+
+def other_dtypes(c: FamilyContext, kv) -> list[str]:
+    """One line naming the cached tensors held in another dtype than the model's (a bf16 model's keys
+    cached in fp32 take twice their analytic bytes)."""
+    other = [(layer, n, t) for layer, n, t in kv if t.dtype != c.dtype]
+    if not other:
+        return []
+    names = ", ".join(f"layer {layer} {n}" for layer, n, _ in other[:4]) + (" ..." if len(other) > 4 else "")
+    kinds = ", ".join(sorted({str(t.dtype).replace("torch.", "") for _, _, t in other}))
+    return [f"{len(other)} cached tensors ({names}) are {kinds} in a {str(c.dtype).replace('torch.', '')} model"]
 
 
 def cache_evidence(runner, c: FamilyContext) -> dict:
     """What shows the implementation keeps a cache on this path (the green-run rule,
     `mpt_kv.checks.running.cache_evidence`): after a prefill, the distinct storages of `kv()` hold at
     least the family's analytic K/V of the tokens written, and a second `kv()` returns the same ones."""
-    ids, mask = prompt(c.config)
+    ids, mask = c.inputs(*prompt(c.config))
     with torch.inference_mode():
         session = c.session(runner)
         session.prefill(ids, mask)
@@ -515,7 +704,8 @@ def cache_evidence(runner, c: FamilyContext) -> dict:
     storages = {storage_key(t): t.untyped_storage().nbytes() for _, _, t in first}
     held, written = sum(storages.values()), session.written
     analytic = analytic_bytes(c, session)
-    where = f"after a prefill of {c.batch} x {written} tokens on {c.path}, {str(c.dtype).replace('torch.', '')}:"
+    where = (f"after a prefill of {c.batch} x {written} tokens on {c.path}, {c.device.type}, "
+             f"{str(c.dtype).replace('torch.', '')}:")
     if held < analytic:
         return {"shown": False, "why": f"{where} the cache's storages hold {held} bytes, less than the family's "
                                        f"analytic K/V of the prefilled tokens ({analytic} bytes): no cache is kept"}
@@ -529,10 +719,40 @@ def cache_evidence(runner, c: FamilyContext) -> dict:
 def warm_up(runner, c: FamilyContext) -> None:
     """A prefill and a decode before measuring: state a model builds lazily once (rotary tables,
     cached masks, a cache pool) is made here, not counted as kept by the measured generation."""
-    ids, mask = prompt(c.config)
+    ids, mask = c.inputs(*prompt(c.config))
     with torch.inference_mode():
         session = c.session(runner)
         logits = call(c, "family-memory warm-up", "warm-up", "prefill", session.prefill, ids, mask)
         call(c, "family-memory warm-up", "warm-up", "decode", session.decode, logits[:, -1].argmax(-1, keepdim=True))
     del session, logits
     gc.collect()
+
+
+# --- shared by the family checks and the generate drive ------------------------------------------------------
+
+def aligned_written(static: torch.Tensor, concat: torch.Tensor, written: int) -> tuple[torch.Tensor, int] | None:
+    """(the static tensor's written positions in the concat tensor's layout, the position axis):
+    the one axis where the static buffer has the cache length and the concat tensor `written`
+    (or, same shapes, the last axis of size `written` but the head dim); None where the layouts do
+    not line up that way (then only the logits are compared)."""
+    if static.dim() != concat.dim():
+        return None
+    if static.shape == concat.shape:
+        axes = [i for i in range(concat.dim() - 1) if concat.shape[i] == written]
+        return (static, axes[-1]) if axes else None
+    axes = [i for i, (a, b) in enumerate(zip(static.shape, concat.shape)) if a != b]
+    if len(axes) != 1 or concat.shape[axes[0]] != written:
+        return None
+    return static.narrow(axes[0], 0, written), axes[0]
+
+
+def token_positions(t: torch.Tensor, axis: int, mask: torch.Tensor) -> torch.Tensor | None:
+    """A bool mask broadcastable to `t` that is True at real tokens (not padding): its first axis
+    is the batch (or batch x heads, as Bloom's (B*H, hd, T) keys), `axis` the positions."""
+    batch = mask.shape[0]
+    if axis == 0 or t.shape[0] % batch:
+        return None
+    rows = mask.bool().repeat_interleave(t.shape[0] // batch, 0)  # (t.shape[0], written)
+    shape = [1] * t.dim()
+    shape[0], shape[axis] = t.shape[0], t.shape[axis]
+    return rows.reshape(shape)

@@ -19,13 +19,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpt_kv import recipes as recipe_paths
+
 BUCKET = 4          # the value and shape checks' cache_idx bucket: with 5 + 6 tokens, bucketed decode crosses a boundary
 MEMORY_BUCKET = 8   # the memory checks' bucket (mpt_kv.checks.ceilings.CONFIGS)
 # Path labels: "concat", "static", "static+bucket" (the static path with cache_idx buckets; the run
 # layer picks the bucket: `BUCKET` for values and shapes, `MEMORY_BUCKET` for memory), "" (uncached).
 ALL_PATHS = ("concat", "static", "static+bucket")
 STATIC_PATHS = ("static", "static+bucket")
-FAMILY_PATHS = ("concat", "static", "static+reuse")  # static+reuse: the static path with reuse_cache
+# static+reuse: the static path with reuse_cache; "<base>@<recipe>": one of optimum-habana's text-generation
+# recipes on that path (mpt_kv/recipes.py: the flags of its command line, on the ports that document it)
+FAMILY_PATHS = ("concat", "static", "static+reuse") + recipe_paths.PATHS
+# the generate checks' modes (mpt_kv.checks.generate_driver): a check id each per path, generate/<path>/<mode>
+GENERATE_MODES = ("greedy", "beam", "prompt-lookup", "draft")
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,9 @@ class Property:
     runs      how its cases come (the run layer's drivers): "case" (drawn cases, fixed edge cases and
               a run under graphs), "fixed" (one fixed case), "memory" (the memory configs), "program"
               (fixed and drawn programs of cache operations), "operation" (one operation on a filled
-              cache), "family" (a family variant of another decoder family, on an implementation)
+              cache), "family" (a family variant of another decoder family, on an implementation),
+              "generate" (the implementation's own generate, each mode of `operations`, on an MPT target or
+              a family target alike)
     paths     the paths it runs on (a check id per path; "" = uncached)
     edges     the paths its fixed edge cases run on (`edge_set` of them: strategies.EDGE_CASES or P3_EDGES)
     graphs    it also runs with the target under graphs (HPU, CUDA; on CPU a stand-in), static path
@@ -51,8 +59,9 @@ class Property:
               a green run must have one per target (`mpt_kv.plugin.gate`); P0 and P4 check the uncached
               forward and the returned outputs
     column    its kill-matrix and catalogue column (None: not in the kill matrix)
-    operations  the operations of a check whose cases come one operation at a time ("operation"): a
-              check id each (ops-memory/concat/reorder, ...)
+    operations  the operations of a check whose cases come one operation at a time ("operation"), or the
+              modes of a generate check ("generate"): a check id each (ops-memory/concat/reorder,
+              generate/concat/beam, ...)
     """
 
     name: str
@@ -122,6 +131,12 @@ PROPERTIES: tuple[Property, ...] = (
              "beyond the analytic cache of the surviving positions (an old cache kept referenced, a cropped tail "
              "kept)", "docs/operations.md", "mpt_kv.checks.operations:check_operation_retained", "operation",
              column="ops", operations=("reorder", "crop")),
+    Property("generate", "the implementation's own generate", "a call the implementation's own generate makes "
+             "(greedy, beam, assisted: prompt lookup, a draft) gets or leaves a cache that pins storage or holds other "
+             "bytes than the analytic K/V, or gives logits other than an uncached forward over the sequence generate "
+             "holds; generate returns other tokens than the oracle's greedy ones, or leaves a cache allocated",
+             "docs/generate.md", "mpt_kv.checks.generate:check_generate", "generate", ("concat", "static"),
+             operations=GENERATE_MODES),
     Property("family-P0", "a family's uncached logits = transformers'", "another family's uncached logits differ from "
              "transformers' model of the same weights", "docs/families.md", "mpt_kv.checks.family:check_uncached",
              "family", ("concat",), cache=False),
@@ -130,7 +145,7 @@ PROPERTIES: tuple[Property, ...] = (
              "mpt_kv.checks.family:check_cached", "family", FAMILY_PATHS),
     Property("family-P2", "P2 on another decoder family", "another family's static path differs from its concat path "
              "(logits, and K/V at the written positions)", "docs/families.md",
-             "mpt_kv.checks.family:check_static_concat", "family", ("static", "static+reuse")),
+             "mpt_kv.checks.family:check_static_concat", "family", ("static", "static+reuse") + recipe_paths.PATHS),
     Property("family-P3", "P3 on another decoder family", "the seed bug class in another family: a cached tensor "
              "pins the fused projection's output", "docs/families.md", "mpt_kv.checks.family:check_no_pinned_storage",
              "family", FAMILY_PATHS),

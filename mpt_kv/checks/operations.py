@@ -42,7 +42,7 @@ from mpt_kv.checks.results import copied
 from mpt_kv.checks.static_shape import cache_tensors
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.memory import analytic
-from mpt_kv.targets.layouts import BlockGrowth, held_blocks, layout_of, shared_block_writes
+from mpt_kv.targets.layouts import BlockGrowth, held_blocks, kv_axes, layout_of, shared_block_writes
 
 
 # --- ops-P1 --------------------------------------------------------------------------------------------------
@@ -124,7 +124,8 @@ def compare_paths(c, program, step, concat, concat_logits, static, static_logits
     t = concat.written
     real = concat.mask[:, :t].bool()[None, :, None, :, None]  # (1, B, 1, t, 1): tokens, not padding
     if oracle is None:
-        judged, against, ref_logits, ref_kv = [("static", static, static_logits)], "concat", concat_logits, concat.kv()
+        judged, against, ref_logits = [("static", static, static_logits)], "concat", concat_logits
+        ref_kv = kv_axes(concat, program.case.cfg)
     else:
         judged = [("static", static, static_logits), ("concat", concat, concat_logits)]
         against, ref_logits, ref_kv = "the fp32 twin's concat path", oracle_logits, oracle.kv()
@@ -133,7 +134,7 @@ def compare_paths(c, program, step, concat, concat_logits, static, static_logits
         if logits is not None:
             assert_close(logits, ref_logits, widened(c.tol(f"logits:{path}"), session), f"ops-P2 {path} vs {against} logits",
                          ctx_of(c, program, step=step), where=where)
-        kv = session.kv()
+        kv = kv_axes(session, program.case.cfg)
         for i, name in enumerate(("key", "value")):
             got, want = (torch.stack([pair[i][:, :, :t] for pair in x]) for x in (kv, ref_kv))
             assert_close(got, want, widened(c.tol(f"kv:{path}"), session),
@@ -196,7 +197,8 @@ def check_program_aliasing(runner, c: Context, program: Program | None = None, f
             session = runner.session(c.path, program.max_len, c.bucket)
             fed.add("prefill", ids)
             session.prefill(ids, mask)
-            problems, storages = aliasing_problems(session.kv(), capture.outputs, {}, "prefill", last=not program.ops,
+            problems, storages = aliasing_problems(kv_axes(session, program.case.cfg), capture.outputs, {}, "prefill",
+                                                   last=not program.ops,
                                                    layout=declared_blocks(session))
             fail_p3(problems, "prefill", c, program)
             held = ["prefill"]  # each step is judged as it comes

@@ -37,8 +37,8 @@ from mpt_kv.checks.results import copied, snapshot
 from mpt_kv.model.session import Session
 from mpt_kv.checks.storages import covered_bytes, storage_key  # P3
 from mpt_kv.checks.quantized import widened  # a declared quantized cache's bound (QuantizedKV)
-from mpt_kv.targets.layouts import (BlockGrowth, PagedLayout, QuantizedKV, held_blocks, layout_of, poison_paged,
-                                    poison_quantized, shared_block_writes)
+from mpt_kv.targets.layouts import (BlockGrowth, PagedLayout, QuantizedKV, held_blocks, kv_axes, layout_of,
+                                    poison_paged, poison_quantized, shared_block_writes)
 
 POISON = 1e30  # large and finite: a NaN would spread through 0 * v even where masked (measured: 1e30 does not)
 
@@ -177,10 +177,11 @@ def p1_generation(runner, twin, c: Context) -> None:
         raise crash
 
 
-def check_token(cached: torch.Tensor, oracle: torch.Tensor, tol, c: Context, step) -> None:
+def check_token(cached: torch.Tensor, oracle: torch.Tensor, tol, c: Context, step, what: str = "P1") -> None:
     """The greedy token the cached path chose (B, 1) against the oracle's logits (B, V) there.
     Logits within a bound b of each other may swap two candidates whose oracle logits are up to
-    2b apart: within that a differing token is a near-tie (a note), beyond it a failure."""
+    2b apart: within that a differing token is a near-tie (a note), beyond it a failure. `what`:
+    the check the message names (the generate checks judge generate's tokens by the same rule)."""
     bound = tol.bound(oracle)
     for b in (cached != greedy(oracle)).flatten().nonzero().flatten().tolist():
         row = oracle[b].float()
@@ -191,7 +192,7 @@ def check_token(cached: torch.Tensor, oracle: torch.Tensor, tol, c: Context, ste
                            f"2 x the bound ({2 * bound:.2e}), so the greedy choice may legitimately differ "
                            f"[{describe(c.ctx())}]")
         else:
-            raise PropertyFailure(f"P1 greedy token differs at step {step}, row {b}: cached {int(cached[b])} vs "
+            raise PropertyFailure(f"{what} greedy token differs at step {step}, row {b}: cached {int(cached[b])} vs "
                                   f"oracle {int(row.argmax())}, whose logit is {gap:.3e} higher "
                                   f"(2 x bound {2 * bound:.3e}) [{describe(c.ctx(step=step))}]")
 
@@ -266,14 +267,15 @@ def compare_step(c: Context, step, concat, concat_logits, static, static_logits,
     # query rows, whose output depends on how many slots each path masked
     real = concat.mask[:, first:t].bool()[None, :, None, :, None]
     if oracle is None:
-        judged, against, reference_logits, reference_kv = [("static", static, static_logits)], "concat", concat_logits, concat.kv()
+        judged, against, reference_logits = [("static", static, static_logits)], "concat", concat_logits
+        reference_kv = kv_axes(concat, c.case.cfg)
     else:
         judged = [("static", static, static_logits), ("concat", concat, concat_logits)]
         against, reference_logits, reference_kv = "the fp32 twin's concat path", oracle_logits, oracle.kv()
     for path, session, logits in judged:
         assert_close(logits, reference_logits, widened(c.tol(f"logits:{path}"), session), f"P2 {path} vs {against} logits",
                      c.ctx(step=step), where=where)
-        kv = session.kv()
+        kv = kv_axes(session, c.case.cfg)
         for i, name in enumerate(("key", "value")):
             # every layer at once: (layer, B, H, positions, hd); the failing index names the layer
             got, want = (torch.stack([pair[i][:, :, first:t] for pair in x]) for x in (kv, reference_kv))
@@ -403,7 +405,8 @@ def check_no_aliasing(runner, c: Context) -> None:
                 if step != "prefill":
                     logits = session.decode(greedy(logits))
                 layout = layout_of(session)
-                kv = layout.storage_tensors() if isinstance(layout, (PagedLayout, QuantizedKV)) else session.kv()
+                kv = (layout.storage_tensors() if isinstance(layout, (PagedLayout, QuantizedKV))
+                      else kv_axes(session, c.case.cfg))
                 problems, storages = aliasing_problems(kv, capture.outputs, storages, step,
                                                        last=step == steps[-1], layout=layout)
                 problems += shared_block_writes(shared_before, layout, step)  # copy-on-write: shared blocks unwritten

@@ -212,7 +212,7 @@ def _group_order(g: str):
 # records ("mpt_kv_reach", as the MPT cases': the run layer records them, `Run.family_case`).
 
 # table order; the "edge: ..." knobs' value is the family that reached the edge (a table cell lists them)
-FAMILY_KNOBS = ("family", "implementation", "variant", "path", "dtype", "batch", "n_layers", "n_heads", "kv_heads",
+FAMILY_KNOBS = ("family", "implementation", "variant", "path", "dtype", "device", "batch", "n_layers", "n_heads", "kv_heads",
                 "head_dim", "prompt_len", "total_len", "operation", "tokens_per_call", "window",
                 "window_tokens_held", "latent_rank", "cached_width", "kv_heads_cached", "experts",
                 "experts_per_token", "routed_tokens_per_row")

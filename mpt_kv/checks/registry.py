@@ -53,7 +53,7 @@ from mpt_kv.checks.running import (SHRINKING_PROFILES, RunContext, hypothesis_pr
 from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE  # noqa: F401  (public here before)
 from mpt_kv.errors import Finding, UnknownName, Unsupported
 from mpt_kv.model.config import DTYPES, as_dtype  # noqa: F401  (as_dtype: its home was here)
-from mpt_kv.targets import FamilyTarget, Target, required_features, target_name
+from mpt_kv.targets import FamilyDeclaration, FamilyTarget, Target, required_features, resolve_target, target_name
 
 PROPERTIES = index.NAMES
 
@@ -83,7 +83,12 @@ class Check:
         return required_features(self.path, self.bucket, dtype, device)
 
     def __call__(self, target: Target, device="cpu", dtype=torch.float32, *,
-                 ceilings: StoredCeilings | None = None) -> list[str]:
+                 ceilings: StoredCeilings | None = None, known_failures=None) -> list[str]:
+        """Its notes; `known_failures` (a `mpt_kv.KnownFailures`) applies the known-failure rule as the
+        plugin does: the failure an entry names is a `KnownFailure` (an xfail), a pass of a case an entry
+        covers an `UnexpectedPass`."""
+        if known_failures is not None:
+            return known_failures.check(self, target, device, dtype, ceilings=ceilings)
         return run_layer.run(self, target, device, dtype, ceilings)
 
     def run_case(self, target: Target, device, dtype, case) -> list[str]:
@@ -117,7 +122,7 @@ def checks_of(prop: index.Property) -> list[Check]:
         here = f"{prop.name}/{path_label(path, b)}" if path else prop.name
         if prop.runs == "memory":
             out += [Check(f"{here}/{config.id}", prop.name, path, b, config, doc=prop.line) for config in C.CONFIGS]
-        elif prop.runs == "operation":
+        elif prop.runs in ("operation", "generate"):  # one check per operation, or per generate mode
             out += [Check(f"{here}/{op}", prop.name, path, b, operation=op, doc=f"{op}: {prop.line}")
                     for op in prop.operations]
         else:
@@ -182,13 +187,49 @@ def is_family(check: Check) -> bool:
     return index.by_name(check.property).family
 
 
+def is_generate(check: Check) -> bool:
+    return index.by_name(check.property).runs == "generate"
+
+
 def applies(check: Check, target) -> bool:
     """Whether the check has a cell for the target: an MPT check for an MPT target (a spec, a factory,
     a ResolvedTarget), a family check for a `FamilyTarget` on one of its paths (family-P0 not for
-    transformers itself, its oracle)."""
+    transformers itself, its oracle); a generate check for both kinds (`generate_applies`)."""
+    if is_generate(check):
+        return generate_applies(check, target)
     if not isinstance(target, FamilyTarget):
         return not is_family(check)
     return is_family(check) and check.path in target.paths and not (target.oracle and check.property == "family-P0")
+
+
+ASSISTED_MODES = ("prompt-lookup", "draft")
+# family implementations whose generate has no cell yet, and why (docs/generate.md "Not yet")
+GENERATE_NOT_YET = {
+    "optimum-habana": "optimum-habana's GaudiGenerationMixin runs on CPU (its MPT target's cells), but on the family "
+                      "ports it raises 15 kinds of error at the first call or step, not yet told apart from what the "
+                      "drive sets up differently from run_generation.py (docs/generate.md, 'Not yet')",
+}
+
+
+def generate_applies(check: Check, target) -> bool:
+    """A generate check's cells (docs/generate.md): every mode on every MPT target; on a family target the
+    paths it has, its family's first variant only (one tiny config per family), greedy and beam, and
+    assisted decoding by prompt lookup only where the family has local windows (their crop must restore the
+    window's evicted positions: the family's own part of assisted decoding; the rest of it, candidates,
+    verification and crop, is GenerationMixin's and cache_utils' code the MPT targets' cells run, with a draft
+    model too)."""
+    if not isinstance(target, FamilyTarget):
+        return True
+    if check.path not in target.paths or target.implementation_name in GENERATE_NOT_YET:
+        return False
+    from mpt_kv.families import FAMILIES  # lazy: the registry of checks loads no family module
+
+    family = target.family if not isinstance(target.family, str) else FAMILIES.get(target.family)
+    if family is None:
+        return True
+    if check.operation == "draft" or (check.operation in ASSISTED_MODES and family.windows is None):
+        return False
+    return target.variant == next(iter(family.variants))
 
 
 def select(*properties: str) -> list[Check]:
@@ -221,14 +262,17 @@ def has_edges(family) -> bool:
                                        or "moe" in family.design or per_layer_heads)
 
 
-def family_program_records(families=None, checks=PROGRAM_CHECKS, implementation: str = "transformers") -> list[dict]:
+def family_program_records(families=None, checks=PROGRAM_CHECKS, implementation: str = "transformers",
+                           dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
     """The reach records of a run of `checks` on `implementation` for every variant of `families` (default:
-    the registry's families with design edges, `has_edges`), through the run layer as under pytest (the
-    records only; a check that fails or is unsupported still records what it reached): deterministic
-    (fixed prompts and weights), a few seconds on CPU. docs/families.md's edge table is this run's
-    (`python -m mpt_kv reach --update-docs`)."""
+    the registry's families with design edges, `has_edges`), in each of `dtypes`, transformers with each
+    attention implementation the conformance run generates (sdpa where the model class has it, eager), on
+    CPU, through the run layer as under pytest (the records only; a check that fails or is unsupported still
+    records what it reached): deterministic (fixed prompts and weights), a few seconds on CPU.
+    docs/families.md's edge table is this run's (`python -m mpt_kv reach --update-docs`)."""
     from mpt_kv.checks.compare import PropertyFailure
     from mpt_kv.families import FAMILIES  # lazy: the registry of checks loads no family module
+    from mpt_kv.families.implementations import generated_attention
 
     chosen = [FAMILIES[f] for f in families] if families is not None else [f for f in FAMILIES.values() if has_edges(f)]
     records: list[dict] = []
@@ -241,13 +285,32 @@ def family_program_records(families=None, checks=PROGRAM_CHECKS, implementation:
         for family in chosen:
             for variant in family.variants:
                 for check in checks:
-                    try:
-                        run_layer.run(CHECKS[check], FamilyTarget(implementation, family.name, variant), "cpu", torch.float32)
-                    except (PropertyFailure, Unsupported):
-                        pass  # the verdict is the conformance run's; what the program reached is recorded
+                    for attention in (generated_attention() if implementation == "transformers" else [None]):
+                        target = FamilyTarget(implementation, family.name, variant, attention=attention)
+                        for dtype in dtypes:
+                            try:
+                                run_layer.run(CHECKS[check], target, "cpu", dtype)
+                            except (PropertyFailure, Unsupported):
+                                pass  # the verdict is the conformance run's; what the program reached is recorded
     return records
 
 # --- the Python API for a project's own tests --------------------------------------------------------------
+
+def family_declarations_expanded(targets: Iterable) -> list:
+    """`targets` with each family declaration (`mpt_kv.FamilyModel`, or a `package.module:attr` spec
+    naming one) replaced by its FamilyTargets, one per variant; a spec that does not load stays as it
+    is (its cases fail saying why, as before)."""
+    out = []
+    for t in targets:
+        if isinstance(t, str) and ":" in t and "/" not in t:
+            try:
+                resolved = resolve_target(t)
+            except Exception:  # noqa: BLE001  its cases report it, as for any target that does not load
+                resolved = None
+            t = resolved if isinstance(resolved, FamilyDeclaration) else t
+        out += t.named(None).targets() if isinstance(t, FamilyDeclaration) else [t]
+    return out
+
 
 def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: Iterable[Check | str] | None = None,
                             expected_failed_checks: Mapping[str, str] | Callable[[Target], Mapping[str, str]] | None = None):
@@ -257,7 +320,9 @@ def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: 
         def test_mpt_kv(check, target, device, dtype):
             check(target, device, dtype)
 
-    targets    factories or spec strings; None: the plugin's targets (--target, ini mpt_kv_targets)
+    targets    factories or spec strings; None: the plugin's targets (--target, ini mpt_kv_targets);
+               FamilyTargets, and family declarations (`mpt_kv.FamilyModel`, or a spec naming one),
+               each giving its FamilyTargets, one per variant, paired with the family checks
     checks     Check objects or ids/properties (default: all of CHECKS)
     expected_failed_checks
                {check id: reason}, or a callable target -> such a dict: a strict xfail that only a
@@ -285,7 +350,7 @@ def parametrize_with_checks(targets: Iterable[Target] | None = None, *, checks: 
         chosen += [c] if isinstance(c, Check) else select(c)
     if not chosen:
         raise ValueError("parametrize_with_checks: no checks selected (a gate that checks nothing must not pass)")
-    target_list = None if targets is None else list(targets)
+    target_list = None if targets is None else family_declarations_expanded(targets)
     if target_list is not None and not target_list:
         raise ValueError("parametrize_with_checks: an empty target list (a gate that checks nothing must not pass)")
     if callable(expected_failed_checks) and target_list is None:

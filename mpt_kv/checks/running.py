@@ -19,7 +19,8 @@ each (`DRIVERS`):
     operation  one reorder, extend or crop on a filled cache, measured exactly (ops-memory,
                ops-retained, cpu), on the fixed case and the corner (`programs.MEMORY_CASES`)
     family     one family target (`mpt_kv.targets.FamilyTarget`: an implementation of a variant of
-               another decoder family) on one path, cpu (family-P0 ... family-memory)
+               another decoder family) on one path, on the run's device and dtype (family-P0 ...
+               family-memory)
 
 The property's function, named in the index, checks one case: `fn(runner, c)`, where `c` is a
 `mpt_kv.checks.cases.Context` (a family check's: a `mpt_kv.checks.family_driver.FamilyContext`, its
@@ -67,8 +68,8 @@ from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_
 from mpt_kv.devices import as_device
 from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.model.config import as_dtype, random_state_dict
-from mpt_kv.targets import (Capabilities, FamilyTarget, ResolvedTarget, Runner, Target, family_target,
-                            required_features, resolve_target)
+from mpt_kv.targets import (Capabilities, FamilyDeclaration, FamilyTarget, ResolvedTarget, Runner, Target,
+                            family_target, required_features, resolve_mpt)
 from mpt_kv.targets.layouts import QuantizedKV, layout_of, storage_tensors
 
 # --- what a run under pytest plugs in -------------------------------------------------------------------------
@@ -183,7 +184,12 @@ class Run:
     def __post_init__(self):
         self.prop = index.by_name(self.check.property)
         # a family target's implementation declares its capabilities on each runner (the family checks read them)
-        self.caps = Capabilities() if self.prop.family else self.target.capabilities(self.device, self.dtype)
+        self.caps = Capabilities() if self.on_family else self.target.capabilities(self.device, self.dtype)
+
+    @property
+    def on_family(self) -> bool:
+        """A family target (a family check's, or a generate check's on a family target)."""
+        return isinstance(self.target, FamilyTarget)
 
     @property
     def name(self) -> str:
@@ -225,8 +231,9 @@ class Run:
         this Family object) and what the check reads (`family_driver.context_of`); `check` names the
         check in a failed call's message."""
         t = self.target
-        c = family_driver.context_of(t.implementation, t.family, t.variant, self.check.path, self.dtype, check)
-        return family_driver.runner_for(t.implementation, c.family, c.variant, c.dtype, c.options), c
+        c = family_driver.context_of(t.implementation, t.family, t.variant, self.check.path, self.dtype, check,
+                                     self.device, attention=t.attention)
+        return family_driver.runner_for(t.implementation, c.family, c.variant, c.dtype, c.options, c.device), c
 
     def check_case(self, runner, c) -> list[str]:
         """The property's function on one case: `fn(runner, c)`, its notes (or the context's)."""
@@ -243,7 +250,7 @@ class Run:
 def run(check, target: Target, device="cpu", dtype=torch.float32, ceilings=None) -> list[str]:
     """Every case of `check` on `target` (module doc): its notes, recorded for the report."""
     # a spec string, a factory or already resolved; for a family check, a FamilyTarget or its spec
-    target = family_target(target) if index.by_name(check.property).family else resolve_target(target)
+    target = resolved_for(check, target)
     device, dtype = as_device(device), as_dtype(dtype)
     with one_thread(device):
         r = Run(check, target, device, dtype, ceilings)
@@ -278,7 +285,7 @@ def cache_evidence(r: Run) -> dict:
     except TypeError:  # an unhashable target: measured every time
         key = None
     try:
-        if r.prop.family:
+        if r.on_family:
             evidence = family_driver.cache_evidence(*r.family_case("cache-evidence"))
         else:
             evidence = mpt_cache_evidence(r)
@@ -320,10 +327,23 @@ def mpt_cache_evidence(r: Run) -> dict:
                                   "same at a second read"}
 
 
+def resolved_for(check, target: Target):
+    """The target a check runs on, resolved once: a family check's FamilyTarget (or its spec); a generate
+    check's either kind (a FamilyTarget, a family declaration or an "<implementation>/<family>/<variant>"
+    spec is a family target; anything else an MPT target); every other check's MPT target."""
+    runs = index.by_name(check.property).runs
+    if runs == "family":
+        return family_target(target)
+    if runs == "generate" and (isinstance(target, (FamilyTarget, FamilyDeclaration))
+                               or (isinstance(target, str) and target.count("/") == 2)):
+        return family_target(target)
+    return resolve_mpt(target)
+
+
 def run_one(check, target: Target, device, dtype, case) -> list[str]:
     """One case of `check` (no hypothesis): to reproduce a failure, or for fixed cases. `case` is a
     `Case`, or for the program checks a `programs.Program` (hypothesis prints either)."""
-    r = Run(check, resolve_target(target), as_device(device), as_dtype(dtype))
+    r = Run(check, resolve_mpt(target), as_device(device), as_dtype(dtype))
     if r.prop.runs == "program":
         return one_program(r, case, programs.Fed())
     if r.prop.runs not in ("case", "fixed"):
@@ -440,10 +460,53 @@ def by_operation(r: Run) -> list[str]:
     return notes
 
 
-def by_family(r: Run) -> list[str]:
-    """One family check on one family target: the family's tiny model, fp32 by default, cpu."""
+def by_generate(r: Run) -> list[str]:
+    """One generate check (its path and mode, `check.operation`) on an MPT target or a family target: the
+    implementation's own generate, every forward call observed (`mpt_kv.checks.generate_driver`), cpu,
+    float32 (the oracle's greedy tokens are judged, not a lower precision's rounding)."""
+    from mpt_kv.checks import generate, generate_driver  # lazy: transformers' generation code
+
     if r.device.type != "cpu":
-        raise Unsupported(f"{r.name}: the family checks run on cpu (tiny models of transformers' configs)")
+        raise Unsupported(f"{r.check.id}: the generate drive runs on cpu (tiny models; the exact reading of what "
+                          f"generate leaves allocated is the cpu meter's), not {r.device.type}")
+    if r.dtype != torch.float32:
+        raise Unsupported(f"{r.check.id}: the generate drive runs in float32 (generate's tokens are judged against "
+                          f"the oracle's greedy ones), not {str(r.dtype).replace('torch.', '')}")
+    if r.on_family:
+        try:
+            runner, fc = r.family_case(r.check.id)
+        except TargetUnavailable as e:
+            raise Unsupported(f"{r.name}: {e}") from e
+        runner.require(fc.session_path)
+        # the draft: the same implementation's model of the variant with other weights
+        subject = generate_driver.family_subject(runner, fc, lambda: draft_runner(r.target.implementation, fc))
+    else:
+        case = generate_driver.MPT_CASE
+        runner = r.runner(case, r.features(case))
+        seed = dataclasses.replace(case, seed=case.seed + 1)
+        subject = generate_driver.mpt_subject(r.name, runner, case.cfg, lambda: r.runner(seed))
+    c = generate.GenerateContext(r.name, r.check.id, r.check.operation, r.check.path, r.dtype, subject, record=record)
+    return r.check_case(runner, c)
+
+
+_drafts: dict = {}
+
+
+def draft_runner(implementation, fc):
+    """A family implementation's runner of the variant with other weights (seed 1): assisted decoding's draft,
+    built once per process for a named implementation."""
+    from mpt_kv.families.implementations import IMPLEMENTATIONS
+
+    builder = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
+    key = (builder, id(fc.family), fc.variant, fc.dtype)
+    if key not in _drafts:
+        _drafts[key] = (fc.family, builder(fc.family, fc.variant, fc.dtype, seed=1))
+    return _drafts[key][1]
+
+
+def by_family(r: Run) -> list[str]:
+    """One family check on one family target: the family's tiny model on the run's device and dtype,
+    against transformers' model in fp32 on CPU (`family_driver`: the oracle)."""
     try:
         runner, c = r.family_case(r.prop.name)
     except TargetUnavailable as e:  # the implementation has no port of the family here: unsupported, its reason
@@ -475,17 +538,21 @@ class ByProperty:
         return f"{self.property}/{self.path}"
 
 
-def call_family(prop: str, implementation, family, variant: str, path: str, dtype=torch.float32) -> list[str]:
+def call_family(prop: str, implementation, family, variant: str, path: str, dtype=torch.float32,
+                device="cpu", attention: str | None = None) -> list[str]:
     """One family check called by property (`mpt_kv.checks.family.CHECKS`): the runner, context and
-    function `run` uses for a FamilyTarget, on cpu, without the report's records and on any path the
-    caller names (its check says what it takes); a builder's TargetUnavailable is raised as is."""
-    r = Run(ByProperty(prop, path), FamilyTarget(implementation, family, variant), torch.device("cpu"), as_dtype(dtype))
+    function `run` uses for a FamilyTarget, without the report's records and on any path the caller
+    names (its check says what it takes); a builder's TargetUnavailable is raised as is.
+    attention: transformers' attention implementation (`FamilyTarget.attention`)."""
+    device = as_device(device)
+    r = Run(ByProperty(prop, path), FamilyTarget(implementation, family, variant, attention=attention), device,
+            as_dtype(dtype))
     return r.check_case(*r.family_case(prop))
 
 
 DRIVERS: dict[str, Callable[[Run], list[str]]] = {
     "case": by_case, "fixed": by_fixed_case, "memory": by_memory_config, "program": by_program,
-    "operation": by_operation, "family": by_family,
+    "operation": by_operation, "family": by_family, "generate": by_generate,
 }
 
 

@@ -8,6 +8,7 @@
   sweep       the conformance run (--repros: the findings' repros) under each release, one table
   findings    the family findings and their cost at real configs (docs/findings.md)
   reach       the ranges each check's cases reached (docs/reach.md)
+  coverage    the lines and branches of the upstream attention and cache code a run executed (docs/reach.md)
   calibrate   the tolerances' calibration: run (cpu, cuda), report, quantized, compiled (docs/calibration.md)
   checks      the index of checks: the README's table, every check id
   devicecheck the device check: the seed table, the suite and graph capture on a GPU, one command
@@ -29,6 +30,7 @@ COMMANDS = {
     "sweep": "mpt_kv.cli.sweep",
     "findings": "mpt_kv.cli.findings",
     "reach": "mpt_kv.cli.reach",
+    "coverage": "mpt_kv.cli.coverage",
     "calibrate": "mpt_kv.cli.calibrate",
     "checks": "mpt_kv.cli.checks",
     "devicecheck": "mpt_kv.cli.devicecheck",

@@ -545,6 +545,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_problem(c: BenchConfig, cfg: ModelConfig, model: str) -> str | None:
+    """Why a (batch, max input, max new) config cannot run on model preset `model` (None if it can): each
+    value >= 1, the lengths within the preset's max_seq_len. Also `devicecheck --config`'s rule."""
+    for name, value, low in (("--batch-size", c.batch, 1), ("--max-input-tokens", c.max_input, 1),
+                             ("--max-new-tokens", c.max_new, 1)):
+        if value < low:
+            return f"{name} {value} (config {c}): must be >= {low}"
+    if c.max_input + c.max_new > cfg.max_seq_len:
+        return (f"max input {c.max_input} + max new {c.max_new} = {c.max_input + c.max_new} (config {c}) exceeds "
+                f"max_seq_len {cfg.max_seq_len} of model preset {model!r} (ALiBi is built only that far)")
+    return None
+
+
 def check_args(p: argparse.ArgumentParser, a) -> tuple[ModelConfig, list[BenchConfig]]:
     """Every bad value is a usage error naming the value and its limit."""
     cfg = model_config(a.model)
@@ -554,13 +567,9 @@ def check_args(p: argparse.ArgumentParser, a) -> tuple[ModelConfig, list[BenchCo
         defaults = (1, 16, 16)
         configs.insert(0, BenchConfig(*(d if x is None else x for x, d in zip(single, defaults))))
     for c in configs:
-        for name, value, low in (("--batch-size", c.batch, 1), ("--max-input-tokens", c.max_input, 1),
-                                 ("--max-new-tokens", c.max_new, 1)):
-            if value < low:
-                p.error(f"{name} {value} (config {c}): must be >= {low}")
-        if c.max_input + c.max_new > cfg.max_seq_len:
-            p.error(f"max input {c.max_input} + max new {c.max_new} = {c.max_input + c.max_new} (config {c}) exceeds "
-                    f"max_seq_len {cfg.max_seq_len} of model preset {a.model!r} (ALiBi is built only that far)")
+        problem = config_problem(c, cfg, a.model)
+        if problem:
+            p.error(problem)
     for name, value, low in (("--repeat", a.repeat, 1), ("--warmup", a.warmup, 0)):
         if value < low:
             p.error(f"{name} {value}: must be >= {low}")
@@ -642,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     report.meta = {"command": "python -m mpt_kv bench " + " ".join(argv), "model": a.model, "model_config": asdict(cfg),
                    "device": a.device, "dtype": dtype_name, "threads": torch.get_num_threads(), "repeat": a.repeat,
                    "warmup": a.warmup, "seed": a.seed, "torch": torch.__version__,
-                   "transformers": versions.transformers_version(), "python": platform.python_version(),
+                   "transformers": versions.transformers_version(),
+                   "optimum-habana": versions.installed("optimum-habana"), "python": platform.python_version(),
                    "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "complete": False}
     progress = progress_bar(sum(c.max_new for c in configs) * len(pairs) * (a.warmup + 1 + a.repeat), a.quiet)
     try:

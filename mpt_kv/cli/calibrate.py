@@ -6,6 +6,8 @@ target and record every comparison's error as a fraction of its bound.
     python -m mpt_kv calibrate report calibration/*.jsonl
     python -m mpt_kv calibrate quantized --cases 400     the quantized caches' bounds
     python -m mpt_kv calibrate compiled --cases 200      the compiled decode step's bound (graph-capture)
+    python -m mpt_kv calibrate families --seeds 3        the family checks' comparisons over the zoo
+                                                         (mpt_kv/cli/calibrate_families.py)
 
 `run` appends one JSON line per case to OUT/<target>-<transformers version>-<k>of<n>.jsonl and
 skips the cases already there (resumable; shards split the case indices k, k + n, ...). Run it
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from mpt_kv.catalogue import designs, variants
+from mpt_kv.cli import calibrate_families
 from mpt_kv.checks import properties as P
 from mpt_kv import devices
 from mpt_kv import versions as installed_versions
@@ -52,6 +55,7 @@ from mpt_kv.errors import Unsupported
 from mpt_kv.model.config import random_state_dict
 from mpt_kv.findings import entries as known_failures
 from mpt_kv.targets import resolve_target
+from mpt_kv.plugin.parametrize import named_target_problem
 from mpt_kv.outputs import dir_problem, mark_output, path_arg
 
 PATHS = (("concat", None), ("static", None), ("static", 4))
@@ -174,7 +178,7 @@ def run(args) -> int:
     if problem:
         print(f"python -m mpt_kv calibrate run: error: --out {args.out}: {problem}", file=sys.stderr)
         return 2
-    k, n = (int(x) for x in args.shard.split("/"))
+    k, n = args.shard
     torch.set_num_threads(1)
     vers = versions(conditions(args))
     where = "" if args.device == "cpu" else f"-{args.device}-tf32{args.tf32}-sdpa{args.sdpa_backend}"
@@ -236,14 +240,32 @@ class _Lines:
         print(line, flush=True)
 
 
+def read_results(paths: list[Path]) -> dict:
+    """Every case line of the result files `run` wrote, by (target, transformers, index); a file that is
+    missing, a folder, not JSON lines of cases or that holds none is a usage error naming it (exit 2)."""
+    rows = {}
+    for path in paths:
+        try:
+            lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            cases = [json.loads(line) for line in lines]
+            for r in cases:
+                rows[(label(r["target"], r["versions"]), r["versions"]["transformers"], r["index"])] = r
+        except (OSError, ValueError, KeyError, TypeError) as e:  # missing, a folder, not JSON, not a case line
+            what = f"no {e} in a line" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            usage_error(f"{path} is not a result file of `calibrate run` (JSON lines of cases): {what}")
+        if not cases:
+            usage_error(f"{path} holds no case: nothing to report (a result file of `calibrate run` has a line per case)")
+    return rows
+
+
+def usage_error(message: str):
+    print(f"python -m mpt_kv calibrate: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def report(args) -> int:
     """Merge result files; print the worst fraction of the bound per (dtype, quantity) and target."""
-    rows = {}
-    for path in args.files:
-        for line in Path(path).read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                rows[(label(r["target"], r["versions"]), r["versions"]["transformers"], r["index"])] = r
+    rows = read_results(args.files)
     targets = sorted({(t, v) for t, v, _ in rows})
     cases = {t: [r for (tt, v, _), r in rows.items() if (tt, v) == t] for t in targets}
     print("| target | transformers | cases | CPU time | unexpected errors | known failures |")
@@ -407,6 +429,14 @@ def compiled(a) -> int:
     return 0
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """--shard K/N: this process runs case indices K, K + N, ...; 0 <= K < N."""
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected K/N with 0 <= K < N (shard K of N), e.g. 0/4")
+    return int(k), int(n)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mpt_kv calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -418,19 +448,29 @@ def main(argv=None) -> int:
     r.add_argument("--sdpa-backend", default=None, choices=SDPA_BACKENDS,
                    help="cuda: the one scaled_dot_product_attention backend allowed (torch.nn.attention.sdpa_kernel; "
                         "required there; default: torch chooses)")
-    r.add_argument("--cases", type=int, default=5000)
-    r.add_argument("--shard", default="0/1", help="k/n: this process runs case indices k, k + n, ...")
+    r.add_argument("--cases", type=int, default=5000, help="case indices 0 .. CASES-1 (default 5000)")
+    r.add_argument("--shard", type=parse_shard, default=(0, 1), help="k/n: this process runs case indices k, k + n, ...")
     r.add_argument("--out", type=path_arg, default=Path("calibration"))
     r.add_argument("-v", "--verbose", action="store_true")
     s = sub.add_parser("report", help="merge result files and print the tables")
-    s.add_argument("files", nargs="+")
+    s.add_argument("files", nargs="+", type=path_arg)
     s.add_argument("--show", type=int, default=10, help="how many unexpected errors to print")
     q = sub.add_parser("quantized", help="the quantized caches' bounds (checks/quantized.py): correct vs wrong quantizers")
     q.add_argument("--cases", type=int, default=200, help="drawn cases (strategies.case_from(RandomPicks(i)))")
     c = sub.add_parser("compiled", help="the compiled decode step's bound (logits:compiled): torch.compile vs eager")
     c.add_argument("--cases", type=int, default=200, help="drawn cases (strategies.case_from(RandomPicks(i)))")
     c.add_argument("--target", action="append", default=None, help="targets (default: reference and the designs)")
+    calibrate_families.add_parser(sub)
     a = p.parse_args(argv)
+    # every value before any work: a case count, the targets (built-in and installed, or a spec that loads)
+    if a.command in ("run", "quantized", "compiled") and a.cases < 1:
+        p.error(f"--cases {a.cases}: give 1 or more cases")
+    if a.command == "report" and a.show < 0:
+        p.error(f"--show {a.show}: give 0 or more")
+    for spec in ([a.target] if a.command == "run" else a.target or [] if a.command == "compiled" else []):
+        problem = named_target_problem(spec, resolve_target)
+        if problem:
+            p.error(f"--target {spec}: {problem}")
     if a.command == "run":
         if a.device == "cpu" and (a.tf32 or a.sdpa_backend):
             p.error(f"--tf32 and --sdpa-backend are cuda's conditions; --device {a.device} has neither")
@@ -441,5 +481,6 @@ def main(argv=None) -> int:
             if a.tf32 is None or a.sdpa_backend is None:
                 p.error("--device cuda: give --tf32 on|off and --sdpa-backend (default|math|flash|efficient|cudnn): "
                         "the bounds depend on both, and each run records them")
-    return {"run": run, "report": report, "quantized": quantized, "compiled": compiled}[a.command](a)
+    return {"run": run, "report": report, "quantized": quantized, "compiled": compiled,
+            "families": calibrate_families.families}[a.command](a)
 

@@ -17,12 +17,18 @@ Steps, in this order, each a subprocess with its own time limit, its output unde
                 throughput, memory allocated and max memory allocated beside the analytic model
   suite-TARGET  the shipped suite's cases of the device (`python -m mpt_kv run --device D -m D`, graph-capture
                 excepted: step graphs ran it), one target per step: reference, transformers, and llm-foundry's
-                attn_impl torch and flash paths where installed ("not installed" otherwise)
+                attn_impl torch and flash paths where installed ("not run: not installed here" otherwise)
   bench-legacy  the bench's rows on transformers 4.55.4, the release that shipped the seed bug in its
                 DynamicCache (concat: its MPT has no static path), loaded from --legacy-transformers DIR (put
                 first on that step's sys.path): a folder holding transformers 4.55.4 and what it needs beyond
                 a transformers 5 environment (huggingface_hub<1, tokenizers<0.22, and the requests huggingface_hub
                 0.x imports: `pip install --no-deps --target DIR` of their wheels, docs/bench.md)
+  seed-gaudi-before, seed-gaudi-after
+                the seed PR's before and after on a real allocator: optimum-habana's own MPT module, as the seed
+                ran it (the recipe `seed`: bf16, static shapes, no reuse_cache; `mpt_kv.targets.gaudi:seed`), on
+                the seed's four rows, from --gaudi-before DIR (optimum-habana 1.12.1, whose static cache holds
+                views of mixed_qkv, with transformers 4.40.2) and --gaudi-after DIR (1.21.2 with 4.55.4), each
+                folder first on its step's sys.path; memory allocated and max memory beside the seed's figures
 
 Each step's limit (--timeout STEP=SECONDS changes one) is also cut to what is left of --budget: the whole
 command ends within it (default 470 s, under 8 minutes with the start). A step that runs out of time is
@@ -33,9 +39,13 @@ Writes OUT/summary.md and OUT/summary.json (what is here, each step's status, ti
 rows beside the seed PR's Gaudi figures), each step's log as OUT/<step>.log, and its report and tables in
 OUT/<step>/ (the folder its own command writes).
 
+A step that did not run is never a pass: one whose prerequisite is not here (a target's package, --legacy-
+transformers) is reported "not run" with the reason and named in the verdict line, and a step asked for with
+--step that cannot run here is a usage error before any work.
+
 Exit status: 0 every step that applies here ran and passed; 1 a step failed, crashed, ran out of time or
-was left without budget (its log says why); 2 a usage error (the device is not here, a bad value), before
-any work.
+was left without budget (its log says why), or nothing ran; 2 a usage error (the device is not here, a bad
+value, a step asked for that cannot run here), before any work.
 """
 
 from __future__ import annotations
@@ -53,20 +63,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mpt_kv import devices, versions
-from mpt_kv.outputs import dir_problem, mark_output, path_arg
+from mpt_kv.outputs import clash_problem, dir_problem, mark_output, path_arg
 
 # the seed PR's rows at MPT-7B's shapes (the batch-128 row first: the headline), and rows of the same
 # form that fit the small presets' max_seq_len (a dry run)
 SEED_ROWS = {"mpt-7b": ["128,128,128", "2,1024,1024"], "mpt-30b": ["128,128,128", "2,1024,1024"]}
+# all four of the seed PR's rows (the seed-gaudi steps: optimum-habana's MPT before and after the fix), headline first
+SEED_FOUR = ["128,128,128", "16,128,1024", "2,1024,1024", "16,1024,1024"]
+SEED_TARGET = "mpt_kv.targets.gaudi:seed"  # the optimum-habana target with the seed's recipe (mpt_kv/recipes.py)
 SMALL_ROWS = ["4,16,16", "2,32,16"]
 VIEWS = "mpt_kv.catalogue.variants:kv_views_of_mixed_qkv"
 FOUNDRY_FLASH = "mpt_kv.targets.foundry:build_flash"
 # each step's time limit in seconds (unmeasured on a GPU: docs/bench.md); suite-* applies to each target's step
-TIMEOUTS = {"graphs": 45, "bench": 230, "suite": 55, "bench-legacy": 80}
+TIMEOUTS = {"graphs": 45, "bench": 230, "suite": 55, "bench-legacy": 80, "seed-gaudi": 200}
+STEPS = tuple(TIMEOUTS)  # --step's names: a step, or every step of that name (graphs-*, suite-*)
 BUDGET = 470
 LEGACY = "4.55.4"
 NOT_SELECTED = "not run: not among --step"
+NOT_HERE = "not run: not installed here"  # its prerequisite is missing: named in the verdict, never a pass
 NO_STATIC = "not applicable: no static path"
+RAN = ("passed", "failed", "timed out")  # the statuses of a step that ran
 
 
 @dataclass
@@ -75,14 +91,49 @@ class Step:
     command: list[str]
     limit: int
     env: dict = field(default_factory=dict)
-    status: str = "not run"  # passed | failed (exit N) | timed out after S s | not installed: ... | not run: ...
+    status: str = "not run"  # passed | failed (exit N) | timed out after S s | not run: why | not applicable: why
     seconds: float = 0.0
     detail: str = ""
 
     @property
     def ok(self) -> bool:
-        """Passed, or it does not apply here (what it needs is not installed, or --step left it out)."""
-        return self.status == "passed" or self.status.startswith(("not installed", NOT_SELECTED, NO_STATIC))
+        """Passed, or it does not apply here (what it needs is not installed, or --step left it out); a
+        requested step that did not run at all fails the run anyway (`not_run_requested`)."""
+        return self.status == "passed" or self.status.startswith((NOT_HERE, NOT_SELECTED, NO_STATIC))
+
+    @property
+    def ran(self) -> bool:
+        return self.status.startswith(RAN)
+
+    @property
+    def runs(self) -> bool:
+        """It ran, or it is planned to (not run yet, with a command)."""
+        return self.ran or (self.status == "not run" and bool(self.command))
+
+    @property
+    def group(self) -> str:
+        """Its --step name: graphs-reference -> graphs, suite-llm-foundry -> suite, seed-gaudi-before ->
+        seed-gaudi, bench-legacy itself."""
+        return self.name if self.name in STEPS else next(
+            g for g in sorted(STEPS, key=len, reverse=True) if self.name.startswith(f"{g}-"))
+
+
+# the step names whose steps are one comparison: asked for, every one of them must run (a before without its after
+# compares nothing)
+ALL_OR_NONE = ("seed-gaudi",)
+
+
+def not_run_requested(requested: list[str] | None, steps: list[Step]) -> list[Step]:
+    """The steps of each name asked for with --step of which none runs (all of them, where none does); of a name
+    in ALL_OR_NONE, each that does not run."""
+    out = []
+    for name in requested or []:
+        group = [s for s in steps if s.group == name]
+        if name in ALL_OR_NONE:
+            out += [s for s in group if not s.runs]
+        elif not any(s.runs for s in group):
+            out += group
+    return out
 
 
 def builtin_installed(name: str) -> str | None:
@@ -153,18 +204,33 @@ def plan(a, out: Path) -> list[Step]:
                          "--report", str(where / "report.json"), "--mpt-kv-markdown", str(where / "summary.md"))
         steps.append(Step(f"suite-{label}", command, a.timeouts["suite"]))
     for label, spec, why in absent:
-        steps.append(Step(f"suite-{label}", [], 0, status=f"not installed: {why}"))
+        steps.append(Step(f"suite-{label}", [], 0, status=f"{NOT_HERE}: {why}"))
     legacy = Step("bench-legacy", mpt_kv(*bench_args, "--target", "transformers", "--path", "concat", "--out",
                                          str(out / "bench-legacy")), a.timeouts["bench-legacy"])
     if a.legacy_transformers is None:
-        legacy.status = (f"not installed: no --legacy-transformers DIR (transformers {LEGACY} with huggingface_hub<1, "
+        legacy.status = (f"{NOT_HERE}: no --legacy-transformers DIR (transformers {LEGACY} with huggingface_hub<1, "
                          "tokenizers<0.22 and requests: docs/bench.md)")
     else:
         legacy.env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(a.legacy_transformers).resolve()),
                                                                   os.environ.get("PYTHONPATH")]))}
     steps.append(legacy)
+    for when in ("before", "after"):
+        folder = getattr(a, f"gaudi_{when}", None)
+        seed = Step(f"seed-gaudi-{when}", mpt_kv(
+            "bench", "--device", device, "--model", a.model, "--repeat", "1", "--warmup", "0", "--quiet",
+            *[x for row in (a.config or (SEED_FOUR if a.model in SEED_ROWS else SMALL_ROWS)) for x in ("--config", row)],
+            "--target", SEED_TARGET, "--path", "static", "--dtype", "bf16", "--out", str(out / f"seed-gaudi-{when}")),
+            a.timeouts["seed-gaudi"])
+        if folder is None:
+            seed.status = (f"{NOT_HERE}: no --gaudi-{when} DIR (optimum-habana "
+                           f"{'1.12.1 with transformers 4.40.2' if when == 'before' else '1.21.2 with transformers 4.55.4'}"
+                           ": docs/bench.md)")
+        else:
+            seed.env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(folder).resolve()),
+                                                                    os.environ.get("PYTHONPATH")]))}
+        steps.append(seed)
     for s in steps:
-        if a.step and s.status == "not run" and s.name.split("-")[0] not in a.step and s.name not in a.step:
+        if a.step and s.status == "not run" and s.group not in a.step:
             s.command, s.status = [], NOT_SELECTED
     return steps
 
@@ -207,6 +273,13 @@ def environment(a) -> dict:
         env["gpu"] = torch.cuda.get_device_name(0)
         env["gpu_memory_gib"] = round(torch.cuda.mem_get_info(0)[1] / 2**30, 1)
         env["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    for when in ("before", "after"):
+        folder = getattr(a, f"gaudi_{when}", None)
+        if folder:
+            probe = subprocess.run([sys.executable, "-c", "from importlib.metadata import version; print("
+                                    "version('optimum-habana'), version('transformers'))"], capture_output=True,
+                                   text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(folder).resolve())})
+            env[f"gaudi-{when}"] = probe.stdout.strip() or f"does not import: {probe.stderr.strip().splitlines()[-1:]}"
     if a.legacy_transformers:
         probe = subprocess.run([sys.executable, "-c", "import transformers, huggingface_hub, tokenizers; print("
                                 "transformers.__version__, huggingface_hub.__version__, tokenizers.__version__)"],
@@ -237,7 +310,7 @@ def results(step: Step, out: Path) -> list[str]:
 
 def bench_rows(out: Path) -> list[dict]:
     rows = []
-    for name in ("bench", "bench-legacy"):
+    for name in ("bench", "bench-legacy", "seed-gaudi-before", "seed-gaudi-after"):
         path = out / name / "bench.json"
         if path.is_file():
             data = json.loads(path.read_text())
@@ -245,6 +318,8 @@ def bench_rows(out: Path) -> list[dict]:
                 label = r["target"].replace(f"{VIEWS}", "kv_views_of_mixed_qkv (variant)")
                 if name == "bench-legacy":
                     label = f"transformers {data['meta'].get('transformers')}"
+                if name.startswith("seed-gaudi"):  # the release the folder held, as the seed ran it
+                    label = f"optimum-habana {data['meta'].get('optimum-habana')} (seed recipe)"
                 rows.append({**r, "label": f"{label}/{r['path']}", "complete": data["meta"].get("complete", True)})
     return rows
 
@@ -270,15 +345,32 @@ def seed_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def verdict(a, steps: list[Step]) -> list[str]:
+    """Why the check is not a pass ([] if it is): a step that failed, timed out or was left without
+    budget, a step asked for with --step of which nothing ran, or no step run at all."""
+    problems = [f"{s.name}: {s.status}" for s in steps if not s.ok]
+    problems += [f"{s.name} was asked for (--step {s.group}) and did not run: {s.status}"
+                 for s in not_run_requested(getattr(a, "step", None), steps) if s.ok]
+    if not any(s.ran for s in steps):
+        problems.append("no step ran: a device check that ran nothing is not a pass")
+    return problems
+
+
 def summarize(a, out: Path, env: dict, steps: list[Step], seconds: float, command: list[str]) -> int:
-    ok = all(s.ok for s in steps)
+    problems = verdict(a, steps)
+    ok = not problems
+    not_here = [s for s in steps if s.status.startswith(NOT_HERE)]
     rows = bench_rows(out)
     data = {"command": " ".join(command), "environment": env, "seconds": round(seconds, 1), "budget": a.budget,
-            "passed": ok, "steps": [{**asdict(s), "results": results(s, out)} for s in steps], "bench": rows}
+            "passed": ok, "problems": problems, "steps": [{**asdict(s), "results": results(s, out)} for s in steps],
+            "bench": rows}
     (out / "summary.json").write_text(json.dumps(data, indent=1))
+    head = f"{'PASSED' if ok else 'FAILED'} in {seconds:.0f} s (budget {a.budget} s)"
+    if not_here:
+        head += f"; not run here: {', '.join(s.name for s in not_here)} (their rows below say why)"
     md = [f"# mpt-kv device check: {env.get('gpu', a.device)}", "", f"`{data['command']}`", "",
           ", ".join(f"{k} {v}" for k, v in env.items() if v is not None), "",
-          f"{'PASSED' if ok else 'FAILED'} in {seconds:.0f} s (budget {a.budget} s)", "",
+          head, "", *([f"- {p}" for p in problems] + [""] if problems else []),
           "| step | status | seconds | limit |", "|---|---|---|---|"]
     md += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.limit} |" for s in steps]
     for s in steps:
@@ -317,13 +409,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="mpt-7b", help="the bench's model preset (default mpt-7b; tiny for a dry run)")
     p.add_argument("--config", action="append", default=None, metavar="B,I,N",
                    help="a bench row instead of the model's seed rows (repeatable)")
-    p.add_argument("--legacy-transformers", default=None, metavar="DIR",
+    p.add_argument("--legacy-transformers", type=path_arg, default=None, metavar="DIR",
                    help=f"a folder with transformers {LEGACY} and what it needs beyond a transformers 5 environment "
                         "(huggingface_hub<1, tokenizers<0.22, requests): step bench-legacy (docs/bench.md)")
+    for when, release in (("before", "1.12.1 (the cache as views of mixed_qkv) with transformers 4.40.2"),
+                          ("after", "1.21.2 with transformers 4.55.4")):
+        p.add_argument(f"--gaudi-{when}", type=path_arg, default=None, metavar="DIR",
+                       help=f"a folder with optimum-habana {release} and what they need beyond this environment: "
+                            f"step seed-gaudi-{when} (docs/bench.md)")
     p.add_argument("--timeout", action="append", type=parse_timeout, default=[], metavar="STEP=SECONDS",
                    help=f"one step's time limit (defaults: {', '.join(f'{k}={v}' for k, v in TIMEOUTS.items())})")
     p.add_argument("--budget", type=int, default=BUDGET, help=f"seconds for the whole command (default {BUDGET})")
-    p.add_argument("--step", action="append", default=None, choices=["graphs", "bench", "suite", "bench-legacy"],
+    p.add_argument("--step", action="append", default=None, choices=STEPS,
                    help="run only these steps (repeatable; default all)")
     p.add_argument("-k", default=None, help="a pytest -k expression narrowing the suite steps' cases")
     return p
@@ -346,14 +443,34 @@ def main(argv: list[str] | None = None) -> int:
     problem = dir_problem(a.out, "devicecheck")
     if problem:
         p.error(f"--out {a.out}: {problem}")
-    if a.legacy_transformers is not None and not Path(a.legacy_transformers).is_dir():
-        p.error(f"--legacy-transformers {a.legacy_transformers}: not a folder")
+    for option, folder in (("--legacy-transformers", a.legacy_transformers), ("--gaudi-before", a.gaudi_before),
+                           ("--gaudi-after", a.gaudi_after)):
+        if folder is not None and not Path(folder).is_dir():
+            p.error(f"{option} {folder}: not a folder")
+    problem = clash_problem([("--out", a.out)], [("--legacy-transformers", a.legacy_transformers),
+                                                 ("--gaudi-before", a.gaudi_before), ("--gaudi-after", a.gaudi_after)])
+    if problem:
+        p.error(problem)
+    if a.config:  # the bench's rule, here: a bad row is a usage error now, not a failed bench step later
+        from mpt_kv.cli import bench
+
+        for row in a.config:
+            try:
+                config = bench.parse_config(row)
+            except argparse.ArgumentTypeError as e:
+                p.error(str(e))
+            problem = bench.config_problem(config, bench.model_config(a.model), a.model)
+            if problem:
+                p.error(f"--config {row}: {problem}")
     out = Path(a.out)
+    steps = plan(a, out)  # before anything is written: a step asked for that cannot run here is a usage error
+    for s in not_run_requested(a.step, steps):
+        p.error(f"--step {s.group}: {s.name} cannot run here ({s.status}); a device check that skips the step it was "
+                "asked for is not a pass")
     out.mkdir(parents=True, exist_ok=True)
     mark_output(out, "devicecheck")  # a rerun may write here again (its steps' folders are marked by their own commands)
     t0 = time.monotonic()
     env = environment(a)
-    steps = plan(a, out)
     for step in steps:
         if step.status != "not run" or not step.command:
             continue

@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mpt_kv.outputs import dir_problem
+from mpt_kv.outputs import clash_problem, dir_problem, path_arg
 
 PEER_FILE = Path("tests") / "models" / "mpt" / "test_modeling_mpt.py"
 
@@ -109,12 +109,12 @@ def paired(cmds: dict[str, tuple[list[str], Path | None]], runs: int, warmup: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpt_kv gatebench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="transformers", help="the target (default transformers)")
-    parser.add_argument("--transformers-tests", metavar="DIR", type=Path, default=None,
+    parser.add_argument("--transformers-tests", metavar="DIR", type=path_arg, default=None,
                         help=f"a transformers checkout (or test tree) holding {PEER_FILE}: its file is timed beside")
     parser.add_argument("--runs", type=int, default=3, help="recorded rounds (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="unrecorded rounds first (default 1)")
     parser.add_argument("--skip-full", action="store_true", help="time the gate (and the peer) only")
-    parser.add_argument("--out", type=Path, default=Path("gatebench"), help="folder for gatebench.json")
+    parser.add_argument("--out", type=path_arg, default=Path("gatebench"), help="folder for gatebench.json")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.warmup < 0:
         parser.error(f"--runs {args.runs} --warmup {args.warmup}: give 1 or more runs and 0 or more warm-ups")
@@ -125,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     problem = dir_problem(str(args.out))
     if problem:
         parser.error(f"--out {args.out}: {problem}")
+    problem = clash_problem([("--out", args.out)], [("--transformers-tests", tree)])
+    if problem:
+        parser.error(problem)
+    from mpt_kv.plugin.parametrize import named_target_problem  # lazy: the targets import torch
+    from mpt_kv.targets import resolve_target
+
+    problem = named_target_problem(args.target, resolve_target)
+    if problem:  # the runs would fail at once, each round: a usage error now
+        parser.error(f"--target {args.target}: {problem}")
     cmds = commands(args.target, tree.resolve() if tree else None)
     if args.skip_full:
         del cmds["full"]

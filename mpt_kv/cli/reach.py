@@ -17,6 +17,7 @@ doc that is missing, unwritable or has no block (checked before any work)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -45,32 +46,40 @@ def usage_error(message: str):
 def main(argv: list[str] | None = None) -> int:
 
     p = Parser(prog="python -m mpt_kv reach", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("report", nargs="?", help="a JSON report with a 'reach' list of records")
+    p.add_argument("report", nargs="?", type=path_arg, help="a JSON report with a 'reach' list of records")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--draw", metavar="PROFILE", help="the draws of a hypothesis profile (ci, dev, thorough)")
+    mode.add_argument("--draw", metavar="PROFILE", type=hypothesis_profile,
+                      help="the draws of a hypothesis profile (ci, dev, thorough)")
     mode.add_argument("--update-docs", dest="update", action="store_true", help="rewrite docs/reach.md's and docs/families.md's reach tables")
     mode.add_argument("--check", action="store_true", help="exit 1 if one of those tables is stale")
     p.add_argument("--doc", type=path_arg, default=None, help=f"one doc, its reach blocks (default {DOC} and {FAMILIES_DOC})")
-    p.add_argument("--reference-model", help="a real model's values (default mpt-7b)")
+    p.add_argument("--reference-model", type=path_arg, help="a real model's values (default mpt-7b)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     generated = args.update or args.check
     if args.doc is not None and not generated:
         usage_error("--doc is only read with --update-docs or --check")
     if generated and args.report:
         usage_error("--update-docs and --check compare the default run's draws, not a report")
+    try:  # read before any work: a file that is missing, a folder or not a model's values is one line
+        reference_model = reach.load_reference_model(args.reference_model)
+    except ValueError as e:
+        usage_error(f"--reference-model: {e}")
     if not generated and not args.draw:
         if not args.report:
             usage_error("give a report file, --draw PROFILE, --update-docs or --check")
-        rest = [args.report] + (["--reference-model", args.reference_model] if args.reference_model else [])
-        return reach.main(rest)
+        records = report_records(args.report)
+        if not records:
+            print(f"{args.report}: no 'reach' records (a run without reach recording, or nothing ran)", file=sys.stderr)
+            return 1
+        print("\n".join(reach.report_lines(records, reference_model)))
+        return 0
     if args.draw:
         from mpt_kv.checks.registry import drawn_records  # lazy: torch and the models only where this command needs them
 
         if args.report:
             usage_error("give a report file or --draw PROFILE, not both")
         profiles.load_profile()
-        print("\n".join(reach.table_lines(reach.summarize(drawn_records(args.draw)),
-                                          reach.load_reference_model(args.reference_model))))
+        print("\n".join(reach.table_lines(reach.summarize(drawn_records(args.draw)), reference_model)))
         return 0
     docs = [args.doc] if args.doc is not None else [DOC, FAMILIES_DOC]
     found = []  # (doc, block, text, start, end): checked before any work
@@ -106,6 +115,33 @@ def main(argv: list[str] | None = None) -> int:
         docblocks.rewrite(path, text, start, end, table)
         print(f"{path}: {what} rewritten")
     return stale
+
+
+def hypothesis_profile(name: str) -> str:
+    """--draw's type: a registered hypothesis profile (mpt-kv's dev, ci and thorough)."""
+    from hypothesis import settings
+    from hypothesis.errors import InvalidArgument
+
+    try:
+        settings.get_profile(name)
+    except InvalidArgument:
+        raise argparse.ArgumentTypeError(f"{name!r} is no hypothesis profile: give one of {', '.join(profiles.NAMES)}")
+    return name
+
+
+def report_records(path: Path) -> list:
+    """A report's reach records; a file that is missing, a folder or not a JSON report is a usage error."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # missing, a folder, not UTF-8, not JSON
+        usage_error(f"cannot read the report {path}: {type(e).__name__}: {e}")
+    if not isinstance(data, dict):
+        usage_error(f"{path} is not an mpt-kv report (a JSON object with a 'reach' list); write one with pytest "
+                    "--mpt-kv-report FILE")
+    records = data.get("reach")
+    if records is not None and not isinstance(records, list):
+        usage_error(f"{path}: field 'reach' is {type(records).__name__}: expected a list of records")
+    return records or []
 
 
 def block_lines(name: str, reference_model: str | None) -> list[str]:

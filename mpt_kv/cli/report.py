@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from mpt_kv.outputs import file_problem, write_text
+from mpt_kv.outputs import clash_problem, file_problem, path_arg, write_text
 from mpt_kv.plugin.gate import run_problems
 from mpt_kv import versions
 from mpt_kv.plugin.report import header, matrix_lines, project_lines
@@ -108,12 +108,12 @@ def merge(reports: list[dict]) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m mpt_kv report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("reports", nargs="+", type=Path, help="JSON reports (pytest --mpt-kv-report FILE)")
+    p.add_argument("reports", nargs="+", type=path_arg, help="JSON reports (pytest --mpt-kv-report FILE)")
     p.add_argument("--json", help="also write the merged report here (checked before any work)")
     p.add_argument("--markdown", metavar="FILE",
                    help="also write a short Markdown summary (verdict, what broke, known failures, the matrix "
                         "collapsed) for a CI job summary or a pull-request comment")
-    p.add_argument("--previous", metavar="REPORT", type=Path,
+    p.add_argument("--previous", metavar="REPORT", type=path_arg,
                    help="a stored run's JSON report: the summary also lists every case whose outcome changed")
     args = p.parse_args(argv)
 
@@ -121,6 +121,10 @@ def main(argv: list[str]) -> int:
         problem = path is not None and file_problem(path)
         if problem:
             usage_error(f"{flag} {path!r}: {problem}")
+    problem = clash_problem([("--json", args.json), ("--markdown", args.markdown)],
+                            [*(("the report", path) for path in args.reports), ("--previous", args.previous)])
+    if problem:
+        usage_error(problem)
     if args.previous is not None and args.markdown is None:
         usage_error("--previous is only read with --markdown")
     previous = load(args.previous)["results"] if args.previous is not None else None

@@ -7,17 +7,25 @@ also written as JSON (default reports/conformance.json). Extra arguments go to p
 A device asked for with --device is required (absent: a usage error before any test; no case
 of it passed: the run fails), and so is every available one by default. A --target that cannot
 be imported or built is an error, not a skip (docs/gate.md).
+
+--coverage OUT measures the run with coverage.py (its xdist workers too) and writes OUT, the summary of
+which lines and branches of the upstream attention and cache functions of the implementations it ran
+were executed, with the reason for each function never entered (`python -m mpt_kv coverage OUT` prints
+its tables; docs/reach.md), and beside it the run's coverage.py data (OUT with .coverage for .json).
+Both are removed first: a run that ends early leaves neither.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
+from pathlib import Path
 
 from mpt_kv import devices
-from mpt_kv.outputs import file_problem
+from mpt_kv.outputs import clash_problem, file_problem, path_arg
 
 # the conformance suite shipped in the package: properties, memory ceilings, static shapes
 CONFORMANCE = "mpt_kv.conformance"
@@ -30,7 +38,7 @@ def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
     import torch
 
     from mpt_kv.model.config import ModelConfig, random_state_dict  # lazy: torch and the models only where this command needs them
-    from mpt_kv.targets import build, factory_error  # lazy: torch and the models only where this command needs them
+    from mpt_kv.targets import build, factory_error, is_family_declaration, resolve_target  # lazy: torch and the models only where this command needs them
 
     lines = [f"python {platform.python_version()}, torch {torch.__version__}"]
     for kind in devices.KINDS:
@@ -43,6 +51,10 @@ def describe_machine(targets: list[str], kinds: list[str]) -> list[str]:
             lines.append(f"target {spec:<15} not built: none of the devices asked for is here")
             continue
         try:
+            declared = resolve_target(spec) if ":" in spec else None
+            if is_family_declaration(declared):  # a model of another family: its cases are the family checks'
+                lines.append(f"target {spec:<15} family target: {', '.join(t.name for t in declared.targets())}")
+                continue
             runner = build(spec, cfg, random_state_dict(cfg), devices.torch_device(kind), torch.float32)
             version = getattr(runner, "version", "")
             line = f"target {spec:<15} ok {version}".rstrip()
@@ -65,11 +77,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", action="append", choices=devices.KINDS,
                    help="device kinds to run, each required (default: every available one)")
     p.add_argument("--target", action="append", default=[], help="extra target package.module:factory")
-    p.add_argument("--report", default="reports/conformance.json", help="JSON report path")
+    p.add_argument("--report", type=path_arg, default="reports/conformance.json", help="JSON report path")
+    p.add_argument("--coverage", type=path_arg, metavar="OUT",
+                   help="measure the upstream attention and cache code the run executes (coverage.py): its summary")
     args, extra = p.parse_known_args(argv)
-    problem = file_problem(args.report)
+    for option, path in (("--report", args.report), ("--coverage", args.coverage)):
+        problem = file_problem(path) if path is not None else None
+        if problem:
+            p.error(f"{option} {path}: {problem}")
+    problem = clash_problem([("--report", args.report), ("--coverage", args.coverage)])
     if problem:
-        p.error(f"--report {args.report}: {problem}")
+        p.error(problem)
+    measurement = None
+    if args.coverage is not None:
+        try:
+            from mpt_kv.upstream.measure import Measurement, data_path
+            measurement = Measurement()
+        except ImportError as e:
+            p.error(f"--coverage needs coverage.py ({e}; pip install coverage, a dev dependency of mpt-kv)")
+        for path in (args.coverage, data_path(args.coverage)):  # no summary of an earlier run stands in for this one's
+            path.unlink(missing_ok=True)
     # a user's target module is found where `python -m pytest` would find it: the current folder
     # (the installed `mpt-kv` script does not put it on sys.path by itself)
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -77,13 +104,37 @@ def main(argv: list[str]) -> int:
     kinds = args.device or devices.available_kinds()
     import pytest
 
-    pytest_args = ["--pyargs", CONFORMANCE, "-q", "-rs", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-p", "no:cacheprovider", "--mpt-kv-report", args.report,
+    pytest_args = ["--pyargs", CONFORMANCE, "-q", "-rs", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-p", "no:cacheprovider", "--mpt-kv-report", str(args.report),
                    *[f"--device={k}" for k in kinds], *[f"--target={t}" for t in args.target], *extra]
     print("pytest " + " ".join(pytest_args), flush=True)
     # the machine is described once pytest has parsed every argument (an unknown option such as
     # --frobnicate is its usage error at once, before any target is built)
     describe = DescribeMachine([*BUILTIN, *[t for t in args.target if t not in BUILTIN]], kinds)
-    return int(pytest.main(pytest_args, plugins=[describe]))
+    if measurement is None:
+        return int(pytest.main(pytest_args, plugins=[describe]))
+    measurement.start()
+    try:
+        code = int(pytest.main(pytest_args, plugins=[describe]))
+    finally:
+        measurement.stop()
+    try:
+        write_coverage(measurement, Path(args.report), args.coverage)
+    finally:
+        measurement.close()
+    return code
+
+
+def write_coverage(measurement, report: Path, out: Path) -> None:
+    """The run's coverage summary, for the implementations its report says it ran (none if it wrote no report),
+    and beside it the run's coverage.py data."""
+    from mpt_kv.upstream import measure, tables
+
+    implementations, profile = measure.what_ran(report, since=measurement.started)
+    summary = measure.summarize(measurement.coverage, implementations, profile)
+    out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    measurement.keep(measure.data_path(out))
+    print("\n".join(["", f"upstream attention and cache code executed (python -m mpt_kv coverage {out}: every file and "
+                          f"function):", *tables.group_lines([summary])]), flush=True)
 
 
 class DescribeMachine:

@@ -51,6 +51,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,7 +62,7 @@ from packaging.version import Version
 from mpt_kv.checks import index
 from mpt_kv.cli.run import BEAM_REORDER
 from mpt_kv.errors import SweepError
-from mpt_kv.outputs import dir_problem, mark_output, path_arg
+from mpt_kv.outputs import clash_problem, dir_problem, mark_output, path_arg
 from mpt_kv.releases import (PACKAGES, Release, Row, base_env, expand, last_line, made_line, over_releases,
                              published, release_env, run_env)
 
@@ -324,6 +325,9 @@ def main(argv: list[str]) -> int:
         problem = dir_problem(folder, command)
         if problem:
             p.error(f"{option} {folder}: {problem}")
+    problem = clash_problem([("--envs", args.envs), ("--out", args.out)])
+    if problem:
+        p.error(problem)
     releases = expand(args.specs, args.per_minor)
     if args.repros:
         args.envs.mkdir(parents=True, exist_ok=True)
@@ -367,19 +371,23 @@ def write_table(out: Path, made: str, rows: list[Row]) -> int:
 ROW_FIELDS = ("package", "version", "pins", "problem", "seconds")  # what main writes of each row to rows.json
 
 
+def render_error(message: str):
+    """--render's input (--out's rows.json) missing or not a sweep's: a usage error (exit 2), one line."""
+    print(f"mpt-kv sweep --render: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def check_rows(path: Path, data) -> None:
     """rows.json as main writes it: "made" and "rows", each row with ROW_FIELDS and a package the
     sweep knows; else one line naming the row and what it lacks (not a KeyError traceback)."""
     if not isinstance(data, dict) or "made" not in data or not isinstance(data.get("rows"), list):
-        raise SystemExit(f"mpt-kv sweep --render: {path} has no 'made' and 'rows' list: not a sweep's rows.json")
+        render_error(f"{path} has no 'made' and 'rows' list: not a sweep's rows.json")
     for i, r in enumerate(data["rows"]):
         missing = [k for k in ROW_FIELDS if not isinstance(r, dict) or k not in r]
         if missing:
-            raise SystemExit(f"mpt-kv sweep --render: {path}: row {i} has no {', '.join(map(repr, missing))} "
-                             f"(every row has {', '.join(ROW_FIELDS)})")
+            render_error(f"{path}: row {i} has no {', '.join(map(repr, missing))} (every row has {', '.join(ROW_FIELDS)})")
         if r["package"] not in PACKAGES:
-            raise SystemExit(f"mpt-kv sweep --render: {path}: row {i} package {r['package']!r}: expected one of "
-                             f"{', '.join(PACKAGES)}")
+            render_error(f"{path}: row {i} package {r['package']!r}: expected one of {', '.join(PACKAGES)}")
 
 
 def render(out: Path) -> int:
@@ -387,7 +395,7 @@ def render(out: Path) -> int:
     try:
         data = json.loads((out / "rows.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"mpt-kv sweep --render: cannot read {out / 'rows.json'}: {e}")
+        render_error(f"cannot read {out / 'rows.json'}: {e}")
     check_rows(out / "rows.json", data)
     rows = []
     for r in data["rows"]:

@@ -82,9 +82,17 @@ class GaudiPort:
     layout, where a variant's port names them otherwise (llama's fused_qkv: one qkv_proj);
     None: transformers' state_dict as it is;
     needs_hpu: why the port cannot run off an HPU (an HPU kernel its forward calls with no CPU
-    fallback: the mixture-of-experts ports' `torch.ops.hpu.mixture_of_experts`), with its upstream
-    line; without a real habana_frameworks the runner is then `TargetUnavailable` with that reason
-    (on a Gaudi machine it runs). None: it runs on CPU.
+    fallback and no stand-in), with its upstream line; without a real habana_frameworks the runner is
+    then `TargetUnavailable` with that reason (on a Gaudi machine it runs). None: it runs on CPU;
+    kernels: the HPU kernels the port calls on CPU with no CPU fallback, by their names in
+    `mpt_kv.families.habana_standin.KERNELS` ("mixture_of_experts", "FusedSDPA", ...), with the
+    upstream lines in a comment: off an HPU the port is imported under the kernel stand-in and every
+    forward runs inside its scope (mpt_kv/families/hpu_kernels.py: the kernels by their documented
+    semantics), and its cases are labelled `cpu+standin`; () (the default): none;
+    hpu_branches: names of functions of the port's module whose CPU branch cannot run (each with its
+    upstream line in a comment): while the port's forward runs under the kernel stand-in, each is its
+    own code with its device test answered as on an HPU (`habana_standin.hpu_branch`), its kernels the
+    stand-in's; () (the default): none.
     """
 
     module: str
@@ -103,6 +111,16 @@ class GaudiPort:
     load: Callable | None = None
     state_dict: Callable | None = None
     needs_hpu: str | None = None
+    kernels: tuple = ()
+    hpu_branches: tuple = ()
+
+    def __post_init__(self):
+        from mpt_kv.families.habana_standin import KERNELS
+
+        unknown = [k for k in self.kernels if k not in KERNELS]
+        if unknown or isinstance(self.kernels, str):
+            raise ValueError(f"GaudiPort({self.module}): kernels {self.kernels!r}: a tuple of the stand-in's kernels "
+                             f"{sorted(KERNELS)}")
 
 
 @dataclass(frozen=True)
@@ -189,18 +207,34 @@ class Family:
                 check_size(f"family entry {self.name}: a window of windows(config)", w - 1)
         return windows
 
-    def layer_tokens(self, config, written: int, static_len: int | None = None, stored: bool = False) -> list[int]:
+    def layer_tokens(self, config, written: int, static_len: int | None = None, stored: bool = False,
+                     recorded_from: int | None = None) -> list[int]:
         """The positions per row each caching layer holds after `written` tokens: a global layer all
         of them (static: the cache length); a local layer of window w the w - 1 latest on the concat
         path (the next query attends to itself and w - 1 before it: what transformers' 5.x
         DynamicSlidingWindowLayer keeps, cache_utils.py:244-247) and min(cache length, w) slots on
-        the static path (StaticSlidingWindowLayer's buffer, cache_utils.py:540)."""
+        the static path (StaticSlidingWindowLayer's buffer, cache_utils.py:540).
+
+        `recorded_from`: the window's rule for what may stay while a cache keeps its past for a crop
+        (assisted decoding: from its first k-token call, and from each crop on; None: it keeps none).
+        A local layer may then hold its w - 1 positions before that point and every position written
+        since, min(recorded_from, w - 1) + written - recorded_from, which a crop back to n restricts to
+        min(n, w - 1) again (transformers 5.24's DynamicSlidingWindowLayer after activate_past_recording:
+        update keeps the whole past, cache_utils.py:252; crop keeps the w - 1 before the cropped
+        positions, :281-310; measured on gemma2's w = 4 layer: 6 positions after a 3-token call, 7 after a
+        decode, 3 after a crop back 2, 4 after the next decode). That is the most it may hold: a window
+        that keeps only its w - 1 (recorded_from None) is the other end of the range the family checks
+        accept (`mpt_kv.checks.family_driver.analytic_range`)."""
         out = []
         for w in self.layer_windows(config, stored):
             if static_len is not None:
                 out.append(static_len if w is None else min(static_len, w))
+            elif w is None:
+                out.append(written)
+            elif recorded_from is None:
+                out.append(min(written, w - 1))
             else:
-                out.append(written if w is None else min(written, w - 1))
+                out.append(min(recorded_from, w - 1) + written - recorded_from)
         return out
 
     def layer_kv_heads(self, config, stored: bool = False) -> list[int]:
@@ -233,15 +267,16 @@ class Family:
         return [2 * heads * head_dim for heads in self.layer_kv_heads(config, stored)]
 
     def cache_bytes(self, config, dtype: torch.dtype, batch: int, written: int, static_len: int | None = None,
-                    stored: bool = False) -> int:
+                    stored: bool = False, recorded_from: int | None = None) -> int:
         """The analytic bytes of a cache for `batch` rows after `written` tokens (static: of a
         cache of `static_len` slots): per layer its tokens (`layer_tokens`: a window's or the whole
         history) x its width (`layer_widths`: its K/V heads x head dim x 2, or a latent's); stored:
         what transformers' cache holds where the entry declares more (stored_kv_heads,
-        stored_windows, stored_width)."""
+        stored_windows, stored_width); recorded_from: as `layer_tokens` (the most a window may hold while
+        the cache keeps its past for a crop)."""
         size = torch.empty((), dtype=dtype).element_size()
         widths = self.layer_widths(config, stored)
-        tokens = self.layer_tokens(config, written, static_len, stored)
+        tokens = self.layer_tokens(config, written, static_len, stored, recorded_from)
         return sum(width * n for width, n in zip(widths, tokens, strict=True)) * batch * size
 
     @property

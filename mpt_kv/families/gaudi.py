@@ -8,16 +8,19 @@ mpt_kv/targets/gaudi.py loads MPT, generalized:
    (their `__init__` files need an HPU stack: a Synapse version check, habana_frameworks
    imports), then the module is imported; one that imports `habana_frameworks.torch.core` at
    module level (`GaudiPort.standin`) is imported under the CPU stand-in
-   (mpt_kv/families/habana_standin.py), which is gone again afterwards. Where a real
+   (mpt_kv/families/habana_standin.py), which is gone again afterwards; one that calls HPU kernels
+   with no CPU fallback (`GaudiPort.kernels`) under the kernel stand-in, its runner's every forward
+   inside the kernel scope (mpt_kv/families/hpu_kernels.py; its cases `cpu+standin`). Where a real
    habana_frameworks is installed, the module is imported normally and its failure is the real one.
 2. `port_patches(family, module)`: that family's lines of `adapt_transformers_to_gaudi`, parsed
    from the installed modeling_utils.py (`mpt_kv.targets.gaudi.model_patches`), applied while the
    model is built (`gaudi_classes`), undone afterwards: transformers' own classes stay untouched
    for the "transformers" implementation in the same process.
-3. `build_port(family, variant, dtype, seed)`: `GaudiPort.causal_lm` of the tiny config holding
-   the state_dict of transformers' model of that config (`mpt_kv.families.models.build`, fp32,
-   eager), strict, cast to dtype, `model.generation_config` set as optimum-habana's generate sets it.
-4. `gaudi_runner(family, variant, dtype, *, seed, reuse_cache)`: a `GaudiPortRunner`, whose
+3. `build_port(family, variant, dtype, seed, device)`: `GaudiPort.causal_lm` of the tiny config
+   holding the state_dict of transformers' model of that config (`mpt_kv.families.models.build`,
+   fp32, eager), strict, cast to dtype and moved to device, `model.generation_config` set as
+   optimum-habana's generate sets it.
+4. `gaudi_runner(family, variant, dtype, *, seed, device, reuse_cache)`: a `GaudiPortRunner`, whose
    sessions drive the port as optimum-habana's generate does (`GaudiPortSession`): `past_key_values`
    None at the prefill, then what the port returned, fed back as it is (generate prepares no
    Cache object: `_prepare_cache_for_generation` returns without one when `cache_implementation`
@@ -35,6 +38,7 @@ exception chained: an error, never a skip.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import importlib.util
@@ -44,15 +48,17 @@ import types
 
 import torch
 
-from mpt_kv.errors import PortError, TargetUnavailable
+from mpt_kv import recipes
+from mpt_kv.errors import InputError, PortError, TargetUnavailable
 from mpt_kv.families import habana_standin
 from mpt_kv.families.base import Family
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets import gaudi as gaudi_target
+from mpt_kv.targets.gaudi_generation import pad_past_key_values
 from mpt_kv.targets.wrappers import GaudiStyleSession, ModelRunner
 from mpt_kv.families import FAMILIES
 from mpt_kv.families.models import build as build_transformers
-from mpt_kv.families.ports import _port, load_port_module
+from mpt_kv.families.ports import _port, load_port_module, scope_kernels
 from mpt_kv.model.session import check_prompt
 
 __all__ = ["PortError", "load_port_module", "port_patches", "fork_loader", "build_port", "gaudi_runner",
@@ -84,8 +90,9 @@ def fork_loader(family_name: str, module_name: str):
         if module_name in sys.modules:
             return sys.modules[module_name]
         try:
-            if family.gaudi.standin and importlib.util.find_spec("habana_frameworks") is None:
-                return habana_standin.import_with_standin(module_name)
+            port = family.gaudi
+            if (port.standin or port.kernels) and importlib.util.find_spec("habana_frameworks") is None:
+                return habana_standin.import_with_standin(module_name, kernels=port.kernels)
             return importlib.import_module(module_name)
         except Exception as e:
             raise PortError(f"the fork {module_name} of {gaudi_target.release()}'s {family_name} port fails to "
@@ -112,9 +119,10 @@ def set_generation_settings(model, settings: dict) -> None:
         setattr(model.generation_config, name, value)
 
 
-def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0, device="cpu"):
     """(port model, its config): the port of the tiny config with the weights of transformers'
-    model of it (`mpt_kv.families.models.build(family, variant, seed)`), strict, cast to dtype."""
+    model of it (`mpt_kv.families.models.build(family, variant, seed)`), strict, cast to dtype, on
+    device (an HPU: the real habana_frameworks, which `load_port_module` imports normally)."""
     port = _port(family)
     module = load_port_module(family)
     reference, config = build_transformers(family, variant, seed)
@@ -138,7 +146,10 @@ def build_port(family: Family, variant: str, dtype: torch.dtype = torch.float32,
     except Exception as e:
         raise PortError(f"{gaudi_target.release()}: {port.causal_lm} of {family.name}/{variant} does not build with "
                         f"transformers' weights: {type(e).__name__}: {e}") from e
-    model.to(dtype=dtype).eval()
+    model.to(device=device, dtype=dtype).eval()
+    # what from_pretrained(torch_dtype=dtype) records, and a port reads to allocate its reuse_cache buffers
+    # (llama's allocate_kv_cache: `dtype = self.config.torch_dtype`, modeling_llama.py:531)
+    model.config.torch_dtype = dtype
     set_generation_settings(model, port.generation)
     if port.prepare is not None:
         port.prepare(model)
@@ -178,19 +189,64 @@ def patch_instances(model, module, patches) -> None:
 
 
 def gaudi_runner(family: Family, variant: str, dtype: torch.dtype = torch.float32, *, seed: int = 0,
-                 reuse_cache: bool = False) -> "GaudiPortRunner":
-    """The "optimum-habana" implementation of `family` (mpt_kv.families.implementations):
+                 device="cpu", reuse_cache: bool = False, recipe: str | None = None) -> "GaudiPortRunner":
+    """The "optimum-habana" implementation of `family` (mpt_kv.families.implementations) on `device`:
     reuse_cache=True is optimum-habana's reuse_cache (`allocate_kv_cache`; path "static+reuse"),
-    TargetUnavailable naming why for a port without it."""
+    TargetUnavailable naming why for a port without it; recipe: the name of one of optimum-habana's
+    text-generation recipes (`mpt_kv.recipes.RECIPES`: its static sessions driven with that command line's
+    flags, its reuse_cache included; path "<base>@<recipe>"). A port that needs an HPU
+    (`GaudiPort.needs_hpu`) is TargetUnavailable on any other device, and without a real habana_frameworks."""
     port = _port(family)
-    if port.needs_hpu and importlib.util.find_spec("habana_frameworks") is None:
-        raise TargetUnavailable(f"{gaudi_target.release()}'s port of {family.name} ({port.causal_lm}) cannot run off "
-                                f"an HPU: {port.needs_hpu}")
+    device = torch.device(device)
+    if recipe is not None and recipe not in recipes.RECIPES:
+        raise InputError(f"gaudi_runner: unknown recipe {recipe!r}: recipes {sorted(recipes.RECIPES)}")
+    cook = recipes.RECIPES.get(recipe)
+    reuse_cache = reuse_cache or bool(cook and cook.reuse_cache)
+    if port.needs_hpu and (device.type != "hpu" or importlib.util.find_spec("habana_frameworks") is None):
+        where = "off an HPU" if device.type != "hpu" else "without habana_frameworks"
+        raise TargetUnavailable(f"{gaudi_target.release()}'s port of {family.name} ({port.causal_lm}) cannot run "
+                                f"{where}: {port.needs_hpu}")
     if reuse_cache and port.reuse_cache is not None:
         raise TargetUnavailable(f"{gaudi_target.release()}'s port of {family.name} ({port.causal_lm}) has no "
                                 f"reuse_cache: {port.reuse_cache}")
-    model, config = build_port(family, variant, dtype, seed)
-    return GaudiPortRunner(family, variant, model, config, reuse_cache=reuse_cache)
+    if cook is None:
+        model, config = build_port(family, variant, dtype, seed, device)
+        return GaudiPortRunner(family, variant, model, config, reuse_cache=reuse_cache, device=device)
+    kernels, branches = recipe_kernels(family, cook)
+    with habana_standin.kernel_scope(kernels, branches, importable=True) if branches else contextlib.nullcontext():
+        model, config = build_port(family, variant, dtype, seed, device)  # ModuleFusedSDPA(FusedSDPA) is made in __init__
+    if branches:
+        habana_standin.scope_forward(model, kernels, branches, importable=True)
+        model._mpt_kv_kernel_scope = True  # scope_kernels: its own kernels are among these
+    return GaudiPortRunner(family, variant, model, config, reuse_cache=reuse_cache, device=device, recipe=cook)
+
+
+# --- recipes: optimum-habana's text-generation command lines on a port (mpt_kv/recipes.py) ----------------------
+
+def recipe_kernels(family: Family, recipe) -> tuple[tuple, list]:
+    """(kernels, branches) for a recipe's cells on a port off an HPU: a recipe with --use_flash_attention
+    on a port whose module imported no FusedSDPA here (a try/except import under the loading stand-in:
+    None) runs its flash branch with the kernel stand-in's FusedSDPA (`hpu_kernels.fused_sdpa`, Habana's
+    documented semantics), set as that module's names for the model's build and each forward (with
+    `sdp_kernel` and `SDPContext` where the module imports them at module level: falcon,
+    models/falcon/modeling_falcon.py:21-26; the others import `habana_frameworks.torch.hpu` in the forward)
+    (`habana_standin.kernel_scope`); its cells are `cpu+standin` (`habana_standin.device_label`). ((), [])
+    where nothing is stood in: no flash, a real habana_frameworks (the real kernel runs), or a port whose
+    module has its FusedSDPA already (a kernel stand-in port: its own scope)."""
+    if not recipe.use_flash_attention or importlib.util.find_spec("habana_frameworks") is not None:
+        return (), []
+    module = load_port_module(family)
+    if getattr(module, "FusedSDPA", None) is not None:
+        return (), []
+    from mpt_kv.families import hpu_kernels
+
+    port = _port(family)
+    branches = [(module, "FusedSDPA", hpu_kernels.FusedSDPA)]
+    if "SDPContext" in vars(module):  # its try/except import of sdp_kernel failed here: as it succeeds on an HPU
+        branches += [(module, "sdp_kernel", hpu_kernels.sdp_kernel), (module, "SDPContext", True)]
+    branches += habana_standin.hpu_branches(module, port.hpu_branches)
+    return tuple(dict.fromkeys(tuple(port.kernels) + ("FusedSDPA",))), branches
+
 
 
 def takes(model, name: str) -> bool:
@@ -224,6 +280,11 @@ class GaudiPortSession(GaudiStyleSession):
         self.port = runner.port
         self.reuse = runner.reuse_cache and path == "static"
         self.started = False  # the prefill ran (with reuse_cache the port returns no tensors)
+        # a recipe's flags (mpt_kv/recipes.py): its static session is the recipe's; its concat session gets
+        # the flags that do not need static shapes (generate with static_shapes off: no reuse_cache, no buckets)
+        self.recipe = runner.recipe
+        self.padded = False  # bucket_internal: generate padded the prefill's cache, and keeps it from then on
+        self.valid_lengths = None
 
     def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
         if self.path == "concat":
@@ -237,26 +298,63 @@ class GaudiPortSession(GaudiStyleSession):
             extra["cache_position"] = positions
         if token_idx is not None:
             extra["token_idx"] = token_idx
-        if self.reuse:
-            if not self.started:
-                # generate: allocate_kv_cache, then the prefill feeds only the prompt and its mask
-                # (prepare_inputs_for_generation: `input_ids[:, :token_idx]` with reuse_cache)
-                prompt_len = int(token_idx.reshape(-1)[0])
-                input_ids, mask = input_ids[:, :prompt_len], mask[:, :prompt_len]
-                for name in ("position_ids", "cache_position"):
-                    if name in extra:
-                        extra[name] = extra[name][..., :prompt_len]
+        if self.runner.takes("first_token"):
+            # generate's own flag: True until the first step's outputs come back (generation/utils.py:622,
+            # _update_model_kwargs_for_generation), passed by the port's prepare_inputs_for_generation
+            # (deepseek_v2: its prefill and decode attentions differ, modeling_deepseek_v2.py:1432-1452)
+            extra["first_token"] = not self.started
+        recipe = self.recipe
+        if recipe is not None:
+            extra.update(recipe.forward_kwargs(self.runner.takes))
+        static_recipe = recipe is not None and self.path == "static"
+        if (self.reuse or (static_recipe and recipe.prefill_prompt_only)) and not self.started:
+            # generate with reuse_cache (or bucket_internal): the prefill feeds only the prompt and its mask
+            # (prepare_inputs_for_generation: `input_ids[:, :token_idx]`), after allocate_kv_cache with reuse_cache
+            prompt_len = int(token_idx.reshape(-1)[0])
+            input_ids, mask = input_ids[:, :prompt_len], mask[:, :prompt_len]
+            for name in ("position_ids", "cache_position"):
+                if name in extra:
+                    extra[name] = extra[name][..., :prompt_len]
+            if self.reuse:
                 self.port.allocate(self.runner.model, input_ids.shape[0], self.max_len, prompt_len)
+        if self.reuse:
             extra["reuse_cache"] = True
+        if recipe is not None and recipe.flash_attention_causal_mask and self.runner.takes("valid_sequence_lengths"):
+            if self.valid_lengths is None:  # each row's unpadded prompt length (run_generation.py:827-832)
+                self.valid_lengths = mask.sum(-1, dtype=torch.int32)
+            extra["valid_sequence_lengths"] = self.valid_lengths
+        if static_recipe and recipe.bucket is not None:
+            if recipe.pads_returned_cache and self.runner.takes("kv_cache_len"):
+                extra["kv_cache_len"] = self.max_len  # prepare_inputs_for_generation passes it then (llama :1574-1576)
+            if self.started and self.runner.takes("cache_idx"):
+                cache_idx = recipe.cache_idx(int(token_idx.reshape(-1)[0]), self.max_len)
         if cache_idx is not None:
-            if not self.started:
+            if not self.started and self.port.blocks is not None:
                 for block in self.runner.blocks():
                     block.kv_cache_len = self.max_len  # what prepare_inputs_for_generation sets
             extra["cache_idx"] = cache_idx
         out = self.runner.model(input_ids, attention_mask=mask, past_key_values=self.past, use_cache=True, **extra)
-        self.past = out.past_key_values
+        if not self.padded:  # generate keeps its padded cache and ignores what the decode returns (shapes)
+            self.past = out.past_key_values
+        if static_recipe and recipe.pads_returned_cache and not self.started:
+            self._pad(input_ids.shape[1])
         self.started = True
         return out.logits
+
+    def _pad(self, fed: int) -> None:
+        """generate's padding of the prefill's cache with bucket_internal (`pad_past_key_values`: its own
+        `_pad_past_key_values`), where it pads: the returned K/V as long as the tokens fed (MQA: dim 1) and
+        more than one token to generate (generation/utils.py:2953-2979)."""
+        mqa = self.family_mqa()
+        first = self.past[0] if mqa else self.past[0][0]
+        if first.shape[1 if mqa else 2] == fed and self.max_len - fed > 1:
+            self.past = pad_past_key_values(self.runner.model, self.past, self.max_len, self.max_len - fed, mqa)
+        self.padded = True
+
+    def family_mqa(self) -> bool:
+        """generate's MQA test for the padding (`self.config.model_type == "gpt_bigcode" and multi_query`)."""
+        config = self.runner.model.config
+        return config.model_type == "gpt_bigcode" and bool(getattr(config, "multi_query", False))
 
     def _reorder_cache(self, index):
         """As optimum-habana's `_beam_search` (generation/utils.py:3460-3465): with reuse_cache on,
@@ -277,8 +375,10 @@ class GaudiPortRunner(ModelRunner):
     port's declared `unsupported`, plus "static" where its forward has no `token_idx` and
     "bucket" where it has no `cache_idx` or the entry gives no `blocks`."""
 
-    def __init__(self, family: Family, variant: str, model, config, *, reuse_cache: bool = False):
+    def __init__(self, family: Family, variant: str, model, config, *, reuse_cache: bool = False, device=None,
+                 recipe=None):
         self.family, self.variant, self.port, self.reuse_cache = family, variant, family.gaudi, reuse_cache
+        self.recipe = recipe  # a mpt_kv.recipes.Recipe, or None
         detected = {}
         name = type(model).__name__
         if not takes(model, "token_idx"):
@@ -288,12 +388,20 @@ class GaudiPortRunner(ModelRunner):
         elif self.port.blocks is None:
             detected["bucket"] = (f"{name}.forward takes cache_idx, but mpt_kv/families/{family.name}.py gives no "
                                   "GaudiPort.blocks (the attention modules whose kv_cache_len generate sets)")
+        scope_kernels(model, family)  # its HPU kernels by mpt-kv's CPU stand-ins, inside every forward only
         limits = types.SimpleNamespace(max_seq_len=max_positions(config), vocab_size=config.vocab_size)
-        super().__init__(model, None, name=f"optimum-habana/{family.name}", cfg=limits,
+        super().__init__(model, device, name=f"optimum-habana/{family.name}", cfg=limits,
                          capabilities=Capabilities(dict(self.port.unsupported)), detected=detected)
         self.version = gaudi_target.release()
         if reuse_cache:  # static sessions reuse the preallocated cache; a concat session is the plain one
             self.capabilities = Capabilities(self.capabilities.unsupported, cache_pool=True)
+        if recipe is not None:
+            dropped = recipe.dropped(self.takes)
+            if len(dropped) == len(recipe.flags) - recipe.limit_hpu_graphs - (recipe.bucket_size > 0):
+                raise TargetUnavailable(f"{self.version}'s port of {family.name} ({name}) drops every flag of the recipe "
+                                        f"{recipe.name} ({recipe.describe()}): its forward names none of them, so its "
+                                        "cells would be the plain path's")
+            self.recipe_dropped = dropped
 
     def logits(self, input_ids, attention_mask):
         check_prompt(input_ids, attention_mask, self.vocab_size, self.max_seq_len)

@@ -34,10 +34,9 @@ FAMILY = Family(
     # FusedSDPA at module level (lines 27, 31); legacy per-layer (key, value) in and out (a DynamicCache
     # inside, line 1203); static: token_idx index_add_ (lines 878-886); no allocate_kv_cache (no
     # reuse_cache); its forward takes no **kwargs (line 1326). Its SDPA attention (what transformers
-    # 4.55 picks: _supports_sdpa, line 1034) calls FusedSDPA with no CPU fallback: not run off an HPU
+    # 4.55 picks: _supports_sdpa, line 1034) calls FusedSDPA with no CPU fallback (lines 31 and 903):
+    # off an HPU, the kernel stand-in's
     gaudi=GaudiPort(module=f"{PORT}.modeling_minicpm", causal_lm="MiniCPM3ForCausalLM",
                     hf_module="transformers.models.minicpm3.modeling_minicpm3", standin=True, unsupported=NO_BUCKETS,
-                    needs_hpu="its module imports FusedSDPA from habana_frameworks.torch.hpex.kernels at module level "
-                              "and its SDPA attention calls it, with no CPU fallback (optimum-habana 1.21.2 "
-                              "models/minicpm/modeling_minicpm.py:31 and :903)"),
+                    kernels=("FusedSDPA",)),
 )

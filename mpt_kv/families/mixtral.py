@@ -15,6 +15,13 @@ FAMILY = Family(name="mixtral", model_type="mixtral", design="full+moe", variant
         forward_kwargs=GENERATE_FORWARD_KWARGS,
         unsupported=NO_BUCKETS,
         reuse_cache=None, reuse_kv=self_attn_kv_caches,
-        needs_hpu="its sparse MoE block calls torch.ops.hpu.mixture_of_experts in eval, with no CPU fallback "
-                  "(optimum-habana 1.21.2 models/mixtral/modeling_mixtral.py:249 via :230)"),
+        # its sparse MoE block calls torch.ops.hpu.mixture_of_experts in eval, with no CPU fallback
+        # (models/mixtral/modeling_mixtral.py:249 via :230): off an HPU, the kernel stand-in's; its
+        # attention calls FusedSDPA wherever it imports (:327, :421-449: not only with use_flash_attention),
+        # as on a Gaudi; its RoPE's
+        # CPU branch cannot run (apply_customized_rope, :116-120, hands transformers 4.55's
+        # apply_rotary_pos_emb the rotary table, not each position's cos/sin: a shape error in every forward,
+        # on CPU only), so it takes its HPU branch (apply_customized_rope_module) with the stand-in's FusedRoPE
+        kernels=("mixture_of_experts", "FusedSDPA", "RotaryPosEmbeddingHelperV2"),
+        hpu_branches=("apply_customized_rope",)),
 )

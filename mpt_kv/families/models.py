@@ -3,6 +3,7 @@ itself, never by a name) and copied for each caller, so the oracle and every imp
 variant hold the same weights; and the cached tensors of a transformers cache, named.
 
     model, config = build(family, variant, seed)    # fp32, eager attention, seeded weights
+    model, config = build(family, variant, seed, attention="sdpa")  # the same weights, sdpa attention
 """
 
 from __future__ import annotations
@@ -21,16 +22,28 @@ def family_of(name) -> Family:
     return FAMILIES[name]  # an unknown name: UnknownName, naming the families
 
 
-def build(family: Family, variant: str, seed: int = 0):
+def build(family: Family, variant: str, seed: int = 0, attention: str = "eager"):
     """transformers' model of a tiny config, random weights (seeded), eager attention (a fully
-    padded query row gives uniform weights there, not the NaN of an all -inf softmax); for a
-    remote-code family (`Family.remote_code`), the port's own model class (seeded)."""
+    padded query row gives uniform weights there, not the NaN of an all -inf softmax), or another of
+    transformers' attention implementations (`attn_implementation`, which sets
+    `config._attn_implementation`: "sdpa", ...) with the eager model's weights; for a remote-code
+    family (`Family.remote_code`), the port's own model class (seeded)."""
     from transformers import AutoModelForCausalLM
 
     config = family_of(family).config(variant)
-    key = (config_key(config), seed)
-    if key in _built:  # a copy of the model built once per process: the same weights, its own modules
-        return copy.deepcopy(_built[key]), config
+    key = (config_key(config), seed) + ((attention,) if attention != "eager" else ())
+    if key in _built:  # copies of the model and config built once per process: the same weights, its own modules
+        model, built_config = _built[key]
+        return copy.deepcopy(model), copy.deepcopy(built_config)
+    if attention != "eager":  # the eager model's weights, under the attention implementation asked for
+        eager, config = build(family, variant, seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        model.load_state_dict(eager.state_dict())
+        if model.config._attn_implementation != attention:  # fail closed: never an eager model under sdpa's name
+            raise RuntimeError(f"{type(model).__name__} built with attn_implementation={attention!r} runs "
+                               f"{model.config._attn_implementation!r}")
+        _built[key] = (model.to(torch.float32).eval(), model.config)
+        return copy.deepcopy(model), copy.deepcopy(model.config)
     torch.manual_seed(seed)
     if family_of(family).remote_code:  # the port's own model: transformers has none
         from mpt_kv.families.ports import load_port_module
@@ -48,10 +61,16 @@ def build(family: Family, variant: str, seed: int = 0):
             for name, param in model.named_parameters():
                 if param.dim() == 1:
                     param.fill_(1.0 if name.endswith("weight") else 0.0)
+        from mpt_kv.families.ports import scope_kernels
+
+        scope_kernels(model, family_of(family))  # a port run through the kernel stand-in (minicpm's FusedSDPA)
     else:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # no dtype: 4.x does not take it
-    _built[key] = model.to(torch.float32).eval()
-    return copy.deepcopy(model), config
+    # the config as from_config left it (its attention implementation set: "eager"), for every later call too: a
+    # port built from a fresh one picked transformers' default (sdpa in 4.55) in every case of its family but the
+    # first of a process, so what the ports ran depended on xdist's order of the cases
+    _built[key] = (model.to(torch.float32).eval(), config)
+    return copy.deepcopy(model), copy.deepcopy(config)
 
 
 def config_key(config) -> str:
@@ -61,7 +80,7 @@ def config_key(config) -> str:
     return config.to_json_string(use_diff=False)
 
 
-# (config, seed) -> transformers' model, per process (build copies it)
+# (config, seed) -> (transformers' model, its config), per process (build copies them)
 _built: dict = {}
 
 

@@ -17,6 +17,7 @@ FAMILY = Family(name="qwen2_moe", model_type="qwen2_moe", design="full+moe", var
         forward_kwargs=GENERATE_FORWARD_KWARGS,
         unsupported=NO_BUCKETS,
         reuse_cache=None, reuse_kv=self_attn_kv_caches,
-        needs_hpu="its sparse MoE block calls torch.ops.hpu.mixture_of_experts in eval, with no CPU fallback "
-                  "(optimum-habana 1.21.2 models/qwen2_moe/modeling_qwen2_moe.py:564)"),
+        # its sparse MoE block calls torch.ops.hpu.mixture_of_experts, with no CPU fallback
+        # (models/qwen2_moe/modeling_qwen2_moe.py:564): off an HPU, the kernel stand-in's
+        kernels=("mixture_of_experts",)),
 )

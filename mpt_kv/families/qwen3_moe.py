@@ -17,6 +17,7 @@ FAMILY = Family(name="qwen3_moe", model_type="qwen3_moe", design="full+qk-norm+m
         forward_kwargs=GENERATE_FORWARD_KWARGS,
         unsupported=NO_BUCKETS,
         reuse_cache=None, reuse_kv=self_attn_kv_caches,
-        needs_hpu="its sparse MoE block calls torch.ops.hpu.mixture_of_experts in eval, with no CPU fallback "
-                  "(optimum-habana 1.21.2 models/qwen3_moe/modeling_qwen3_moe.py:638)"),
+        # its sparse MoE block calls torch.ops.hpu.mixture_of_experts in eval, with no CPU fallback
+        # (models/qwen3_moe/modeling_qwen3_moe.py:638): off an HPU, the kernel stand-in's
+        kernels=("mixture_of_experts",)),
 )

@@ -16,17 +16,23 @@ of entries, one per (target, property, path) with the package versions it applie
 every entry  target, property, pattern (a regular expression of the PropertyFailure message, which
              must name its failure: `mpt_kv.findings.patterns`), reason; optional path (absent:
              any), when ({distribution: PEP 440 specifier}; absent: every version), upstream (the
-             upstream file and line)
+             upstream file and line), dtype ("float32" or "bfloat16": the cases of that dtype only,
+             for a failure one precision shows and the other does not; absent: either) and device
+             ("cpu", "cuda" or "hpu": the cases of that device kind only, for a failure of one
+             device's code path, such as a port's CPU fallback of an HPU kernel; absent: any); a
+             caller that does not say a case's dtype or device matches no entry that names one
 an MPT entry (a property of the MPT checks, P0 ... ops-*; its target a built-in target or a
              project's own): optional bucket (true/false; absent: either), check (a registry check
              id, e.g. "P0/alibi-bias-max-16": that check only; a caller that does not say which
              check a case is matches no entry that names one), repro (the finding's standalone
              repro, a folder of `python -m mpt_kv findings --repro DIR`)
 a family entry (a property family-*): target "<implementation>/<family>/<variant>" (the family
-             target the conformance run checks, `mpt_kv.targets.FamilyTarget`); when and upstream
-             required; optional views (which cached tensors view the fused output: key, value,
-             key_value, for the cost) and cost_config (a real config of mpt_kv/data/families/, or
-             mpt-7b: the cost is computed there)
+             target the conformance run checks, `mpt_kv.targets.FamilyTarget`); in the family file when
+             and upstream required; optional views (which cached tensors view the fused output: key,
+             value, key_value, for the cost) and cost_config (a real config of mpt_kv/data/families/, or
+             mpt-7b: the cost is computed there). A project's own file may hold family entries about its
+             own family targets (`mpt_kv.FamilyModel`, target "<its spec>/<family>/<variant>"): the
+             required fields, optional path, when and upstream.
 
 A family entry written before this format names its target by three fields, family, variant and
 implementation (default "transformers"), instead of `target`: it is read the same (`mpt_kv.findings.raw.normalized`).
@@ -51,7 +57,7 @@ from pathlib import Path
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-from mpt_kv import package_data, versions
+from mpt_kv import package_data, recipes, versions
 from mpt_kv.checks import index
 from mpt_kv.errors import KnownFailuresError, PropertyFailure
 from mpt_kv.findings.patterns import compile_pattern
@@ -61,17 +67,23 @@ from mpt_kv.findings.raw import FAMILY_FILE, MPT_FILE, is_family, normalized, ra
 FILE = MPT_FILE  # the plugin's default file
 
 PROPERTIES = tuple(p.name for p in index.PROPERTIES if not p.family)  # what an MPT entry may name
-FAMILY_PROPERTIES = tuple(p.name for p in index.PROPERTIES if p.family)
+# what a family entry may name: the family checks, and the generate checks (which run on both kinds of target)
+FAMILY_PROPERTIES = tuple(p.name for p in index.PROPERTIES if p.family or p.runs == "generate")
+BOTH = tuple(p.name for p in index.PROPERTIES if p.runs == "generate")  # an MPT or a family entry, by its target
 PATHS = ("concat", "static")  # an MPT entry's paths (a bucketed case: "bucket": true)
 FAMILY_PATHS = index.FAMILY_PATHS
 VIEWS = ("key", "value", "key_value")
 
 # the one format: every entry's fields, and what each kind adds
 REQUIRED = {"target": str, "property": str, "pattern": str, "reason": str}
-OPTIONAL = {"path": str, "when": dict, "upstream": str}
+OPTIONAL = {"path": str, "when": dict, "upstream": str, "dtype": str, "device": str}
+DTYPES = ("float32", "bfloat16")  # an entry's dtype: a case's, as its report names it
+DEVICES = ("cpu", "cuda", "hpu")  # an entry's device: a case's kind (mpt_kv.devices.KINDS)
 MPT_OPTIONAL = {**OPTIONAL, "bucket": bool, "check": str, "repro": str}
 FAMILY_REQUIRED = {**REQUIRED, "when": dict, "upstream": str}
-FAMILY_OPTIONAL = {"path": str, "views": list, "cost_config": str}
+# check: a generate entry's mode; repro: the kept script or another finding's folder that shows it
+FAMILY_OPTIONAL = {"path": str, "views": list, "cost_config": str, "dtype": str, "device": str, "check": str,
+                   "repro": str}
 # a family entry's target before this format: its three parts as fields (`mpt_kv.findings.raw.normalized`)
 
 
@@ -92,17 +104,30 @@ class Entry:
     upstream: str = ""
     views: tuple = ()
     cost_config: str | None = None
+    # an entry a family declaration inherits (`mpt_kv.findings.known.inherited`): the target of the
+    # entry it copies ("optimum-habana/mistral/gqa"); its own target is the declaration's case
+    origin: str = ""
+    dtype: str | None = None  # "float32" / "bfloat16": the cases of that dtype only
+    device: str | None = None  # "cpu" / "cuda" / "hpu": the cases of that device kind only
 
     @property
     def implementation(self) -> str:
         """The built-in target or family implementation the entry is about (a family entry's target is
-        "<implementation>/<family>/<variant>")."""
-        return self.target.split("/", 1)[0]
+        "<implementation>/<family>/<variant>", the implementation with its attention where it names one:
+        "transformers[sdpa]" is transformers)."""
+        return versions.split_attention(self.target.split("/", 1)[0])[0]
 
     @property
-    def key(self) -> tuple[str, int]:
-        """The entry's identity in a run that judges several files: (its file, its index there)."""
-        return (self.file, self.index)
+    def attention(self) -> str | None:
+        """The attention implementation a family entry names ("transformers[sdpa]/..."): it covers that
+        one's cases only; None: every attention implementation of its target."""
+        return versions.split_attention(self.target.split("/", 1)[0])[1] if self.family else None
+
+    @property
+    def key(self) -> tuple:
+        """The entry's identity in a run that judges several files: (its file, its index there), and for
+        an inherited copy the target that inherits it."""
+        return (self.file, self.index, self.target) if self.origin else (self.file, self.index)
 
     @property
     def family(self) -> str | None:
@@ -116,17 +141,25 @@ class Entry:
 
     @property
     def name(self) -> str:
-        where = "".join(f" {x}" for x in (self.path, {True: "bucket", False: "no bucket"}.get(self.bucket)) if x)
+        where = "".join(f" {x}" for x in (self.path, {True: "bucket", False: "no bucket"}.get(self.bucket),
+                                           self.dtype, self.device) if x)
+        if self.origin:
+            return f"entry {self.index} ({self.origin} {self.property}{where}, inherited by {self.implementation})"
         return f"entry {self.index} ({self.target} {self.check or self.property}{where})"
 
     def applies(self) -> bool:
         """True where every package of `when` is installed in a version it names."""
         return installed_versions_match(self.when)
 
-    def covers(self, target: str, prop: str, path: str | None, bucket: int | None, check: str | None = None) -> bool:
-        """This entry is about the case (target, property, path, bucketed or not, check id)."""
-        return (self.target == target and self.property == prop and self.path in (None, path)
-                and self.bucket in (None, bucket is not None) and self.check in (None, check))
+    def covers(self, target: str, prop: str, path: str | None, bucket: int | None, check: str | None = None,
+               dtype: str | None = None, device: str | None = None) -> bool:
+        """This entry is about the case (target, property, path, bucketed or not, check id, dtype,
+        device kind). A recipe's cells ("static@gemma", mpt_kv/recipes.py) are a path of their own: an
+        entry of their base path ("static") does not cover them (a recipe's flags take other branches: a
+        failure there may be gone), an entry of every path does, after the recipe path's own (`match`)."""
+        return (same_target(self.target, target) and self.property == prop and self.path in (None, path)
+                and self.bucket in (None, bucket is not None) and self.check in (None, check)
+                and self.dtype in (None, dtype) and self.device in (None, device))
 
     def explains(self, exc: BaseException | None) -> bool:
         """The failure is the known one: a PropertyFailure (every one, when hypothesis reports
@@ -137,6 +170,17 @@ class Entry:
         if group is not None and not isinstance(exc, PropertyFailure):
             return bool(group) and all(self.explains(e) for e in group)
         return isinstance(exc, PropertyFailure) and self.pattern.search(str(exc)) is not None
+
+
+def same_target(entry_target: str, case_target: str) -> bool:
+    """An entry's target covers a case's: the same name, or the entry names no attention implementation
+    and the case's target is its family target with one ("transformers/gpt2/mha" covers
+    "transformers[sdpa]/gpt2/mha" and "transformers[eager]/gpt2/mha"; "transformers[sdpa]/gpt2/mha" only itself)."""
+    if entry_target == case_target:
+        return True
+    head, slash, rest = case_target.partition("/")
+    base, attention = versions.split_attention(head)
+    return bool(slash and attention) and entry_target == f"{base}/{rest}"
 
 
 # --- one entry as the file has it --------------------------------------------------------------------
@@ -207,8 +251,18 @@ def mpt_entry(raw, i: int, file: str) -> Entry:
         raise bad(f"'check' {raw['check']!r} is not a check of property {raw['property']!r}")
     if "repro" in raw:
         check_repro(raw["repro"], bad)
+    check_dtype(raw, bad)
     return Entry(i, raw["target"], raw["property"], raw["reason"], pattern, raw.get("path"), raw.get("bucket"),
-                 when, file, raw.get("check"), raw.get("upstream", ""))
+                 when, file, raw.get("check"), raw.get("upstream", ""), dtype=raw.get("dtype"),
+                 device=raw.get("device"))
+
+
+def check_dtype(raw: dict, bad) -> None:
+    """'dtype' and 'device', where given, name a dtype and a device kind the cases run on."""
+    if raw.get("dtype", DTYPES[0]) not in DTYPES:
+        raise bad(f"'dtype' {raw['dtype']!r}: expected one of {DTYPES} (absent: either)")
+    if raw.get("device", DEVICES[0]) not in DEVICES:
+        raise bad(f"'device' {raw['device']!r}: expected one of {DEVICES} (absent: any)")
 
 
 def check_repro(name: str, bad) -> None:
@@ -226,10 +280,37 @@ def check_repro(name: str, bad) -> None:
                   + ": name one, or drop the field while the finding has none")
 
 
+def own_family_entry(raw, i: int, file: str) -> Entry:
+    """A family entry of a project's own file: about one of its family targets (`mpt_kv.FamilyModel`,
+    target "<its spec>/<family>/<variant>"); the required fields, optional path, when and upstream. Its
+    family and variant are not looked up here (the registry imports torch): an entry naming a case the
+    run does not have matches none, which the summary lists (an error with --strict-known-failures)."""
+    def bad(what: str):
+        return KnownFailuresError(f"known failures file {file}: entry {i} ({raw['target']} {raw['property']}): {what}")
+
+    check_fields(raw, REQUIRED, OPTIONAL, bad)
+    if len(raw["target"].split("/")) != 3 or not all(raw["target"].split("/")):
+        raise bad(f"a family entry's target is '<spec>/<family>/<variant>' (e.g. 'mypkg.mpt_kv_target:build/mistral/"
+                  f"gqa'), not {raw['target']!r}")
+    if raw.get("path", FAMILY_PATHS[0]) not in FAMILY_PATHS:
+        raise bad(f"unknown path {raw['path']!r}; expected one of {FAMILY_PATHS}")
+    if not raw["reason"].strip():
+        raise bad("'reason' is empty: say what fails and why it is kept")
+    return Entry(i, raw["target"], raw["property"], raw["reason"], compile_pattern(raw["pattern"], bad),
+                 raw.get("path"), None, parse_when(raw.get("when", {}), bad), file, None, raw.get("upstream", ""))
+
+
 def load(path: str | Path = MPT_FILE) -> list[Entry]:
-    """Every entry of an MPT targets' file, checked; KnownFailuresError if the file or an entry is
-    malformed."""
-    return [mpt_entry(raw, i, str(path)) for i, raw in enumerate(read(path, "known failures file"))]
+    """Every entry of an MPT targets' file (mpt-kv's, or a project's own, which may also hold family
+    entries about the project's family targets: `own_family_entry`), checked; KnownFailuresError if
+    the file or an entry is malformed."""
+    def entry(raw, i):
+        if isinstance(raw, dict) and raw.get("property") in FAMILY_PROPERTIES and isinstance(raw.get("target"), str) \
+                and (raw["property"] not in BOTH or raw["target"].count("/") == 2):
+            return own_family_entry(raw, i, str(path))
+        return mpt_entry(raw, i, str(path))
+
+    return [entry(raw, i) for i, raw in enumerate(read(path, "known failures file"))]
 
 
 # --- the family checks' file ---------------------------------------------------------------------------
@@ -243,9 +324,13 @@ def family_entry(raw, i: int, path, families, implementations) -> Entry:
                      FAMILY_OPTIONAL | {"implementation": str}, bad)
     raw = normalized(raw)
     check_fields(raw, FAMILY_REQUIRED, FAMILY_OPTIONAL, bad)
-    implementation, family, variant = target_of(raw)
+    named, family, variant = target_of(raw)
     if family is None:
         raise bad(f"'target' {raw['target']!r}: a family entry's target is '<implementation>/<family>/<variant>'")
+    implementation, attention = versions.split_attention(named)
+    if attention is not None and (implementation != "transformers" or attention not in attention_names()):
+        raise bad(f"'target' {raw['target']!r}: an attention implementation is named on transformers only, one of "
+                  f"{attention_names()} (transformers[sdpa]/<family>/<variant>)")
     if family not in families or variant not in families[family].variants:
         raise bad(f"no family variant {family}/{variant}")
     if raw["property"] not in FAMILY_PROPERTIES:
@@ -262,9 +347,22 @@ def family_entry(raw, i: int, path, families, implementations) -> Entry:
                   f"(there: {sorted(cost_configs())})")
     if not raw["reason"].strip():
         raise bad("'reason' is empty: say what upstream does wrong and since when")
+    if "repro" in raw:
+        check_repro(raw["repro"], bad)
+    if "check" in raw and (raw["property"] not in BOTH or raw["check"].split("/", 1)[0] != raw["property"]):
+        raise bad(f"'check' {raw['check']!r}: a generate entry's check id (generate/<path>/<mode>) names one check of "
+                  "its property; the family checks' entries name a property and a path")
+    check_dtype(raw, bad)
     return Entry(i, raw["target"], raw["property"], raw["reason"], compile_pattern(raw["pattern"], bad),
-                 raw.get("path"), None, parse_when(raw["when"], bad), str(path), None, raw["upstream"], tuple(views),
-                 raw.get("cost_config"))
+                 raw.get("path"), None, parse_when(raw["when"], bad), str(path), raw.get("check"), raw["upstream"],
+                 tuple(views), raw.get("cost_config"), dtype=raw.get("dtype"), device=raw.get("device"))
+
+
+def attention_names() -> tuple[str, ...]:
+    """transformers' attention implementations a family entry may name (the matrix's attention axis)."""
+    from mpt_kv.families.implementations import ATTENTION  # lazy: as load_families'
+
+    return tuple(ATTENTION)
 
 
 def cost_configs() -> set[str]:
@@ -298,26 +396,34 @@ def check_entries_cover_cells(entries) -> None:
     not an entry silently unused."""
     # lazy: as load_families'
     from mpt_kv.checks.registry import CHECKS, applies
-    from mpt_kv.families.implementations import PATHS as IMPLEMENTATION_PATHS
+    from mpt_kv.families.implementations import ORACLE_ATTENTION, PATHS as IMPLEMENTATION_PATHS, recipe_paths
     from mpt_kv.targets import FamilyTarget
 
     for e in entries:
-        target = FamilyTarget(e.implementation, e.family, e.variant, IMPLEMENTATION_PATHS[e.implementation],
-                              oracle=e.implementation == "transformers")
-        if not any(c.property == e.property and e.path in (None, c.path) and applies(c, target) for c in CHECKS.values()):
+        paths = IMPLEMENTATION_PATHS[e.implementation] + recipe_paths(e.implementation, e.family, e.variant)
+        target = FamilyTarget(e.implementation, e.family, e.variant, paths,
+                              oracle=e.implementation == "transformers" and e.attention in (None, ORACLE_ATTENTION),
+                              attention=e.attention)
+        if not any(c.property == e.property and e.path in (None, c.path) and e.check in (None, c.id) and applies(c, target)
+                   for c in CHECKS.values()):
             raise KnownFailuresError(
                 f"family known failure {e.implementation} {e.family}/{e.variant} {e.property} path {e.path or 'any'}: "
-                f"the matrix has no such cell (paths of {e.implementation}: {IMPLEMENTATION_PATHS[e.implementation]}; "
-                "family-P0 only on concat and not for transformers; family-P2 only on static paths)")
+                f"the matrix has no such cell (paths of {e.implementation}/{e.family}/{e.variant}: {paths}; "
+                "family-P0 only on concat and not for transformers with eager attention; family-P2 only on static paths)")
 
 
 # --- the rule ----------------------------------------------------------------------------------------
 
 def match(target: str, prop: str, path: str | None, entries: list[Entry] | None = None,
-          bucket: int | None = None, check: str | None = None) -> Entry | None:
+          bucket: int | None = None, check: str | None = None, dtype: str | None = None,
+          device: str | None = None) -> Entry | None:
     """The entry that applies (installed versions) to the case (target, property, path, bucketed or
-    not, check id), or None. Every case's, MPT and family alike (the pytest plugin asks here)."""
-    for e in load() if entries is None else entries:
-        if e.covers(target, prop, path, bucket, check) and e.applies():
-            return e
-    return None
+    not, check id, dtype, device kind), or None. Every case's, MPT and family alike (the pytest plugin
+    asks here). An entry that names the case's target as it is (with its attention implementation,
+    "transformers[sdpa]/falcon/alibi") comes before one that names its family target
+    ("transformers/falcon/alibi"), and a recipe cell's own entries before those of every path, whatever
+    their order in the file."""
+    candidates = [e for e in (load() if entries is None else entries)
+                  if e.covers(target, prop, path, bucket, check, dtype, device) and e.applies()]
+    recipe_cell = bool(path and recipes.SEPARATOR in path)
+    return min(candidates, key=lambda e: (e.target != target, recipe_cell and e.path != path), default=None)

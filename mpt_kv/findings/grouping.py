@@ -39,7 +39,10 @@ def what(entry: dict) -> str:
 
 
 def versions(entry: dict) -> str:
-    return ", ".join(f"{package} {spec}" for package, spec in entry.get("when", {}).items()) or "all"
+    """The versions it holds in, and the one dtype or device it holds on where the entry names one."""
+    text = ", ".join(f"{package} {spec}" for package, spec in entry.get("when", {}).items()) or "all"
+    only = [entry[k] for k in ("dtype", "device") if entry.get(k)]
+    return text + (f" ({', '.join(only)} only)" if only else "")
 
 
 def checks_seen(entries: list[dict]) -> str:

@@ -131,6 +131,16 @@ def generic_failures() -> tuple[str, ...]:
             lines += [f"{check}{what}: the implementation's {operation} raised {crash} "
                       f"[step=0, operation={operation}]"
                       for check in family for what in ("", " prefill", " decode 0")]
+    # the generate checks (mpt_kv/checks/generate.py): a crash of generate in or between calls, and the headers
+    # of a cache a call received or returned, a call's logits, the cache kept after generate, with no finding
+    for check in [f"generate/{path}/{mode}" for path in ("concat", "static") for mode in index.GENERATE_MODES]:
+        lines += [f"{check}: the implementation's generate raised {crash}{at} [step=call 0 (prefill)]"
+                  for crash in crashes for at in (" in call 0 (prefill)", " between calls, after call 0 (prefill)",
+                                                  " before its first call")]
+        lines += [f"{check} call 0 (prefill): the cache it {how} x [step=call 0 (prefill)]" for how in ("received",
+                                                                                                     "returned")]
+        lines += [f"{check} after generate returned: 1 cache storages it made are still alive, 1 bytes: x "
+                  "[step=after generate]"]
     _GENERIC = tuple(lines)
     return _GENERIC
 

@@ -11,10 +11,13 @@ port needs one), the lines of its `adapt_transformers_to_gaudi` replayed (`PORT_
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
+from mpt_kv import recipes
 from mpt_kv.families import FAMILIES
 from mpt_kv.findings.raw import target_of
 from mpt_kv.findings.grouping import versions, what
@@ -117,7 +120,57 @@ PORT_PATCHES = {
     "xglm": [("XGLMForCausalLM", None, "GaudiXGLMForCausalLM"), ("XGLMModel", "forward", "gaudi_xglm_model_forward"),
              ("XGLMAttention", "forward", "gaudi_xglm_attention_forward"),
              ("XGLMDecoderLayer", "forward", "gaudi_xglm_decoder_layer_forward")],
+    "mixtral": [("MixtralAttention", None, "GaudiMixtralAttention"), ("MixtralForCausalLM", None, "GaudiMixtralForCausalLM"),
+                ("MixtralModel", None, "GaudiMixtralModel"), ("MixtralSparseMoeBlock", None, "GaudiMixtralSparseMoeBlock"),
+                ("MixtralDecoderLayer", None, "GaudiMixtralDecoderLayer"),
+                ("MixtralRMSNorm", "forward", "gaudi_mixtral_rmsnorm_forward")],
+    "qwen2_moe": [("Qwen2MoeMLP", None, "GaudiQwen2MoeMLP"), ("Qwen2MoeAttention", None, "GaudiQwen2MoeAttention"),
+                  ("Qwen2MoeDecoderLayer", None, "GaudiQwen2MoeDecoderLayer"), ("Qwen2MoeModel", None, "GaudiQwen2MoeModel"),
+                  ("Qwen2MoeForCausalLM", None, "GaudiQwen2MoeForCausalLM"),
+                  ("Qwen2MoeRMSNorm", "forward", "gaudi_qwen2moe_rmsnorm_forward"),
+                  ("Qwen2MoeSparseMoeBlock", "forward", "gaudi_qwen2moe_block_sparse_moe_forward")],
+    "qwen3_moe": [("Qwen3MoeForCausalLM", None, "GaudiQwen3MoeForCausalLM"), ("Qwen3MoeModel", None, "GaudiQwen3MoeModel"),
+                  ("Qwen3MoeForSequenceClassification", None, "GaudiQwen3MoeForSequenceClassification"),
+                  ("Qwen3MoeForTokenClassification", None, "GaudiQwen3MoeForTokenClassification"),
+                  ("Qwen3MoeAttention", None, "GaudiQwen3MoeAttention"), ("Qwen3MoeMLP", None, "GaudiQwen3MoeMLP"),
+                  ("Qwen3MoeDecoderLayer", None, "GaudiQwen3MoeDecoderLayer"),
+                  ("Qwen3MoeSparseMoeBlock", None, "GaudiQwen3MoeSparseMoeBlock"),
+                  ("Qwen3MoeRMSNorm", "forward", "gaudi_qwen3moe_rmsnorm_forward")],
+    # the DeepSeek ports are copies of the Hub's remote code: one line replaces transformers' model class
+    "deepseek_v2": [("DeepseekV2ForCausalLM", None, "DeepseekV2ForCausalLM")],
+    "deepseek_v3": [("DeepseekV3ForCausalLM", None, "DeepseekV3ForCausalLM")],
+    "gpt_oss": [("GptOssForCausalLM", None, "GaudiGptOssForCausalLM"), ("GptOssModel", None, "GaudiGptOssModel"),
+                ("GptOssExperts", None, "GaudiGptOssExperts"),
+                ("GptOssDecoderLayer", "forward", "gaudi_gpt_oss_decoder_layer_forward"),
+                ("GptOssAttention", None, "GaudiGptOssAttention"),
+                ("GptOssRMSNorm", "forward", "gaudi_gpt_oss_rmsnorm_forward")],
 }
+
+# The recipe keywords (mpt_kv/recipes.py: what generate passes for a recipe's flags) each port's ForCausalLM
+# forward names in optimum-habana 1.21.2, for the scripts of the recipes' findings (a flag a forward does not
+# name its prepare_inputs_for_generation drops). tests/test_repros.py checks them against the installed release.
+RECIPE_FORWARD_NAMES = {
+    "llama": ("lazy_mode", "trim_logits", "attn_softmax_bf16", "use_flash_attention", "flash_attention_recompute",
+              "flash_attention_causal_mask", "flash_attention_fast_softmax"),
+    "qwen2": ("lazy_mode", "trim_logits", "attn_softmax_bf16", "use_flash_attention", "flash_attention_recompute",
+              "flash_attention_causal_mask", "flash_attention_fast_softmax"),
+    "falcon": ("trim_logits", "use_flash_attention", "flash_attention_recompute", "flash_attention_causal_mask"),
+    "starcoder2": ("lazy_mode", "trim_logits", "attn_softmax_bf16", "use_flash_attention", "flash_attention_recompute",
+                   "flash_attention_causal_mask"),
+    "gemma3": ("lazy_mode", "trim_logits", "attn_softmax_bf16", "use_flash_attention", "flash_attention_recompute",
+               "flash_attention_causal_mask", "flash_attention_fast_softmax"),
+}
+
+
+def recipe_forward_kwargs(family: str, recipe_name: str | None) -> dict:
+    """What generate passes a port's forward for the recipe's flags (RECIPE_FORWARD_NAMES); {} without one."""
+    if recipe_name is None:
+        return {}
+    if family not in RECIPE_FORWARD_NAMES:
+        raise ValueError(f"a finding of the recipe {recipe_name} on {family}: add the family to RECIPE_FORWARD_NAMES "
+                         "(the recipe keywords its forward names)")
+    return recipes.RECIPES[recipe_name].forward_kwargs(RECIPE_FORWARD_NAMES[family].__contains__)
+
 
 # optimum-habana findings whose error the port's prefill forward raises: (family, variant, a text of
 # the pattern) -> the folder's short name. Any forward of generate reaches them.
@@ -148,6 +201,8 @@ PROGRAMS = {
     "uncached": [("uncached",)],  # family-P0: the forward with use_cache=False
     # family-ops' beam search: a step, the reorder, the next step
     "beam-decode": [("prefill",), ("extend", 1), ("reorder",), ("extend", 1)],
+    # family-P1's second decode step: a query past a window longer than the prompt (gpt_oss's 7)
+    "decode-2": [("prefill",), ("extend", 1), ("extend", 1)],
 }
 
 PROGRAM_CALLS = {"prefill": "the prefill", "decode": "a decode step after the prefill",
@@ -155,7 +210,8 @@ PROGRAM_CALLS = {"prefill": "the prefill", "decode": "a decode step after the pr
                  "extend": "a 3-token cached call after the prefill and 2 decode steps",
                  "reorder": "the beam-search cache reorder after the prefill",
                  "uncached": "the uncached forward (use_cache=False)",
-                 "beam-decode": "the decode step after a beam-search cache reorder"}
+                 "beam-decode": "the decode step after a beam-search cache reorder",
+                 "decode-2": "the second decode step after the prefill"}
 
 BEAM_AXIS_FIX = ("select the beams along the batch dimension of each cached (batch, heads, seq, head_dim) K/V "
                  "(index_select(0, beam_idx)) in the port's _reorder_cache (the upstream line), not along the heads")
@@ -193,6 +249,9 @@ PROGRAM_ERRORS = [
     ("num_key_value_heads", "no-num-key-value-heads",
      "read the K/V heads from the config in allocate_kv_cache (the upstream line): the attention "
      "module has no num_key_value_heads"),
+    ("too many indices for tensor of dimension 2", "trim-logits-index-error",
+     "trim the last position without token_idx as a 3-D slice, hidden_states[:, -1:, :] (the upstream line), as the "
+     "token_idx branch's index_select(1, token_idx - 1) keeps it"),
     ("'torch.Size' object has no attribute 'shape'", "past-size-has-no-shape",
      "with reuse_cache the past is the preallocated cache's shape (a torch.Size): read its length as "
      "past_key_value[0][-2] there (or from token_idx), not past_key_value[0].shape[-2] (modeling_gemma.py:316)"),
@@ -223,6 +282,7 @@ UNNAMED_CALLS = {
     ("gemma2", "hybrid-window4", "The size of tensor a"): "decode",
     ("gemma3", "hybrid-window9", "The size of tensor a"): "decode",
     ("chatglm", "mq-groups2", "expected to have the same dtype"): "decode",
+    ("gpt_oss", "hybrid-window7", "The size of tensor a"): "decode",
 }
 
 
@@ -240,6 +300,33 @@ class Program:
     observe: tuple = ()   # ((call, "views" | "memory" | "logits"), ...)
     seen: str = ""        # what the observation sees, for the title
     pads: tuple = (2, 0)  # each prompt's left padding (the batch: its length)
+    fused: str | None = None  # the module whose output "views" looks for (default: the family's fused)
+    prompt: int = 6       # each prompt's length
+    recipe: str | None = None  # the text-generation recipe whose flags the finding is seen with (mpt_kv/recipes.py)
+
+
+def with_recipe(entries: list[dict]) -> tuple[list[dict], str | None]:
+    """(the entries with each recipe path as its base path, the recipe's name): a finding of a recipe's
+    cells alone (mpt_kv/recipes.py) is driven on its base path with the recipe's flags (RECIPE_FORWARD_NAMES);
+    one its plain paths have too is driven as on them (its recipe entries left out)."""
+    names = [recipes.recipe_of(e["path"]).name for e in entries if e.get("path") and recipes.recipe_of(e["path"])]
+    if len(names) < len(entries):
+        plain = [e for e in entries if not (e.get("path") and recipes.recipe_of(e["path"]))]
+        return plain, None
+    return [{**e, "path": recipes.split(e["path"])[0]} if e.get("path") else e for e in entries], names[0]
+
+
+def recipe_program(make):
+    """`make(entries) -> Program | None` applied to a recipe finding's entries on their base paths, the recipe
+    named in the Program and its folder's short name."""
+    def program(entries: list[dict]) -> Program | None:
+        base, recipe = with_recipe(entries)
+        found = make(base)
+        if found is None or recipe is None:
+            return found
+        return dataclasses.replace(found, recipe=recipe, short=f"{found.short}-{recipe}")
+    program.__name__, program.__doc__ = make.__name__, make.__doc__
+    return program
 
 
 def expected_errors(pattern: str) -> str:
@@ -255,6 +342,7 @@ def templated(family: str) -> bool:
     return family in PORT_PATCHES or bool(FAMILIES[family].remote_code)
 
 
+@recipe_program
 def crash_program(entries: list[dict]) -> Program | None:
     """The program of an optimum-habana crash finding: its call from the pattern, its path from the
     entries (concat where an entry holds there, else static, else concat where an entry holds on
@@ -306,6 +394,10 @@ VIEWS_FIX = ("copy the prefill's K/V out of the fused projection's output before
              "`.contiguous()` or `.clone()` of the slices), as optimum-habana's MPT port has done since it stopped "
              "caching views of mixed_qkv")
 
+# family variants whose cached V views another module's output than the fused projection: that module
+# (MiniCPM3's port splits its nope-K and V out of kv_b_proj's output, modeling_minicpm.py:846)
+VIEWED_MODULES = {("minicpm", "mla"): "kv_b_proj"}
+
 EAGER_ALIBI_FIX = ("in transformers' eager Falcon attention add ALiBi once: it is already folded into the causal "
                    "mask (_update_causal_mask, modeling_falcon.py:911-916), so drop `attention_scores + alibi` "
                    "(:393-394), as its sdpa path does")
@@ -335,6 +427,7 @@ LOGITS_SEEN = {
 }
 
 
+@recipe_program
 def logits_program(entries: list[dict]) -> Program | None:
     """The program of an optimum-habana finding of wrong logits against transformers' uncached
     forward (family-P0, P1, ops) or the concat path's (family-P2): the call the pattern's step
@@ -358,20 +451,27 @@ def logits_program(entries: list[dict]) -> Program | None:
     elif "prefill" in step:
         call, kind, short = "prefill", "uncached-logits", f"{path}-prefill-logits-vs-uncached"
     elif "decode" in step:
-        call = "decode"
+        call = "decode-2" if "decode step 2" in step else "decode"
         kind = "concat-logits" if against == "the concat path's" else "uncached-logits"
         short = f"{path}-decode-logits-vs-" + ("concat" if kind == "concat-logits" else "uncached")
     else:
         return None
     if prop not in ("family-P0", "family-P1", "family-P2"):  # a second finding of the same comparison
         short += f"-{slugify(prop)}"
-    seen = LOGITS_SEEN["static-vs-concat" if kind == "concat-logits" else call]
-    observe = (("extend" if call == "decode" else call, kind),)
+    seen = LOGITS_SEEN["static-vs-concat" if kind == "concat-logits" else call.split("-")[0]]
+    observe = (("extend" if call.startswith("decode") else call, kind),)
     paths_driven = ("concat", path) if kind == "concat-logits" else (path,)
     fix = f"see the upstream line{'s' if ' and ' in entry['upstream'] else ''}: {entry['upstream']}"
-    return Program(call, path, paths_driven, short, None, fix, observe, seen)
+    # family-ops' beam program prefills 8 tokens (3 rows, left-padded 2, 0, 1): where a window is longer than
+    # the default prompt of 6 only that prompt reaches past it (gpt_oss's 7)
+    family_entry = FAMILIES[family]
+    windows = [w for w in family_entry.layer_windows(family_entry.config(target_of(entry)[2])) if w]
+    longer = prop == "family-ops" and call == "prefill" and windows and min(windows) > 6
+    return Program(call, path, paths_driven, short, None, fix, observe, seen,
+                   **({"prompt": 8, "pads": (2, 0, 1)} if longer else {}))
 
 
+@recipe_program
 def observed_program(entries: list[dict]) -> Program | None:
     """The program of an optimum-habana finding seen after a call (`views` or `logits`)."""
     entry = entries[0]
@@ -390,6 +490,13 @@ def observed_program(entries: list[dict]) -> Program | None:
         seen = ("the cache's storages hold more bytes than its K/V: " if memory else "") + views
         return Program("prefill", path, (path,), f"{path}-prefill-" + ("storage-bytes" if memory else "kv-views"),
                        None, VIEWS_FIX, observe, f"after the prefill, {seen}")
+    viewed = VIEWED_MODULES.get((family, variant))
+    if viewed and "is a view of a buffer that is no fused projection's output" in entry["pattern"] and \
+            path in ("concat", "static"):
+        # a cached tensor that views another module's output than the family's fused projection
+        return Program("prefill", path, (path,), f"{path}-prefill-value-view-of-{slugify(viewed)}", None, VIEWS_FIX,
+                       (("prefill", "views"),), f"after the prefill, the cached V views {viewed}'s output",
+                       fused=viewed)
     if entry["pattern"].startswith("the cached tensors themselves hold") and "windows per layer" in entry["pattern"]:
         # family-memory of a window: the local layers' cache against the window's analytic bytes
         static = path.startswith("static")
@@ -407,6 +514,35 @@ def observed_program(entries: list[dict]) -> Program | None:
                            EXTEND_CRASHES[path], f"{EAGER_ALIBI_FIX}; then {EXTEND_CRASH_FIXES[path]}",
                            (("prefill", "logits"),), EAGER_ALIBI_SEEN)
     return None
+
+
+def load_part(port) -> str:
+    """The body of a script's load_port: the plain import, under the loading stand-in, or under the kernel
+    stand-in (a port that declares `GaudiPort.kernels`: what its cells ran with, shipped in the script)."""
+    return part("load_with_kernel_standin" if port.kernels else "load_with_standin" if port.standin else "load_plain")
+
+
+def standin_kernels(port, flash: bool = False) -> str:
+    """For a port that declares `GaudiPort.kernels`, or a finding of a recipe with --use_flash_attention
+    (`flash`: FusedSDPA among them): the script's constants its kernel stand-in needs
+    (load_with_kernel_standin.part, flash_standin.part), the stand-in kernels' source as mpt-kv ships it
+    (mpt_kv/families/hpu_kernels.py, one source for the cells and the scripts) among them; else nothing."""
+    if not port.kernels and not flash:
+        return ""
+    kernels = tuple(dict.fromkeys(tuple(port.kernels) + (("FusedSDPA",) if flash else ())))
+    from mpt_kv.families import habana_standin, hpu_kernels
+
+    source = Path(hpu_kernels.__file__).read_text(encoding="utf-8")
+    if "'''" in source or source.rstrip().endswith("\\"):
+        raise ValueError("mpt_kv/families/hpu_kernels.py cannot be shipped as a raw string (it holds ''' or ends "
+                         "in a backslash)")
+    modules = {k: habana_standin.KERNELS[k].rsplit(".", 1)[0] for k in kernels if k != "mixture_of_experts"}
+    return ("\n# The HPU kernels this port calls with no CPU fallback, run by mpt-kv's CPU stand-ins of them as its\n"
+            "# cpu+standin cells ran them (load_port below imports it under them), each written from the kernel's\n"
+            "# documented semantics (STANDIN_KERNELS: mpt_kv/families/hpu_kernels.py as shipped; its docstrings\n"
+            "# cite them); HPU_BRANCHES: the port's functions whose CPU branch cannot run, taken on their HPU branch\n"
+            f"KERNELS = {kernels!r}\nKERNEL_MODULES = {modules!r}\n"
+            f"HPU_BRANCHES = {tuple(port.hpu_branches)!r}\nSTANDIN_KERNELS = r'''{source}'''\n")
 
 
 def expected_error(entry: dict) -> str:
@@ -434,7 +570,7 @@ def port_repro(entries: list[dict], slug: str) -> Repro:
         port_module=port.module, causal_lm=port.causal_lm, expected=repr(expected),
         config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
         generation_config=repr(dict(port.generation)), patches=patches,
-        load_module=part("load_with_standin" if port.standin else "load_plain"),
+        load_module=load_part(port), standin_kernels=standin_kernels(port),
         operation=part(f"port_{operation}"), what_fails=what_fails,
         generation_function=part("generation_function") if operation == "reorder" else "")
     calls = {"forward": "model.generate(input_ids, attention_mask=attention_mask) - any generate of the port, "
@@ -460,8 +596,12 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
     port = FAMILIES[family].gaudi
     config_class, imports, remote_config, remote_weights = model_source(family)
     what_fails = PROGRAM_CALLS[program.call]
+    recipe = recipes.RECIPES[program.recipe] if program.recipe else None
+    flash = bool(recipe and recipe.use_flash_attention)
     where = {"concat": "static shapes off", "static": "static shapes (token_idx)",
              "static+reuse": "static shapes and reuse_cache"}[program.path]
+    if recipe is not None:
+        where += f", the recipe {recipe.name} ({recipe.describe()})"
     if len(program.paths) > 1:
         where = f"static shapes off, then {where}"
     if program.observe:  # what is seen, then the error that follows it, if the finding has one
@@ -479,18 +619,28 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
         family=family, variant=variant, config_class=config_class, imports=imports, remote_config=remote_config,
         remote_weights=remote_weights,
         port_module=port.module, causal_lm=port.causal_lm, expected=repr(program.expected),
-        config=config_literal(tiny_config(family, variant)), forward_kwargs=repr(dict(port.forward_kwargs)),
+        config=config_literal(tiny_config(family, variant)),
+        forward_kwargs=repr({**port.forward_kwargs, **recipe_forward_kwargs(family, program.recipe)}),
+        recipe_note=f"; with the recipe {recipe.name}'s flags: {recipe.describe()}" if recipe else "",
+        valid_lengths=repr(bool(recipe and recipe.flash_attention_causal_mask)),
+        flash_standin=part("flash_standin") if flash else "    return\n",
         generation_config=repr(dict(port.generation)), patches=patches,
-        load_module=part("load_with_standin" if port.standin else "load_plain"), what_fails=what_fails,
+        load_module=load_part(port), standin_kernels=standin_kernels(port, flash), what_fails=what_fails,
         program=repr(PROGRAMS[program.call]), paths=repr(program.paths), observe=repr(list(program.observe)),
-        fused=FAMILIES[family].fused, generation_function=part("generation_function"),
+        fused=program.fused or FAMILIES[family].fused, generation_function=part("generation_function"),
         layout=layout_literal(family, variant, program), vocab_key=repr(vocab_key(family, variant)),
-        pads=repr(program.pads), fresh_transformers=FRESH_TRANSFORMERS if FAMILIES[family].remote_code else "")
+        pads=repr(program.pads), prompt=program.prompt, fresh_transformers=FRESH_TRANSFORMERS if FAMILIES[family].remote_code else "")
     options = {"concat": "static_shapes=False", "static": "static_shapes=True (the default on Gaudi)",
                "static+reuse": "static_shapes=True, reuse_cache=True"}[program.path]
+    if recipe is not None:  # the recipe's flags as generate's options (reuse_cache is its path's)
+        options += "".join(f", {k}=True" for k in ("trim_logits", "attn_softmax_bf16", "use_flash_attention",
+                                                   "flash_attention_recompute", "flash_attention_causal_mask")
+                           if getattr(recipe, k))
     calls = {"prefill": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its prefill",
              "decode": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its first decode "
                        "step",
+             "decode-2": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its second "
+                         "decode step",
              "(prefill|decode)": f"model.generate(input_ids, attention_mask=attention_mask, {options}) - here its "
                                  "prefill and first decode step",
              "extend": "model.generate(new_ids, attention_mask=mask, past_key_values=<an earlier generate's cache>, "

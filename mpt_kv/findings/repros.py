@@ -35,8 +35,13 @@ from mpt_kv.findings.transformers_repros import (is_transformers_view, transform
 
 
 def slug_of(entries: list[dict]) -> str | None:
-    """The folder name of the finding's repro; None where no template covers it."""
+    """The folder name of the finding's repro; None where no template covers it (the templates build
+    the family's tiny model in float32 on CPU: a finding only bfloat16 or another device shows has
+    none yet), or where its entries name a repro of their own ("repro": a kept script or another
+    finding's folder, `target_plan`)."""
     entry = entries[0]
+    if "repro" in entry or entry.get("dtype", "float32") != "float32" or entry.get("device", "cpu") != "cpu":
+        return None
     if is_transformers_view(entry):
         return slug(entry, "kv-views")
     if transformers_call(entries):
@@ -53,6 +58,8 @@ def plan(groups: list[list[dict]]) -> tuple[list[Repro], list[list[dict]]]:
     repros, missing = [], []
     for entries in groups:
         slug = slug_of(entries)
+        if slug is None and "repro" in entries[0]:
+            continue  # its entries name their repro: `target_plan`'s
         if slug is None:
             missing.append(entries)
         elif is_transformers_view(entries[0]):
@@ -71,7 +78,9 @@ def finding_id(entries: list[dict]) -> str:
     for a finding no template covers yet, the folder its repro would take from its property and path
     (the index lists it under "no standalone repro yet")."""
     entry = entries[0]
-    return slug_of(entries) or slug(entry, f"{entry['property']}-{entry.get('path') or 'any'}")
+    only = "".join(f"-{entry[k]}" for k in ("dtype", "device") if entry.get(k))  # a bf16 finding's is its own
+    return (slug_of(entries) or entry.get("repro")
+            or slug(entry, f"{entry['property']}-{entry.get('path') or 'any'}{only}"))
 
 
 def describe(entries: list[dict]) -> str:
@@ -109,8 +118,10 @@ def index_text(repros: list[Repro], missing: list[list[dict]], shared: dict | No
 # --- the MPT targets' findings: a kept script each, or a family finding's repro -------------------------
 
 def target_entries() -> list[dict]:
-    """The MPT targets' known failures, as raw entries (every key kept)."""
-    return raw_entries(MPT_FILE)
+    """The entries that name their repro ("repro"): the MPT targets' known failures, and the family entries
+    that name one (a generate entry that sees a finding a kept script or another folder shows), as raw
+    entries (every key kept)."""
+    return raw_entries(MPT_FILE) + [e for e in raw_entries() if "repro" in e]
 
 
 def target_readme(entries: list[dict], title: str, call: str, fix: str) -> str:
@@ -123,7 +134,7 @@ def target_readme(entries: list[dict], title: str, call: str, fix: str) -> str:
              f"- **Suggested fix**: {fix}",
              "- **Seen by mpt-kv's checks**: " + ", ".join(dict.fromkeys(
                  f"{e['property']}" + (f" ({e['path']})" if e.get("path") else "") for e in entries))
-             + f" (MPT target {entries[0]['target']})", ""]
+             + f" ({'MPT target ' if not is_family(entries[0]) else ''}{entries[0]['target']})", ""]
     lines += [f"- **Why** ({e['property']}, {versions(e)}): {e['reason']}" for e in
               {e["reason"]: e for e in entries}.values()]
     return "\n".join(lines) + "\n"
@@ -134,8 +145,21 @@ def repro_names() -> frozenset[str]:
     folders (what a known-failures entry's "repro" may name)."""
     global _NAMES
     if _NAMES is None:
-        _NAMES = frozenset(scripts.kept_names() | {s for s in (slug_of(g) for g in grouped(raw_entries())) if s})
+        _NAMES = frozenset(scripts.kept_names() | {s for s in map(buildable_slug, grouped(raw_entries())) if s})
     return _NAMES
+
+
+def buildable_slug(entries: list[dict]) -> str | None:
+    """`slug_of`, or None where the installed transformers cannot build the finding's family config (its
+    model type is newer: deepseek_v2 under llm-foundry's pinned 4.51), so its template's folder is not named
+    here: the entries that name a repro in this environment (the MPT file's) name kept scripts or folders
+    of families it has."""
+    try:
+        return slug_of(entries)
+    except ValueError as e:
+        if "Unrecognized model identifier" not in str(e):
+            raise
+        return None
 
 
 _NAMES: frozenset[str] | None = None

@@ -22,6 +22,7 @@ from pathlib import Path
 from mpt_kv.errors import SweepError
 from mpt_kv.findings import repros
 from mpt_kv.findings.raw import raw_entries, target_of
+from mpt_kv.versions import split_attention
 from mpt_kv.findings.grouping import grouped
 from mpt_kv.findings.scripts import DRIVER
 from mpt_kv.releases import (SOURCE, Release, Row, base_env, last_line, made_line, over_releases, published,
@@ -43,7 +44,8 @@ def write_repro_scripts(folder: Path) -> dict[str, list[tuple[str, Path]]]:
     made, _ = repros.write(folder, grouped(raw_entries()))
     written: dict[str, list[tuple[str, Path]]] = {}
     for r in made:
-        written.setdefault(target_of(r.entries[0])[0], []).append((r.slug, folder / r.slug / "repro.py"))
+        package = split_attention(target_of(r.entries[0])[0])[0]  # transformers[sdpa]'s scripts are transformers'
+        written.setdefault(package, []).append((r.slug, folder / r.slug / "repro.py"))
     return written
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import textwrap
 
 from mpt_kv.findings.raw import target_of
+from mpt_kv.versions import split_attention
 from mpt_kv.findings.grouping import versions, what
 from mpt_kv.findings.scripts import (Repro, class_names, config_literal, fill, part, readme_text, template,
                                      tiny_config)
@@ -22,7 +23,7 @@ VIEW_FIX = ("copy the first K/V into the cache in DynamicLayer.update's first st
 
 def is_transformers_view(entry: dict) -> bool:
     """A transformers finding whose cached K/V view a larger buffer (a "views" entry)."""
-    return bool(entry.get("views")) and target_of(entry)[0] == "transformers"
+    return bool(entry.get("views")) and split_attention(target_of(entry)[0])[0] == "transformers"
 
 
 def view_repro(entries: list[dict], slug: str) -> Repro:
@@ -110,6 +111,15 @@ for _family in ("deepseek_v2", "deepseek_v3"):
         "preallocate StaticCache's K (qk_nope + qk_rope) and V (v_head_dim) as the model caches them, or the "
         "latent")
 
+# the eager oracle's double ALiBi, as the sdpa cells see it (transformers[sdpa]/falcon/alibi: their values
+# differ from eager's; the cause is eager's)
+TRANSFORMERS_CALLS[("falcon", "alibi", "vs transformers' uncached forward")] = (
+    "eager-attention-alibi-twice", None, "eager_alibi_twice",
+    "model.generate(input_ids, attention_mask=attention_mask) - a Falcon with alibi=True (falcon-rw-1b) loaded with "
+    "`attn_implementation=\"eager\"` or run with `output_attentions=True`; here one prompt's uncached forward",
+    "add ALiBi to the scores once: leave it out of the causal mask on the eager path (or leave the scores' own "
+    "`+ alibi` out, as the sdpa path does), as Falcon-RW's modeling_RW.py does")
+
 TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every query head, not num_kv_heads",
                       "window-slice-pins-evicted": "a sliding-window layer's cached K/V are slices that pin the "
                                                    "positions they evicted",
@@ -119,6 +129,8 @@ TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every q
                       "value-view-of-kv-b-proj": "the cached V is a view of kv_b_proj's output, pinning its K part",
                       "caches-expanded-kv-not-latent": "the cache holds the expanded K and V, not the latent",
                       "static-cache-prefill-index-copy": "the prefill into a StaticCache raises in index_copy_",
+                      "eager-attention-alibi-twice": "eager attention adds ALiBi twice, so sdpa (which adds it "
+                                                     "once) differs from the eager oracle",
                       **{f"static-cache-mask-from-key-length-{seen}": "with a StaticCache the prefill's logits are "
                          f"wrong: the attention mask is taken from the key length (seen by {check})"
                          for seen, check in (("p1", "family-P1"), ("p2", "family-P2"), ("ops", "family-ops"))}}
@@ -127,7 +139,7 @@ TRANSFORMERS_TITLES = {"kv-cache-all-heads": "the prefill caches K/V for every q
 def transformers_call(entries: list[dict]):
     entry = entries[0]
     implementation, *where = target_of(entry)
-    if implementation != "transformers":
+    if split_attention(implementation)[0] != "transformers":
         return None
     found = [(text, value) for (family, variant, text), value in TRANSFORMERS_CALLS.items()
              if where == [family, variant] and text.split(":")[0] in entry["pattern"]]

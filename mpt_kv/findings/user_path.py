@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 
+from mpt_kv import recipes
 from mpt_kv.findings.raw import target_of
 
 DEFAULT, OPTION, NON_STANDARD = "default", "option", "non-standard"
@@ -38,6 +39,9 @@ OVERRIDES = {
         (OPTION, 'transformers\' `from_pretrained(..., attn_implementation="eager")` or `output_attentions=True`'),
     ("optimum-habana", "falcon", "alibi", "family-P1 prefill: cached logits"):
         (OPTION, 'transformers\' `from_pretrained(..., attn_implementation="eager")` or `output_attentions=True`'),
+    # the same double ALiBi, seen by transformers' sdpa cells against the eager oracle: who meets it runs eager
+    ("transformers[sdpa]", "falcon", "alibi", "(family-P0 uncached logits"):
+        (OPTION, '`from_pretrained(..., attn_implementation="eager")` or `output_attentions=True`'),
 }
 
 
@@ -53,8 +57,24 @@ def operation(pattern: str) -> str | None:
     return next((op for op in OPERATIONS if op in named), None)
 
 
+def recipe_call(recipe, static: bool = True) -> str:
+    """A recipe's flags as generate's options (mpt_kv/recipes.py), with its command line."""
+    static_only = ("reuse_cache",) if static else ("reuse_cache", "bucket_internal")  # they need static shapes
+    options = [f"{k}=True" for k in ("reuse_cache", "trim_logits", "attn_softmax_bf16", "use_flash_attention",
+                                     "flash_attention_recompute", "flash_attention_causal_mask")
+               if getattr(recipe, k) and (static or k not in static_only)]
+    if recipe.bucket_internal and static:
+        options += [f"bucket_size={recipe.bucket_size}", "bucket_internal=True"]
+    if not static:
+        options.append("static_shapes=False")
+    return f"`generate(..., {', '.join(options)})` (the recipe {recipe.name}: `{recipe.describe()}`)"
+
+
 def path_call(implementation: str, family: str, path: str | None) -> tuple[str, str]:
-    """The generate call that takes a cache path."""
+    """The generate call that takes a cache path (a recipe's path: its flags, mpt_kv/recipes.py)."""
+    recipe = recipes.recipe_of(path) if path else None
+    if recipe is not None:
+        return OPTION, recipe_call(recipe)
     if implementation == "optimum-habana":
         if path == "concat":
             return OPTION, "`generate(..., static_shapes=False)`"
@@ -85,6 +105,9 @@ def operation_route(entry: dict, implementation: str) -> tuple[str, str]:
     """The path's call, with what the operation the pattern names adds to it."""
     op = operation(entry["pattern"])
     kind, call = path_call(implementation, target_of(entry)[1], entry.get("path"))
+    recipe = recipes.recipe_of(entry["path"]) if entry.get("path") else None
+    if recipe is not None and entry["property"] == "family-P2" and op == "prefill":
+        call = recipe_call(recipe, static=False)  # family-P2 drives the concat path first: its prefill raised
     if op == "reorder":
         return OPTION, call.replace("...", "..., num_beams=2", 1)
     if op == "crop":

@@ -92,6 +92,7 @@ def pytest_configure_node(node):
 def pytest_testnodedown(node, error):
     cards.give_back(node)
     known_failures.from_worker(node)
+    run_profile.from_worker(node)  # what a worker's collection kept of the gate profile
 
 
 # --- collection: parameters, fixtures, known failures -------------------------------------------------------------
@@ -121,9 +122,10 @@ def pytest_collection_modifyitems(config, items):
     run_profile.select(config, items)  # --mpt-kv-profile gate: only its cases (after the known failures saw them all)
 
 
+@pytest.hookimpl(tryfirst=True)  # in an xdist worker, before xdist sends its collection to the controller
 def pytest_collection_finish(session):
     gate.check_collected(session)  # a run whose conformance tests have no target: a usage error before any test
-    run_profile.check_collected(session)  # a gate-profile run that kept no conformance case: a usage error
+    run_profile.check_collected(session)  # gate profile: no case kept, or under CI one its selection dropped: usage error
 
 
 # --- each case: its checks' records, its known failure, its outcome ---------------------------------------------
@@ -156,7 +158,7 @@ def pytest_sessionfinish(session, exitstatus):
     if getattr(config, "workerinput", None) is not None:
         return  # xdist worker: the controller sees every report and decides
     run = state.run_state(config)
-    verdict = gate.verdict(config)
+    verdict = gate.verdict(config) + run_profile.verdict(config)  # the profile's: under CI, cases it did not run
     failed = bool(verdict)
     failed |= known_failures.strict_failure(config)
     failed |= ceilings.update_ceilings(config)
@@ -170,6 +172,8 @@ def pytest_sessionfinish(session, exitstatus):
         failed |= run.markdown_problem is not None
     if failed:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if run_profile.usage_error(config):  # xdist: the workers refused the selection; only the controller's end says it
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -19,10 +19,10 @@ import pytest
 
 from mpt_kv import devices
 from mpt_kv.checks import index
-from mpt_kv.outputs import file_problem
+from mpt_kv.outputs import clash_problem, file_problem
 from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin import outcomes
-from mpt_kv.plugin.options import ENV_REQUIRE
+from mpt_kv.plugin.options import ENV_REQUIRE, OUTPUT_OPTIONS, output_files, read_files
 
 NOT_RUN = ("skipped", "unsupported")  # a conformance case with one of these outcomes checked nothing
 
@@ -155,12 +155,14 @@ def configure(config) -> None:
     for flag, name in OPT_OUTS.items():
         if config.getoption(name) and in_ci():
             raise pytest.UsageError(refused_under_ci(flag))
-    for flag, name in (("--mpt-kv-report", "mpt_kv_report"), ("--mpt-kv-markdown", "mpt_kv_markdown")):
-        path = config.getoption(name)
-        if path is not None:  # '' too: an empty path is a usage error, never "not given"
-            problem = file_problem(path)
-            if problem:
-                raise pytest.UsageError(f"{flag} {path}: {problem}")
+    written = output_files(config)
+    for flag, path in written:
+        problem = flag in OUTPUT_OPTIONS and file_problem(path)
+        if problem:
+            raise pytest.UsageError(f"{flag} {path}: {problem}")
+    problem = clash_problem(written, read_files(config))
+    if problem:
+        raise pytest.UsageError(problem)
     run_state(config).required = device_requirements(config)
 
 
@@ -365,7 +367,20 @@ def run_problems(results: list[dict], allow_missing_device: bool = False,
 def verdict(config) -> list[str]:
     """Every reason the gate fails this run (empty: it does not)."""
     return gate_failures(config) + run_problems(run_state(config).results, bool(config.getoption("allow_missing_device")),
-                                                bool(config.getoption("allow_no_cache_check")))
+                                                bool(config.getoption("allow_no_cache_check"))) + \
+        family_targets_without_case(config, run_state(config).results)
+
+
+def family_targets_without_case(config, records: list[dict]) -> list[str]:
+    """One line per family target the run names (`mpt_kv.FamilyModel` by --target or ini) of which no
+    case is among `records`: its cases are the family checks', which a selection of the MPT modules (or
+    a -k) leaves out, and a run beside another target would pass having checked nothing of it."""
+    ran = {r.get("implementation") for r in records if "property" in r}
+    return [f"target {name} is a family target ({family}) named with --target (or ini mpt_kv_targets), but no case "
+            "of it is in this run: its cases are mpt_kv.conformance.test_families' (run `--pyargs mpt_kv.conformance`, "
+            f"or parametrize_with_checks([{name.split(':')[-1]}]) in your tests), or the run's selection (-k, -m, "
+            "--mpt-kv-profile) left none of them; a named target checked by nothing must not look green"
+            for name, family in run_state(config).family_named.items() if name not in ran]
 
 
 def check_collected(session) -> None:
@@ -373,7 +388,8 @@ def check_collected(session) -> None:
     collects nothing, nor in a worker: the controller's end-of-run verdict says it then)."""
     if hasattr(session.config, "workerinput") or not session.items:
         return
-    reason = no_target([outcomes.record_of(item) for item in session.items])
+    records = [outcomes.record_of(item) for item in session.items]
+    reason = no_target(records) or next(iter(family_targets_without_case(session.config, records)), None)
     if reason:
         raise pytest.UsageError(reason)
 

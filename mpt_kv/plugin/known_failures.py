@@ -10,34 +10,24 @@ Entries that cover no case of the run are listed (an error with --strict-known-f
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
 
-from mpt_kv.plugin.parametrize import generated_targets
+from mpt_kv.plugin.parametrize import generated_kinds, generated_targets
 from mpt_kv.plugin.state import run_state
-from mpt_kv.plugin.options import (BUILTIN_PACKAGES, ENV_KNOWN_FAILURES, ini_relative, strict_known_failures,
+from mpt_kv.plugin.options import (BUILTIN_PACKAGES, dtype_names, known_failures_file, strict_known_failures,
                                    target_specs)
 from mpt_kv.findings import entries as known_entries
 
 KNOWN = pytest.StashKey[object]()  # item -> its mpt_kv.findings.entries.Entry
 
 
-def path(config):
-    """The known-failures file: $MPT_KV_KNOWN_FAILURES, else the project's (ini
-    mpt_kv_known_failures, relative to the ini file), else the packaged one. One file: a project
-    lists the entries that apply to what it runs (copying mpt-kv's where it runs built-in targets)."""
-
-    ini = config.getini("mpt_kv_known_failures")
-    return os.environ.get(ENV_KNOWN_FAILURES) or (ini_relative(config, ini) if ini else known_entries.FILE)
-
-
 def configure(config) -> None:
     """Load the file (malformed: a usage error naming the file, the entry and the problem)."""
 
     try:
-        run_state(config).known = known_entries.load(path(config))
+        run_state(config).known = known_entries.load(known_failures_file(config))
     except known_entries.KnownFailuresError as e:
         raise pytest.UsageError(str(e)) from None
 
@@ -58,14 +48,26 @@ def entries(config) -> list:
 
 def note_case(config, item, params: dict) -> None:
     """At collection (before -m/-k deselect: an entry is judged against every collected case):
-    which entries cover this conformance case, and the one that applies to it."""
+    which entries cover this conformance case, and the one that applies to it. A family case's
+    entries are the ones its target may take (`mpt_kv.findings.known.entries_for`: what a family
+    declaration inherits from its fork_of; none of a built-in implementation's by name for a fork
+    passed under that name)."""
     state = run_state(config)
     state.known_cases = True
     state.family_cases |= bool(params.get("implementation"))
-    for e in entries(config):
-        if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket"), params.get("check")):
+    candidates = entries(config)
+    if params.get("implementation"):
+        from mpt_kv.findings.known import entries_for  # lazy: it imports torch (a family case's target already did)
+
+        try:
+            candidates = entries_for(getattr(item, "callspec").params.get("target"), candidates)
+        except known_entries.KnownFailuresError as e:  # a fork's fixes= naming nothing it inherits
+            raise pytest.UsageError(str(e)) from None
+    for e in candidates:
+        if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket"), params.get("check"),
+                    params.get("dtype"), params.get("device")):
             state.known_covered.add(e.key)
-    entry = match(params, entries(config))
+    entry = match(params, candidates)
     if entry is not None:
         item.stash[KNOWN] = entry
 
@@ -90,19 +92,11 @@ def from_worker(node) -> None:
 def match(params: dict, entries):
     """The entry that applies to a conformance case (its parametrization), by the one rule."""
     return known_entries.match(params["target"], params["property"], params.get("path"), entries,
-                                params.get("bucket"), params.get("check"))
+                                params.get("bucket"), params.get("check"), params.get("dtype"), params.get("device"))
 
 
 def expected_to_fail(item) -> bool:
     return item.get_closest_marker("xfail") is not None or item.stash.get(KNOWN, None) is not None
-
-
-def words_for(entry) -> tuple[str, str]:
-    """How a case's entry is named: mpt-kv's own file records upstream's failures; a project's own
-    file records the project's (its own bug kept on purpose, or an upstream one it depends on)."""
-    if Path(entry.file).resolve() in (known_entries.MPT_FILE.resolve(), known_entries.FAMILY_FILE.resolve()):
-        return "known upstream failure", "upstream fixed it"
-    return f"known failure of this project ({Path(entry.file).name})", "it is fixed"
 
 
 def will_xfail(item, excinfo) -> bool:
@@ -140,12 +134,13 @@ def apply(item, report, call) -> None:
     entry = item.stash.get(KNOWN, None)
     if entry is None or report.when != "call":
         return
+    from mpt_kv.findings.known import words_for  # lazy: it imports torch (the case ran: torch is imported)
+
     excinfo = call.excinfo
     kind, fixed = words_for(entry)
     if report.passed:
         report.outcome = "failed"
-        report.longrepr = (f"[XPASS(strict)] {kind} {entry.name} did not happen: {entry.reason} "
-                           f"-- if {fixed}, remove or narrow the entry in {entry.file}")
+        report.longrepr = f"[XPASS(strict)] {kind} {entry.name} did not happen: {entry.reason} -- if {fixed}"
     elif report.failed and excinfo is not None and entry.explains(excinfo.value):
         report.outcome = "skipped"
         report.wasxfail = f"{kind}, {entry.name}: {entry.reason}"
@@ -178,10 +173,19 @@ def unmatched(config) -> list:
             and not elsewhere(config, e)]
 
 
+# a case's dtype as an entry names it (its report's), from the names --dtype takes
+DTYPE_OF_NAME = {"fp32": "float32", "bf16": "bfloat16"}
+
+
 def elsewhere(config, entry) -> bool:
     """The entry is about a built-in target (or implementation) that is not a target of this run, or
-    whose package is not installed here (no case of it is generated). A target that is neither built
-    in nor run stays unmatched: it may be a typo of the project's own target."""
+    whose package is not installed here, or about a dtype or device kind the run does not generate
+    (--dtype, --device, a device absent here): no case of it is generated. A target that is neither
+    built in nor run stays unmatched: it may be a typo of the project's own target."""
+    if entry.dtype is not None and entry.dtype not in {DTYPE_OF_NAME[n] for n in dtype_names(config)}:
+        return True
+    if entry.device is not None and entry.device not in generated_kinds(config):
+        return True
     return entry.implementation in BUILTIN_PACKAGES and entry.implementation not in generated_targets(config)
 
 
@@ -195,11 +199,14 @@ def summary(tw, config) -> None:
     used = [e for e in every if state.xfailed.get(e.key)]
     away = [e for e in every if state.known_cases and e.applies()
             and e.key not in state.known_covered and elsewhere(config, e)]
-    if not (used or missing or away):
+    inherited = {key: n for key, n in state.xfailed.items() if len(key) == 3}  # inherited copies: not in `every`
+    if not (used or missing or away or inherited):
         return
     tw.write_sep("=", "mpt-kv known failures")
     for e in used:
         tw.write_line(f"{e.name}: {state.xfailed[e.key]} cases xfailed as known")
+    for (file, index, target), n in sorted(inherited.items()):
+        tw.write_line(f"entry {index} of {Path(file).name}, inherited by {target.rsplit('/', 2)[0]}: {n} cases xfailed as known")
     strict = strict_known_failures(config)
     targets = target_specs(config)
     for e in missing:
@@ -209,8 +216,11 @@ def summary(tw, config) -> None:
         tw.write_line(f"{e.name} in {e.file} matched no case of this run: {why}"
                       f"{' (--strict-known-failures: an error)' if strict else ''}", red=strict)
     if away:
-        tw.write_line(f"{len(away)} entries are about built-in targets this run does not run "
-                      f"({', '.join(sorted({e.implementation for e in away}))})")
+        run_dtypes, kinds = {DTYPE_OF_NAME[n] for n in dtype_names(config)}, generated_kinds(config)
+        what = sorted({e.dtype if e.dtype and e.dtype not in run_dtypes else
+                       e.device if e.device and e.device not in kinds else e.implementation for e in away})
+        tw.write_line(f"{len(away)} entries are about built-in targets this run does not run, or dtypes or "
+                      f"devices it leaves out ({', '.join(what)})")
     rest = len([e for e in every if not e.applies()])
     if rest:
         tw.write_line(f"{rest} entries do not apply to the installed versions")

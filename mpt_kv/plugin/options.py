@@ -20,6 +20,7 @@ from mpt_kv import devices, versions
 from mpt_kv.checks import profiles
 from mpt_kv.plugin.state import run_state
 from mpt_kv.checks import reach
+from mpt_kv.outputs import EMPTY
 
 ENV_REQUIRE = "MPT_KV_REQUIRE_DEVICE"
 ENV_KNOWN_FAILURES = "MPT_KV_KNOWN_FAILURES"
@@ -97,6 +98,7 @@ def check(config) -> None:
     """Every value read later, checked now: a usage error before any test."""
     check_hypothesis_profile()
     only_targets(config)
+    strict_known_failures(config)  # read at the end of the run: a bad ini value would cost every case first
     dtype_names(config)
     check_ceilings_dir(config)
     required_ceilings(config)
@@ -183,6 +185,42 @@ def check_hypothesis_profile() -> None:
 
 # --- files and folders of the project ---------------------------------------------------------------------------
 
+def known_failures_file(config) -> Path:
+    """The known-failures file: $MPT_KV_KNOWN_FAILURES, else the project's (ini
+    mpt_kv_known_failures, relative to the ini file), else the packaged one. One file: a project
+    lists the entries that apply to what it runs (copying mpt-kv's where it runs built-in targets)."""
+    from mpt_kv.findings import entries  # the known-failures format's module: not needed by every option
+
+    ini = config.getini("mpt_kv_known_failures")
+    return os.environ.get(ENV_KNOWN_FAILURES) or (ini_relative(config, ini) if ini else entries.FILE)
+
+
+# --- the files a run writes, and the project's files it reads (no output may replace one) -------------------------
+
+OUTPUT_OPTIONS = {"--mpt-kv-report": "mpt_kv_report", "--mpt-kv-markdown": "mpt_kv_markdown"}
+
+
+def output_files(config) -> list[tuple[str, str]]:
+    """(option, path) of every file this run writes, as given: mpt-kv's (OUTPUT_OPTIONS; '' too: a usage
+    error, never "not given") and pytest's own --junitxml (the same path as one of ours would lose one)."""
+    given = [(flag, config.getoption(name)) for flag, name in OUTPUT_OPTIONS.items()]
+    given.append(("--junitxml", config.getoption("xmlpath", None)))
+    return [(flag, path) for flag, path in given if path is not None]
+
+
+def read_files(config) -> list[tuple[str, Path]]:
+    """(what, path) of the project's files this run reads: the ini file, the known-failures file, the
+    reference model's values and the stored memory ceilings (--update-ceilings rewrites those itself)."""
+    reads = [("the ini file", config.inipath), ("the known-failures file", known_failures_file(config))]
+    ini = config.getini("mpt_kv_reference_model")
+    if ini:
+        reads.append(("ini option mpt_kv_reference_model's file", ini_relative(config, ini)))
+    folder = ceilings_dir(config)
+    if folder.is_dir():
+        reads += [("a stored ceilings file", path) for path in sorted(folder.glob("ceilings-*.json"))]
+    return [(what, path) for what, path in reads if path is not None]
+
+
 def ini_relative(config, value: str) -> Path:
     base = config.inipath.parent if config.inipath else config.rootpath
     return base / Path(value).expanduser()
@@ -248,6 +286,8 @@ def check_ceilings_dir(config) -> None:
     """A folder named explicitly must be a folder: one that does not exist would leave every memory
     case on the analytic checks alone, silently. The default folder may be absent (a project that
     never recorded), and so may a named one that --update-ceilings is about to create."""
+    if str(config.getoption("ceilings_dir")).strip() == "":  # '' is no folder (not "not given", not the current one)
+        raise pytest.UsageError(f"--ceilings-dir '': {EMPTY}")
     path, source = ceilings_dir_and_source(config)
     if source is None or path.is_dir():
         return

@@ -38,7 +38,7 @@ def label(item) -> dict | None:
     if kinds:
         item.user_properties.append(("mpt_kv_kinds", kinds))
     p = params_of(item)
-    if "property" in p and "target" in p:
+    if "property" in p and "target" in p and item.get_closest_marker("no_target") is None:  # a placeholder is no case
         item.user_properties.append(("mpt_kv", p))
         return p
     reason = no_target_reason(item)
@@ -98,6 +98,10 @@ def check_params(params: dict) -> dict:
         params["target"] = target_name(target)
         if hasattr(target, "implementation_name"):  # a FamilyTarget: the gate judges its implementation's ports
             params["implementation"] = target.implementation_name
+            if "device" in params:  # cpu+standin where HPU kernels ran as mpt-kv's stand-ins (the matrix's row)
+                from mpt_kv.families.habana_standin import device_label
+
+                params["device"] = device_label(target, params["device"], params.get("path"))
     return params
 
 

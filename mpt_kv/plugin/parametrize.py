@@ -10,7 +10,10 @@
 - `target` runs once per built-in target and per `--target package.module:factory`. Each spec is
   resolved once per process into a `mpt_kv.targets.ResolvedTarget`, which the fixture returns and
   the checks take. A target named explicitly that cannot be imported or built is an error; a
-  built-in one whose package is not installed is not generated (the summary line says so).
+  built-in one whose package is not installed is not generated (the summary line says so). A spec
+  that names a family declaration (`mpt_kv.FamilyModel`) is no MPT target: the family checks run it
+  (mpt_kv/conformance/test_families.py, `family_declarations`); a test whose `target` has no MPT
+  target left gets one placeholder saying so (the gate refuses a run of placeholders alone).
 - `dtype`: fp32 and bf16, or --dtype / ini mpt_kv_dtypes.
 A test's own parametrize of one of these names wins (`parametrize_with_checks([build])`).
 """
@@ -38,7 +41,7 @@ def generate(metafunc) -> None:
         metafunc.parametrize("device", [pytest.param(k, marks=getattr(pytest.mark, k), id=k)
                                         for k in generated_kinds(config)], indirect=True)
     if "target" in metafunc.fixturenames and "target" not in explicit:
-        metafunc.parametrize("target", generated_targets(config), indirect=True)
+        metafunc.parametrize("target", mpt_target_params(config), indirect=True)
     if "dtype" in metafunc.fixturenames and "dtype" not in explicit:
         from mpt_kv.model.config import DTYPES  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
 
@@ -99,6 +102,10 @@ def summary(tw, config, results: list[dict]) -> None:
         parts += [f"{kind} cases ({why})" for kind, why in absent_kinds(config).items()]
     if any(r.get("target") in BUILTIN_PACKAGES for r in results):  # the run's own targets were generated
         parts += [f"target {spec} ({why})" for spec, why in absent_targets(config).items()]
+    if any(r.get("target", "").startswith("transformers[") for r in results):  # transformers' attention axis ran
+        from mpt_kv.families.implementations import attention_left_out  # lazy: torch (the family cases imported it)
+
+        parts += [f"{name} family cases ({why})" for name, why in attention_left_out().items()]
     if parts:
         tw.write_line(f"mpt-kv generated no {'; no '.join(parts)}")
 
@@ -174,14 +181,57 @@ def check_named_targets(config) -> None:
     if hasattr(config, "workerinput"):
         return
 
+    from mpt_kv.targets import is_family_declaration  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
+
     for spec in named_targets(config):
-        problem = missing_package(spec)
-        if problem is None:
-            try:
-                resolved(config, spec)
-            except TargetUnavailable as e:
-                problem = str(e)
-            except Exception as e:
-                problem = f"importing it raised {type(e).__name__}: {e}"
+        problem = named_target_problem(spec, lambda s: resolved(config, s))
+        if problem is None:  # the gate holds a named family target to having a case (gate.family_targets_without_case)
+            target = resolved(config, spec)  # cached
+            if is_family_declaration(target):
+                run_state(config).family_named[target.name] = target.family
         if problem:
             raise pytest.UsageError(f"--target {spec}: {problem}")
+
+
+def named_target_problem(spec: str, resolve) -> str | None:
+    """Why a target named to run cannot run here (None if it can): a built-in one whose package is not
+    installed, or a spec that does not load (`resolve(spec)` raises). The rule of every command that
+    takes a --target (the plugin, `calibrate`), before any work."""
+    problem = missing_package(spec)
+    if problem is None:
+        try:
+            resolve(spec)
+        except TargetUnavailable as e:
+            problem = str(e)
+        except Exception as e:
+            problem = f"importing it raised {type(e).__name__}: {e}"
+    return problem
+
+
+def family_declarations(config) -> list:
+    """The run's named targets that are family declarations (`mpt_kv.FamilyModel`), resolved once (a spec
+    that does not load is not one: check_named_targets stops the run on it)."""
+    from mpt_kv.targets import is_family_declaration  # lazy: it imports torch, and the plugin loads before an xdist worker's card is pinned
+
+    out = []
+    for spec in named_targets(config):
+        if spec in BUILTIN_PACKAGES:
+            continue
+        try:
+            target = resolved(config, spec)
+        except Exception:  # noqa: BLE001  not loading: an MPT target's error, said by check_named_targets
+            continue
+        if is_family_declaration(target):
+            out.append(target)
+    return out
+
+
+def mpt_target_params(config) -> list:
+    """The `target` parameters of an MPT conformance test: the run's targets less its family declarations
+    (their cases are the family checks'); none left while some are: one placeholder that says so."""
+    families = {d.name for d in family_declarations(config)}
+    specs = [spec for spec in generated_targets(config) if spec not in families]
+    if specs or not families:
+        return specs
+    why = f"no MPT target among this run's targets: {', '.join(sorted(families))} is a family target (its cases are mpt_kv.conformance.test_families')"
+    return [pytest.param(None, id="no-mpt-target", marks=[pytest.mark.skip(reason=why), pytest.mark.no_target(why)])]

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 
 from mpt_kv.outputs import write_text
-from mpt_kv import devices, versions
+from mpt_kv import devices, recipes, versions
 from mpt_kv.checks import index, profiles
 from mpt_kv.plugin.state import run_state
 from mpt_kv.plugin.ceilings import record_command
@@ -104,6 +104,11 @@ def matrix_lines(results: list[dict], absent: dict[str, str], profile: str | Non
                  + ". failed: a property does not hold; error: the target or its adapter raised something else; "
                    "unsupported: the target declares it does not implement what the case needs; failed(2/5): 2 of "
                    "the cell's 5 checks failed, the worst word of a cell whose checks disagree. Reasons: pytest -rs")
+    # the flags of each recipe path of the run (mpt_kv/recipes.py: optimum-habana's text-generation command lines)
+    for path in sorted({key[3] for key in cells if recipes.SEPARATOR in str(key[3])}):
+        recipe = recipes.recipe_of(path)
+        if recipe is not None:
+            lines.append(f"  path {path}: the recipe {recipe.name}, {recipe.describe()}")
     mixed = [mixed_cell_lines(key, p, cells[key][p]) for key in order for p in columns
              if p in cells[key] and len({r["outcome"] for r in cells[key][p]}) > 1]
     lines += mixed[:MAX_LINES] + ([f"  ... and {len(mixed) - MAX_LINES} more cells whose checks disagree"]

@@ -24,8 +24,10 @@ class RunState:
     survey: dict | None = None
     # cards: the controller's pool of device cards for xdist workers
     cards: object | None = None
-    # parametrize: each target spec resolved once per process (a ResolvedTarget)
+    # parametrize: each target spec resolved once per process (a ResolvedTarget, or a family declaration);
+    # the named targets that are family declarations (name -> its family: the gate wants a case of each)
     resolved: dict = field(default_factory=dict)
+    family_named: dict = field(default_factory=dict)
     # known failures (mpt_kv.findings.entries): the MPT file's entries, the families' once a family
     # case is collected (their registry imports torch); which entries (by key) covered a collected case;
     # whether any conformance case (any family case) was collected; cases each entry xfailed

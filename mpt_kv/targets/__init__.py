@@ -10,6 +10,11 @@ be imported raises `TargetUnavailable` with the reason. docs/targets.md document
 A spec is resolved once, where it enters (a check's call, the pytest plugin's `target` fixture),
 into a `ResolvedTarget` (`resolve_target`): its name, its factory and what it declares. That
 object is what travels; `target_name`, `resolve` and `build` accept it as they accept a spec.
+
+The same spec may name a model of another decoder family instead of an MPT factory: a
+`FamilyDeclaration` (`mpt_kv.FamilyModel`, mpt_kv/families/own.py), which `resolve_target` returns
+named by the spec; its cases are `FamilyTarget`s, one per variant of its family, that the family
+checks run (docs/targets.md, "A model of another family").
 """
 
 from __future__ import annotations
@@ -183,8 +188,12 @@ class FamilyTarget:
     variant         one of the family's variants ("mha", "gqa", "alibi", ...)
     paths           the cache paths the implementation has (the family checks' cells: index paths)
     oracle          the implementation is transformers itself, family-P0's oracle (no P0 cell)
+    attention       transformers' attention implementation the model is built with ("sdpa", "eager",
+                    ...: `mpt_kv.families.implementations.ATTENTION`, the implementation's attention
+                    axis); None: the builder's own (eager for transformers)
 
-    Named "<implementation>/<family>/<variant>" in test ids, the matrix and known failures; a spec
+    Named "<implementation>/<family>/<variant>" in test ids, the matrix and known failures, the
+    implementation with its attention as "transformers[sdpa]" (`versions.with_attention`); a spec
     string of that form resolves to one (`family_target`)."""
 
     implementation: object
@@ -192,6 +201,7 @@ class FamilyTarget:
     variant: str
     paths: tuple[str, ...] = ("concat", "static")
     oracle: bool = False
+    attention: str | None = None
 
     @property
     def implementation_name(self) -> str:
@@ -204,20 +214,63 @@ class FamilyTarget:
         return self.family if isinstance(self.family, str) else self.family.name
 
     @property
+    def implementation_label(self) -> str:
+        """The implementation as named: 'transformers[sdpa]' (with its attention), 'optimum-habana'."""
+        return versions.with_attention(self.implementation_name, self.attention)
+
+    @property
     def name(self) -> str:
-        return f"{self.implementation_name}/{self.family_name}/{self.variant}"
+        return f"{self.implementation_label}/{self.family_name}/{self.variant}"
+
+
+class FamilyDeclaration:
+    """What a spec names when it names a model of another decoder family instead of an MPT factory:
+    `mpt_kv.FamilyModel` (mpt_kv/families/own.py) is the one kind. `resolve_target` returns it named by
+    the spec that loaded it (`named`); the family checks run its `targets()`, one `FamilyTarget` per
+    variant, with the declaration itself as their implementation (a builder `(family, variant, dtype, *,
+    seed, **options) -> Runner`)."""
+
+    name: str | None = None
+
+    def named(self, name: str) -> "FamilyDeclaration":
+        """This declaration under `name` (the spec that loaded it), unless it names itself."""
+        raise NotImplementedError
+
+    def targets(self) -> list[FamilyTarget]:
+        raise NotImplementedError
 
 
 def family_target(target) -> FamilyTarget:
-    """A FamilyTarget, or its spec "<implementation>/<family>/<variant>" (names, checked where the
-    family checks build it); anything else is an InputError naming the form."""
+    """A FamilyTarget; its spec "<implementation>/<family>/<variant>", where the implementation is a
+    built-in one's name (checked where the family checks build it) or the spec of a family declaration
+    ("mypkg.mpt_kv_target:build/mistral/gqa"); or a family declaration of one variant. Anything else is
+    an InputError naming the forms."""
     if isinstance(target, FamilyTarget):
         return target
+    if isinstance(target, FamilyDeclaration):
+        found = target.targets()
+        if len(found) != 1:
+            raise InputError(f"family target {target.name} runs {len(found)} variants ("
+                             f"{', '.join(t.variant for t in found)}): give one of its targets() or "
+                             f"'{target.name}/<family>/<variant>'")
+        return found[0]
     parts = target.split("/") if isinstance(target, str) else []
     if len(parts) != 3 or not all(parts):
         raise InputError(f"a family check's target is a FamilyTarget or '<implementation>/<family>/<variant>' "
-                         f"(e.g. 'transformers/gpt2/mha'), not {target!r}")
-    return FamilyTarget(*parts)
+                         f"(e.g. 'transformers/gpt2/mha', 'mypkg.mpt_kv_target:build/mistral/gqa'), not {target!r}")
+    if ":" not in parts[0]:
+        implementation, attention = versions.split_attention(parts[0])
+        return FamilyTarget(implementation, *parts[1:], attention=attention)
+    declared = resolve_target(parts[0])
+    if not isinstance(declared, FamilyDeclaration):
+        raise InputError(f"{target!r}: {parts[0]} is an MPT target's factory, not a family declaration "
+                         "(mpt_kv.FamilyModel): the family checks cannot run it")
+    found = [t for t in declared.targets() if (t.family_name, t.variant) == tuple(parts[1:])]
+    if not found:
+        raise InputError(f"{target!r}: {declared.name} runs "
+                         f"{', '.join(f'{t.family_name}/{t.variant}' for t in declared.targets())}, not "
+                         f"{parts[1]}/{parts[2]}")
+    return found[0]
 
 
 def target_name(target: Target) -> str:
@@ -225,6 +278,8 @@ def target_name(target: Target) -> str:
     given, or `module:qualname` for a factory passed as a callable (the spec that would load it)."""
     if isinstance(target, (ResolvedTarget, FamilyTarget)):
         return target.name
+    if isinstance(target, FamilyDeclaration):
+        return target.named(None).name  # its own name, or the spec that loads it
     if isinstance(target, str):
         return target
     if not callable(target):
@@ -298,15 +353,23 @@ def _declared(target: ResolvedTarget, device: str, dtype: torch.dtype) -> Capabi
     return target.build(PROBE, random_state_dict(PROBE), device, dtype).capabilities
 
 
-def resolve_target(target: Target) -> ResolvedTarget:
+def resolve_target(target: Target) -> "ResolvedTarget | FamilyDeclaration":
     """A built-in name, `package.module:factory`, a factory (or a ResolvedTarget, returned as it is)
-    -> the ResolvedTarget; TargetUnavailable if a spec does not load, TypeError if it is no callable."""
+    -> the ResolvedTarget; a spec (or object) that is a family declaration -> that declaration, named
+    by the spec. TargetUnavailable if a spec does not load, TypeError if it is no callable."""
     if isinstance(target, ResolvedTarget):
         return target
     name = target_name(target)  # TypeError for anything that is neither a string nor callable
     factory = target if not isinstance(target, str) else _load(target)
+    if isinstance(factory, FamilyDeclaration):  # `--target mypkg.module:build` naming a model of another family
+        return factory.named(name)
     check_factory(name, factory)
     return ResolvedTarget(name, factory, target)
+
+
+def is_family_declaration(target) -> bool:
+    """Whether a resolved target is a family declaration (its cases are the family checks')."""
+    return isinstance(target, FamilyDeclaration)
 
 
 def factory_error(e: BaseException) -> BaseException:
@@ -349,7 +412,8 @@ def _load(spec: str) -> Factory:
         raise TargetUnavailable(f"target {spec!r}: {module_name} has no {attr!r}")
     if not callable(factory):
         raise TargetUnavailable(f"target {spec!r}: {module_name}.{attr} is a {type(factory).__name__}, not a "
-                                "factory build(cfg, state_dict, device, dtype)")
+                                "factory build(cfg, state_dict, device, dtype) nor a family declaration "
+                                "(mpt_kv.FamilyModel)")
     return factory
 
 
@@ -366,11 +430,22 @@ def _sys_path_hint(module_name: str, error: ImportError) -> str:
             "folder on sys.path), or set PYTHONPATH (e.g. PYTHONPATH=src), or pytest's `pythonpath` ini option")
 
 
+def resolve_mpt(spec: Target) -> ResolvedTarget:
+    """`resolve_target` of a spec that must be an MPT target: a family declaration is an InputError
+    naming where its cases run."""
+    resolved = resolve_target(spec)
+    if isinstance(resolved, FamilyDeclaration):
+        raise InputError(f"target {resolved.name} is a model of another family ({', '.join(sorted({t.family_name for t in resolved.targets()}))}), "
+                         "not an MPT factory: the family checks run it (mpt_kv.conformance.test_families, "
+                         "parametrize_with_checks([it]), or a family check id such as CHECKS['family-P1/concat'])")
+    return resolved
+
+
 def resolve(spec: Target) -> Factory:
     """A built-in name, `package.module:factory` or a factory -> the factory (TargetUnavailable if not)."""
-    return resolve_target(spec).factory
+    return resolve_mpt(spec).factory
 
 
 def build(spec: Target, cfg: ModelConfig, state_dict: dict, device, dtype) -> Runner:
     """A runner of `spec` (a spec, a factory or a ResolvedTarget: resolve once and pass that on)."""
-    return resolve_target(spec).build(cfg, state_dict, device, dtype)
+    return resolve_mpt(spec).build(cfg, state_dict, device, dtype)

@@ -173,6 +173,12 @@ def model_patches(module, hf_module: str, label: str, source: Path | None = None
         raise TargetUnavailable(f"{release()}: adapt_transformers_to_gaudi in {path} patches nothing of "
                                 f"{hf_module}: this release has no Gaudi {label}")
     patches.sort(key=lambda p: p.line)
+    # a name modeling_utils.py imported under another (`from .models.deepseek_v2.modeling_deepseek_v2 import
+    # DeepseekV2ForCausalLM as GaudiDeepseekV2ForCausalLM`, optimum-habana 1.21.2 :336): the module's own name
+    aliases = {a.asname: a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               for a in node.names if a.asname}
+    patches = [dataclasses.replace(p, value=aliases[p.value]) if not hasattr(module, p.value) and p.value in aliases else p
+               for p in patches]
     for p in patches:
         if not hasattr(module, p.value):
             raise TargetUnavailable(f"{release()}: {p}: {module.__name__} has no {p.value!r}")
@@ -266,3 +272,30 @@ def build(cfg, state_dict, device, dtype):
     runner = GaudiStyleRunner(model, device, capabilities=release_capabilities(model))
     runner.version = release()
     return runner
+
+
+def recipe_target(name: str):
+    """The optimum-habana target driven with one of optimum-habana's text-generation recipes
+    (`mpt_kv.recipes.RECIPES`, the one definition the ports' driver reads too, mpt_kv/families/gaudi.py): every
+    cached forward gets the recipe's flags that MPT's forward names (what its prepare_inputs_for_generation
+    passes on), the rest recorded as dropped on the runner (`recipe_dropped`). A factory, as `build`."""
+    from mpt_kv import recipes
+
+    recipe = recipes.RECIPES[name]  # KeyError naming the recipes for an unknown one
+
+    def factory(cfg, state_dict, device, dtype):
+        runner = build(cfg, state_dict, device, dtype)
+        takes = inspect.signature(runner.model.forward).parameters.__contains__
+        runner.forward_kwargs = recipe.forward_kwargs(takes)
+        runner.recipe, runner.recipe_dropped = recipe, recipe.dropped(takes)
+        return runner
+
+    factory.__qualname__ = factory.__name__ = f"recipe_target({name!r})"
+    return factory
+
+
+# The seed PR's command (`--trim_logits --attn_softmax_bf16 --limit_hpu_graphs`, bf16, static shapes; no
+# reuse_cache: generate refuses it for MPT): none of its flags reaches MPT's forward (its runner says so), so its
+# runs are the static path's, as on Gaudi; `python -m mpt_kv devicecheck`'s seed-gaudi step benches it
+seed = recipe_target("seed")
+

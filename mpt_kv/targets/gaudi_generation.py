@@ -87,6 +87,42 @@ def _compiled_function(name: str, path, mtime_ns: int, size: int):
     return fn
 
 
+def optimum_habana_method(name: str, owner: str = "GaudiGenerationMixin"):
+    """The method `name` of the class `owner` in optimum-habana's generation/utils.py, compiled from its
+    source as a plain function `(self, ...)` (its line numbers the file's own), cached by the file as
+    `optimum_habana_function` is: what generate itself runs, called with the model as `self`."""
+    path = generation_utils_path()
+    stat = path.stat()
+    return _compiled_method(owner, name, path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_method(owner: str, name: str, path, mtime_ns: int, size: int):
+    import torch
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    cls = next((node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == owner), None)
+    found = [node for node in (cls.body if cls else []) if isinstance(node, ast.FunctionDef) and node.name == name]
+    if not found:
+        raise TargetUnavailable(f"{path} has no method {owner}.{name}")
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)
+    fn = namespace[name]
+    fn.source = f"{path}:{found[0].lineno}"
+    return fn
+
+
+def pad_past_key_values(model, past_key_values, kv_cache_len: int, pad_len: int, mqa: bool = False):
+    """What optimum-habana's generate does to the prefill's returned cache with --bucket_internal and no
+    reuse_cache, before the first decode (`_sample`, generation/utils.py:2953-2979): its own
+    `GaudiGenerationMixin._pad_past_key_values(model_kwargs)`, which pads every K/V of the prompt's length
+    with `pad_len` zero positions to `kv_cache_len` (in place in the cache's lists). Returns the cache."""
+    kwargs = {"past_key_values": past_key_values, "mqa_model": mqa, "lazy_mode": False, "kv_cache_pad_len": pad_len,
+              "kv_cache_len": kv_cache_len, "decode_attn_batch_split": 1}
+    optimum_habana_method("_pad_past_key_values")(model, kwargs)
+    return kwargs["past_key_values"]
+
+
 def temporary_reorder_cache(model, past_key_values, beam_idx):
     """What the installed optimum-habana's `_beam_search` calls after every step with reuse_cache
     off: its module-level `_temporary_reorder_cache(model, past_key_values, beam_idx)` (1.20 and

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from mpt_kv.errors import InputError, PropertyFailure
+from mpt_kv.errors import AdapterError, InputError, PropertyFailure
 
 
 @dataclass(frozen=True)
@@ -318,6 +318,30 @@ def shared_block_writes(before: dict | None, layout, step) -> list[str]:
                             f"that holds it. A block rows share is read-only: copy-on-write copies it into a fresh "
                             f"block for the row that writes")
     return problems
+
+
+def kv_axes(session, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`session.kv()`, each tensor checked against the order every layout's kv() hands over (module doc):
+    (batch, heads, positions, head_dim), at least the positions written. Another order, such as the
+    (batch, seq, heads, head_dim) a token-major cache stores, is the adapter's error, in one line naming
+    the shape it got and the one expected: the checks that read storages would pass it, P2 would compare
+    its axes crossed. (A cache whose positions equal its heads cannot be told apart by shape.)"""
+    pairs = list(session.kv())
+    B, H, hd, written = session.batch, cfg.n_heads, cfg.head_dim, session.written
+    runner = getattr(session, "runner", None)
+    who = getattr(runner, "name", None) or type(session).__name__
+    for layer, pair in enumerate(pairs):
+        for name, t in zip(("key", "value"), pair):
+            shape = tuple(t.shape)
+            if len(shape) == 4 and shape[0] == B and shape[1] == H and shape[2] >= written and shape[3] == hd:
+                continue
+            seq_first = len(shape) == 4 and shape[0] == B and shape[2] == H and shape[3] == hd
+            raise AdapterError(
+                f"{who}: kv() layer {layer} {name} has shape {shape}, expected (batch {B}, heads {H}, positions >= "
+                f"{written}, head_dim {hd}): kv() hands the cache over as (batch, heads, seq, head_dim)"
+                + ("; this is (batch, seq, heads, head_dim): return the stored tensor's .transpose(1, 2)"
+                   if seq_first else "") + " (docs/targets.md, 'Cache layouts')")
+    return pairs
 
 
 def storage_tensors(session) -> list[tuple[torch.Tensor, torch.Tensor]]:

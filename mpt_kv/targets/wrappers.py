@@ -62,15 +62,24 @@ def with_declared(detected: dict[str, str], declared: Capabilities | None) -> Ca
     return dataclasses.replace(declared, unsupported={**detected, **declared.unsupported})
 
 
+# the names a config gives its longest sequence: mpt-kv's ModelConfig and MPT's, then transformers' other families'
+POSITION_LIMITS = ("max_seq_len", "max_position_embeddings", "n_positions", "seq_length")
+
+
 def model_limits(model: nn.Module, cfg) -> tuple[int, int]:
-    """(max_seq_len, vocab_size) from `cfg` (a ModelConfig) or else the model's own config."""
+    """(max_seq_len, vocab_size) from `cfg` (a ModelConfig, or a family's transformers config: its
+    max_position_embeddings) or else the model's own config."""
     source = cfg if cfg is not None else getattr(model, "config", None)
+    limit = next((getattr(source, n) for n in POSITION_LIMITS if isinstance(getattr(source, n, None), int)), None)
     try:
-        return int(source.max_seq_len), int(source.vocab_size)
+        if limit is None:
+            raise AttributeError(f"{type(source).__name__} has none of {', '.join(POSITION_LIMITS)}")
+        return int(limit), int(source.vocab_size)
     except AttributeError as e:  # one sentence, no chain: the fix is the adapter's, at the runner's construction
         missing = "no cfg= and the model has no .config" if source is None else f"{e}"
         raise AdapterError(f"{type(model).__name__}: pass cfg= (the factory's ModelConfig) to the runner, or give the "
-                           f"model a .config with max_seq_len and vocab_size ({missing})") from None
+                           f"model a .config with max_seq_len and vocab_size ({missing}; a family target's transformers "
+                           "config, with max_position_embeddings, serves as cfg= too)") from None
 
 
 class ModelRunner(Runner):
@@ -107,7 +116,7 @@ class GaudiStyleSession(TokenIdxSession):
     def _forward(self, input_ids, mask, token_idx=None, cache_idx=None):
         if self.path == "concat":
             token_idx = None  # the concat path is the one without token_idx
-        extra = {}  # only what the model takes: an older release has no cache_idx
+        extra = dict(self.runner.forward_kwargs)  # only what the model takes: an older release has no cache_idx
         if token_idx is not None:
             extra["token_idx"] = token_idx
         if cache_idx is not None:
@@ -148,6 +157,7 @@ class GaudiStyleRunner(ModelRunner):
     """
 
     name = "optimum-habana"
+    forward_kwargs: dict = {}  # keyword arguments every cached forward gets (a recipe's flags: targets/gaudi.py)
 
     def __init__(self, model, device=None, *, name: str | None = None, capabilities: Capabilities | None = None,
                  cfg=None, sync: Callable[[], None] | None = None):

@@ -1,0 +1,239 @@
+"""The generate drive and checks (mpt_kv/checks/generate_driver.py, mpt_kv/checks/generate.py), optimum-habana's
+generate on CPU (mpt_kv/targets/gaudi_generate.py) and the generate catalogue (mpt_kv/catalogue/generate_catalogue.py):
+each implementation's own `generate` runs, every call it makes is judged, and what would let a generate cell go
+green without the generate half checked fails (docs/gate.md rows 99-104)."""
+
+import torch
+import pytest
+
+from mpt_kv import CHECKS
+from mpt_kv.catalogue import generate_catalogue
+from mpt_kv.catalogue.generate_catalogue import GENERATE_COLUMNS, GENERATE_DESIGNS, GENERATE_VARIANTS
+from mpt_kv.checks import generate_driver, index
+from mpt_kv.checks.registry import applies
+from mpt_kv.errors import KnownFailuresError, PropertyFailure, Unsupported
+from mpt_kv.findings.patterns import compile_pattern
+from mpt_kv.targets import FamilyTarget
+from mpt_kv.versions import transformers_major
+
+needs_5x = pytest.mark.skipif(generate_catalogue.unavailable() is not None,
+                              reason=f"{generate_catalogue.unavailable()}")
+
+
+def transformers_target(model_class):
+    """An MPT target factory: transformers' MPT of `model_class` (a subclass with one change)."""
+    from mpt_kv.targets.wrappers import TransformersRunner
+
+    def build(cfg, state_dict, device, dtype):
+        model = model_class(cfg.to_hf())
+        model.load_state_dict(state_dict)
+        return TransformersRunner(model.to(device, dtype).eval(), device, name="transformers+test")
+
+    return build
+
+
+# --- the drive runs the implementation's own generate ----------------------------------------------------------
+
+@needs_5x
+def test_the_drive_runs_transformers_own_generate(monkeypatch):
+    """What runs is GenerationMixin's code: a _sample that raises is the cell's crash, named."""
+    from transformers.generation.utils import GenerationMixin
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("transformers' own _sample ran")
+
+    monkeypatch.setattr(GenerationMixin, "_sample", broken)
+    with pytest.raises(PropertyFailure, match="the implementation's generate raised RuntimeError: transformers' own "
+                                              "_sample ran before its first call"):
+        CHECKS["generate/concat/greedy"]("transformers", "cpu", torch.float32)
+
+
+def test_each_mode_and_path_is_a_check_of_the_index():
+    prop = index.by_name("generate")
+    assert prop.runs == "generate" and prop.operations == generate_driver.MODES
+    ids = [c for c in CHECKS if c.startswith("generate/")]
+    assert ids == [f"generate/{p}/{m}" for p in ("concat", "static") for m in generate_driver.MODES]
+
+
+def test_a_family_gets_one_tiny_config_greedy_and_beam_and_prompt_lookup_where_it_has_windows():
+    check = CHECKS["generate/concat/prompt-lookup"]
+    assert applies(check, "transformers")  # every MPT target, every mode
+    assert applies(check, FamilyTarget("transformers", "mistral", "gqa"))  # a window
+    assert not applies(check, FamilyTarget("transformers", "llama", "mha"))  # no window
+    assert not applies(CHECKS["generate/concat/draft"], FamilyTarget("transformers", "mistral", "gqa"))
+    assert applies(CHECKS["generate/static/beam"], FamilyTarget("transformers", "llama", "mha"))
+    assert not applies(CHECKS["generate/static/beam"], FamilyTarget("transformers", "llama", "gqa"))  # not the first
+    assert not applies(CHECKS["generate/static/beam"], FamilyTarget("optimum-habana", "llama", "mha"))  # not yet
+
+
+def test_the_reference_has_no_generate_and_says_so():
+    with pytest.raises(Unsupported, match="ReferenceMPT has no generate"):
+        CHECKS["generate/concat/greedy"]("reference", "cpu", torch.float32)
+
+
+@pytest.mark.skipif(transformers_major() < 5, reason="transformers 4.x's MPT caches views of Wqkv (a known failure)")
+def test_a_clean_generate_passes_and_says_what_it_did():
+    notes = CHECKS["generate/concat/beam"]("transformers", "cpu", torch.float32)
+    assert any("calls" in n and "reorders seen" in n for n in notes), notes
+
+
+def test_bf16_and_other_devices_are_unsupported_not_passed():
+    with pytest.raises(Unsupported, match="runs in float32"):
+        CHECKS["generate/concat/greedy"]("transformers", "cpu", torch.bfloat16)
+
+
+# --- docs/gate.md rows 99-104: a generate cell green without the generate half checked --------------------------
+
+def no_forward_generate():
+    """An MPT whose generate computes the right greedy tokens without calling its top-level forward (through its
+    transformer and lm_head directly): no call the drive could observe."""
+    from transformers import MptForCausalLM
+
+    class NoForward(MptForCausalLM):
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=1, **kwargs):
+            ids, mask = input_ids, attention_mask
+            for _ in range(max_new_tokens):
+                hidden = self.transformer(ids, attention_mask=mask, use_cache=False)[0]
+                token = self.lm_head(hidden[:, -1]).argmax(-1, keepdim=True)
+                ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+            return ids
+
+    return NoForward
+
+
+def test_99_a_generate_that_calls_no_forward_is_an_error():
+    """Seen failing: without the rule the cell passed (its tokens are right, no cache was kept)."""
+    with pytest.raises(RuntimeError, match="returned without a forward call of its model"):
+        CHECKS["generate/concat/greedy"](transformers_target(no_forward_generate()), "cpu", torch.float32)
+
+
+@needs_5x
+def test_100_an_assisted_generate_that_verified_no_candidate_is_an_error(monkeypatch):
+    """Prompt lookup that finds no n-gram proposes nothing, and generate decodes token by token (transformers'
+    PromptLookupCandidateGenerator.get_candidates returns the input unchanged). Seen failing: without the rule
+    the cell passed, assisted decoding never reached."""
+    from transformers.generation import candidate_generator
+
+    monkeypatch.setattr(candidate_generator.PromptLookupCandidateGenerator, "get_candidates",
+                        lambda self, input_ids, **kwargs: (input_ids, None))
+    with pytest.raises(RuntimeError, match="verified no candidates in a k-token call"):
+        CHECKS["generate/concat/prompt-lookup"](
+            transformers_target(generate_catalogue.copying_crop()), "cpu", torch.float32)
+
+
+def test_101_an_exception_of_the_observer_is_an_error_never_the_implementations_crash(monkeypatch):
+    """A known failure xfails only a PropertyFailure (a crash is one): the drive's own bug must not read as the
+    implementation's. Seen failing: the ValueError came out as "the implementation's generate raised"."""
+    from mpt_kv.families import models
+
+    def unreadable(cache):
+        raise ValueError("the drive cannot read this cache")
+
+    monkeypatch.setattr(models, "cached_kv", unreadable)
+    with pytest.raises(generate_driver.ObserverError, match="the generate drive's observer raised ValueError"):
+        CHECKS["generate/concat/greedy"]("transformers", "cpu", torch.float32)
+
+
+@needs_5x
+def test_102_a_cache_kept_after_generate_fails_and_a_declared_pool_passes():
+    """Seen failing: without judge_kept the variant passed every column."""
+    with pytest.raises(PropertyFailure, match="after generate returned: 4 cache storages it made are still alive"):
+        generate_catalogue.run(GENERATE_VARIANTS["cache_kept_after_generate"], "greedy")
+    notes = generate_catalogue.run(GENERATE_DESIGNS["generate_cache_pool"], "greedy")
+    assert any("cache_pool declared" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("pattern", [
+    "the implementation's generate raised RuntimeError",
+    "generate/concat/greedy: the implementation's generate raised",
+    "call 0 \\(prefill\\): the cache it received",
+    "after generate returned: \\d+ cache storages it made are still alive",
+])
+def test_103_a_pattern_naming_only_a_generate_check_s_words_is_refused(pattern):
+    """Seen failing: before the generate checks' lines joined the generic failures these compiled."""
+    def bad(what):
+        return KnownFailuresError(what)
+
+    with pytest.raises(KnownFailuresError, match="matches a generic failure"):
+        compile_pattern(pattern, bad)
+
+
+def stale_token_prepare():
+    """prepare_inputs_for_generation that feeds the token before the last one on decode steps (its position's
+    token one step stale): the cache and the call agree with each other, not with the sequence generate holds."""
+    base = generate_catalogue.copying_crop()
+
+    class Stale(base):
+        def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+            inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+            if inputs["input_ids"].shape[1] == 1 and input_ids.shape[1] > 1:
+                inputs["input_ids"] = input_ids[:, -2:-1].clone()
+            return inputs
+
+    return Stale
+
+
+@needs_5x
+def test_104_each_call_is_judged_against_the_sequence_generate_holds_not_what_it_fed():
+    """The oracle is prepare_inputs_for_generation's input (the sequence generate holds), so a call fed another
+    token than generate's fails at that call. Seen failing with the oracle over the forward's own input."""
+    with pytest.raises(PropertyFailure, match="call 1 \\(decode\\): logits .* vs an uncached forward of the same "
+                                              "weights over the 7 positions generate held"):
+        CHECKS["generate/concat/greedy"](transformers_target(stale_token_prepare()), "cpu", torch.float32)
+
+
+# --- the catalogue ----------------------------------------------------------------------------------------------
+
+def test_the_generate_catalogue_names_its_columns_origins_and_killers():
+    assert GENERATE_COLUMNS == generate_driver.MODES
+    assert not set(GENERATE_DESIGNS) & set(GENERATE_VARIANTS)
+    for name, e in [*GENERATE_DESIGNS.items(), *GENERATE_VARIANTS.items()]:
+        assert e.name == name and e.why and e.origin and e.path in ("concat", "static"), name
+        assert set(e.modes) <= set(GENERATE_COLUMNS) and set(e.killed_by) <= set(e.modes), name
+        assert getattr(generate_catalogue, name) is e.build  # a target factory: --target ...:<name>
+    assert all(e.killed_by for e in GENERATE_VARIANTS.values())
+
+
+@pytest.mark.killmatrix
+@needs_5x
+@pytest.mark.parametrize("name", sorted(GENERATE_VARIANTS))
+def test_each_generate_variant_is_killed_by_its_columns(name):
+    e = GENERATE_VARIANTS[name]
+    for mode in e.killed_by:
+        with pytest.raises(PropertyFailure):
+            generate_catalogue.run(e, mode)
+
+
+@pytest.mark.killmatrix
+@needs_5x
+@pytest.mark.parametrize("name", sorted(GENERATE_DESIGNS))
+def test_each_generate_design_passes_its_columns(name):
+    e = GENERATE_DESIGNS[name]
+    for mode in e.modes:
+        generate_catalogue.run(e, mode)
+
+
+@needs_5x
+def test_killmatrix_exit_status_on_the_generate_rows(capsys):
+    from mpt_kv.cli import killmatrix
+
+    assert killmatrix.main(["--check", "generate", "--variant", "beam_reorder_keys_only"]) == 0
+    out = capsys.readouterr().out
+    assert "beam_reorder_keys_only (concat)" in out and "killed*" in out
+
+
+# --- optimum-habana's own generate on CPU -----------------------------------------------------------------------
+
+@pytest.mark.optimum_habana
+def test_optimum_habanas_generate_runs_on_cpu_and_transformers_is_restored_after():
+    from transformers.generation.utils import GenerationMixin
+
+    from mpt_kv.targets import gaudi_generate
+
+    before = GenerationMixin.generate
+    notes = CHECKS["generate/static/greedy"]("optimum-habana", "cpu", torch.float32)
+    assert any("calls" in n for n in notes), notes
+    assert GenerationMixin.generate is before
+    with gaudi_generate.gaudi_generation() as module:
+        assert GenerationMixin.generate is module.GaudiGenerationMixin.generate
+    assert GenerationMixin.generate is before
