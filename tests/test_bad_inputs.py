@@ -571,7 +571,7 @@ def family_names():
     pytest.param(entry_with_zero_kv_heads, InputError, r"family entry llama: kv_heads\(config\)=0 must be >= 1",
                  id="entry-kv_heads-0"),
     pytest.param(lambda: family_names()[2]["optimum-habana"](family_names()[0]["llama"], "mha", frobnicate=1), InputError,
-                 r"gaudi_runner: unknown options \['frobnicate'\]; it takes \['reuse_cache'\]", id="gaudi_runner-option"),
+                 r"gaudi_runner: unknown options \['frobnicate'\]; it takes \['reuse_cache', 'recipe'\]", id="gaudi_runner-option"),
     pytest.param(lambda: family_names()[1]["family-P1"]("transformers", "llama", "mha", "concat", "fp16"), InputError,
                  r"dtype 'fp16': the suite supports fp32, bf16 only", id="family-check-dtype"),
 ])

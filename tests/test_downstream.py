@@ -78,9 +78,17 @@ def graph_capture(out: str, path: str) -> str:
     return full_row(out, path)[7]
 
 
+OPS = [p for p in index.PROPERTIES if p.column == "ops"]  # every ops property of the index: one column each
+
+
 def ops_row(out: str, path: str) -> list[str]:
     """The same row's cells under the ops columns (ops-P1 ... ops-retained, where the run has them)."""
-    return full_row(out, path)[8:]
+    return full_row(out, path)[8:8 + len(OPS)]
+
+
+def generate_cell(out: str, path: str) -> list[str]:
+    """The same row's cell under generate, the column after the operations' (where the run has it)."""
+    return full_row(out, path)[8 + len(OPS):]
 
 
 def full_row(out: str, path: str) -> list[str]:
@@ -106,8 +114,8 @@ def test_the_projects_own_tests_pass_from_the_installed_wheel(installed):
     assert row(out, "static") == ["-"] + ["passed"] * 6, out
     assert row(out, "static+bucket4") == ["-"] + ["unsupported"] * 4 + ["-", "unsupported"], out
     assert (graph_capture(out, "static"), graph_capture(out, "concat")) == ("passed", "-"), out
-    ops = [p for p in index.PROPERTIES if p.column == "ops"]  # every ops property of the index: one column each
-    assert ops_row(out, "static") == ["unsupported"] * len(ops), out  # declared: tinympt generates greedily
+    assert ops_row(out, "static") == ["unsupported"] * len(OPS), out  # declared: tinympt generates greedily
+    assert generate_cell(out, "static") == ["unsupported"], out  # TinyMptForCausalLM has no generate
     assert "TinyMptForCausalLM.forward has no cache_idx parameter" in out, out
     assert "clip_qkv (tinympt has no clip_qkv" in out and "not drawn, its other cases run" in out, out
 

@@ -15,6 +15,7 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure
 from mpt_kv.families import FAMILIES, variants
+from mpt_kv import recipes
 from mpt_kv.findings import entries as kf
 from mpt_kv.checks.family import CHECKS
 from mpt_kv.checks.family_driver import pinning_problems
@@ -201,11 +202,13 @@ def test_the_matrix_cells_follow_the_implementations():
     assert not [c for c, _ in transformers_cells if c.path == "static+reuse"]
     assert {t.attention for c, t in transformers_cells if c.property == "family-P0"} == {"sdpa"}
     assert {c.path for c, _ in port_cells if c.property == "family-P0"} == {"concat"}
-    assert {c.path for c, _ in port_cells if c.property == "family-P2"} == {"static", "static+reuse"}
-    # concat: P0 and 5 more; each static path: P2 and 5 more; a remote-code family's port is its own
-    # oracle (baichuan): no P0 cell
+    assert {recipes.split(c.path)[0] for c, _ in port_cells if c.property == "family-P2"} == {"static", "static+reuse"}
+    # concat: P0 and 5 more; each static path, a recipe's included (mpt_kv/recipes.py: on the variant it
+    # names): P2 and 5 more; a remote-code family's port is its own oracle (baichuan): no P0 cell
     remote = [(f, v) for f, v in variants() if FAMILIES[f].remote_code]
-    assert remote and len(port_cells) == len(variants()) * 3 * 6 - len(remote)
+    recipe_paths = [r for f, v in variants() for r in recipes.recipes_of(f, v)]
+    assert recipe_paths and not [c for c, _ in port_cells if c.path.startswith("concat@")]
+    assert remote and len(port_cells) == (len(variants()) * 3 + len(recipe_paths)) * 6 - len(remote)
     assert not [t for c, t in port_cells if c.property == "family-P0" and t.family_name == "baichuan"]
     # transformers: each variant with sdpa (P0 and 5 more on concat, 6 on static) and with eager (no P0); a
     # remote-code family has no transformers model, nor an attention axis: one target (its cells unsupported)

@@ -178,9 +178,10 @@ def test_a_fork_that_fixed_an_inherited_bug_fails_as_xpass_until_it_declares_the
         P3(fork_of_transformers(owngqa), known_failures=KnownFailures())
     fixed = fork_of_transformers(owngqa, fixes={"family-P3/concat": "the window is copied, not sliced"})
     assert P3(fixed, known_failures=KnownFailures()) == []
-    # the other entry of transformers 5.x it inherits (family-memory on concat) still applies to it
+    # the other entries of transformers 5.x it inherits (family-memory and the generate drive on concat) still
+    # apply to it
     assert [(e.property, e.path) for e in inherited(fixed, KnownFailures().entries) if e.applies()] == [
-        ("family-memory", "concat")]
+        ("family-memory", "concat"), ("generate", "concat")]
 
 
 def test_fixes_naming_no_inherited_entry_is_an_error(owngqa):
