@@ -30,6 +30,18 @@ def run(pytester, monkeypatch):
 
 # --- 3. targets ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("named", [False, True])
+def test_a_family_case_of_a_missing_builtin_skips_unless_named(monkeypatch, named):
+    """The one rule of the family and generate modules: a built-in implementation whose package is not installed
+    skips its cases with the reason, and fails them where --target names it."""
+    monkeypatch.setattr(parametrize, "missing_package", lambda spec: "optimum-habana is not installed")
+    config = FakeConfig(target=["optimum-habana"] if named else [])
+    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception), match="optimum-habana is not installed") as raised:
+        parametrize.require_package(config, "optimum-habana")
+    assert raised.type is (pytest.fail.Exception if named else pytest.skip.Exception)
+    assert ("is named with --target" in str(raised.value)) == named
+
+
 def test_named_targets_that_cannot_load_stop_the_run(tmp_path, monkeypatch):
     (tmp_path / "broken_dep.py").write_text("import a_dependency_that_is_not_installed\n")
     monkeypatch.syspath_prepend(str(tmp_path))

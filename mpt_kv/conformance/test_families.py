@@ -29,8 +29,7 @@ import torch
 
 from mpt_kv.checks.registry import CHECKS, applies, is_family, parametrize_with_checks
 from mpt_kv.families.implementations import IMPLEMENTATIONS, family_targets
-from mpt_kv.plugin.options import named_targets
-from mpt_kv.plugin.parametrize import family_declarations, generated_targets, missing_package
+from mpt_kv.plugin.parametrize import family_declarations, generated_targets, require_package
 
 
 def cases(implementations):
@@ -61,9 +60,5 @@ def pytest_generate_tests(metafunc):
 
 
 def test_family(request, check, target, device, dtype):
-    missing = missing_package(target.implementation_name)
-    if missing:
-        if target.implementation_name in named_targets(request.config):
-            pytest.fail(f"target {target.implementation_name} is named with --target but {missing}", pytrace=False)
-        pytest.skip(f"target {target.implementation_name} unavailable: {missing}")
+    require_package(request.config, target.implementation_name)
     check(target, device, dtype)

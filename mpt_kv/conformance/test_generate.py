@@ -17,8 +17,8 @@ from mpt_kv.checks import index
 from mpt_kv.checks.registry import CHECKS, applies, parametrize_with_checks
 from mpt_kv.families.habana_standin import device_label
 from mpt_kv.families.implementations import IMPLEMENTATIONS, family_targets, users_attention
-from mpt_kv.plugin.options import dtype_names, named_targets
-from mpt_kv.plugin.parametrize import family_declarations, generated_kinds, generated_targets, missing_package
+from mpt_kv.plugin.options import dtype_names
+from mpt_kv.plugin.parametrize import family_declarations, generated_kinds, generated_targets, require_package
 
 GENERATE = [c for c in CHECKS.values() if index.by_name(c.property).runs == "generate"]
 
@@ -64,9 +64,5 @@ def test_generate(check, target, device, dtype):
 
 
 def test_generate_family(request, check, target, device, dtype):
-    missing = missing_package(target.implementation_name)
-    if missing:
-        if target.implementation_name in named_targets(request.config):
-            pytest.fail(f"target {target.implementation_name} is named with --target but {missing}", pytrace=False)
-        pytest.skip(f"target {target.implementation_name} unavailable: {missing}")
+    require_package(request.config, target.implementation_name)
     check(target, device, dtype)

@@ -175,6 +175,16 @@ def missing_package(spec: str) -> str | None:
     return versions.missing(spec) if spec in BUILTIN_PACKAGES else None
 
 
+def require_package(config, spec: str) -> None:
+    """A family case's rule (test_families, test_generate) for a built-in implementation whose package is not
+    installed: an error where --target names it, else a skip with the reason."""
+    missing = missing_package(spec)
+    if missing:
+        if spec in named_targets(config):
+            pytest.fail(f"target {spec} is named with --target but {missing}", pytrace=False)
+        pytest.skip(f"target {spec} unavailable: {missing}")
+
+
 def check_named_targets(config) -> None:
     """A named target that cannot even be imported stops the run before any test (decided by
     the controller under xdist)."""
