@@ -129,8 +129,8 @@ def requirement_of(metadata: str, name: str) -> Requirement | None:
     return None
 
 
-def download(release: Release, folder: Path) -> Path:
-    """The release's wheel (or sdist), fetched once with pip download --no-deps."""
+def download(release: Release, folder: Path, timeout: float = 600) -> Path:
+    """The release's wheel (or sdist), fetched once with pip download --no-deps, within `timeout` seconds."""
     folder.mkdir(parents=True, exist_ok=True)
     names = [f"{stem}-{release.version}{end}" for stem in {release.package, release.package.replace("-", "_")}
              for end in ("-", ".tar.gz")]
@@ -141,8 +141,8 @@ def download(release: Release, folder: Path) -> Path:
     if fetched():
         return fetched()[0]
     out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder),
-                          f"{release.package}=={release.version}"], capture_output=True, text=True, timeout=600,
-                         env=pip_env())
+                          f"{release.package}=={release.version}"], capture_output=True, text=True,
+                         timeout=max(1.0, timeout), env=pip_env())
     found = fetched()
     if out.returncode != 0 or not found:
         raise SweepError(f"pip download --no-deps {release.package}=={release.version} failed: "
@@ -242,11 +242,18 @@ def _ensure_venv(folder: Path, lock: dict, install, timeout: float) -> dict:
             return old
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    out = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True, timeout=300)
+    # every step within the caller's limit (the sweep's --timeout): no fixed limit of its own, which a loaded
+    # machine can pass while the release's time is not spent
+    deadline = time.monotonic() + timeout
+    try:
+        out = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True,
+                             timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired as e:
+        raise SweepError(f"python -m venv: timed out after {e.timeout:.0f} s") from e
     if out.returncode != 0:
         raise SweepError(f"python -m venv failed: {last_line(out.stderr)}")
-    install(venv, timeout)
-    frozen = pip(venv, ["freeze", "--all"], 120, "pip freeze").split()
+    install(venv, deadline - time.monotonic())
+    frozen = pip(venv, ["freeze", "--all"], deadline - time.monotonic(), "pip freeze").split()
     written = {"request": lock, "installed": frozen}
     lock_file.write_text(json.dumps(written, indent=1))
     return written
@@ -272,12 +279,12 @@ def release_env(release: Release, envs: Path, base: tuple[Path, str], deadline: 
     base_venv, base_digest = base
     artifact = None
     if release.package == "optimum-habana":
-        artifact = download(release, envs / "_downloads")
+        artifact = download(release, envs / "_downloads", deadline - time.monotonic())
         requirements = [transformers_pin(release, artifact, listing), *runtime_requirements(artifact)]
     elif release.package == "llm-foundry":
         # its model code alone (mpt_kv/targets/foundry.py): the transformers it pins, the three small packages
         # its files import, and the release itself with --no-deps (not composer, streaming, mlflow, its torch)
-        artifact = download(release, envs / "_downloads")
+        artifact = download(release, envs / "_downloads", deadline - time.monotonic())
         requirements = [transformers_pin(release, artifact, listing), *FOUNDRY_MODEL_IMPORTS]
     else:
         requirements = [f"transformers=={release.version}"]

@@ -289,7 +289,7 @@ def test_the_docs_commands_run_the_whole_suite_on_an_own_family_model_from_outsi
     argv = [a for a in argv if not re.fullmatch(r"[A-Z_]+=\S*", a)]
     assert argv[:3] == ["python", "-m", "pytest"], command
     done = subprocess.run([str(python), *argv[1:], "-p", "no:cacheprovider"], cwd=where, capture_output=True, text=True,
-                          timeout=600, env={**env, "CI": "true", **extra})
+                          timeout=HANG_S, env={**env, "CI": "true", **extra})
     out = done.stdout + done.stderr
     assert done.returncode == code, f"{command!r} ({comment}) exited {done.returncode}, not {code}:\n{out[-4000:]}"
     if "-m hpu" in command:
@@ -316,7 +316,7 @@ def test_own_family_recipe_runs_the_docs_command_and_its_own_tests(family_projec
     assert cmds[0].startswith(family_docs_commands()[0][1] + " --strict-known-failures"), cmds[0]
     python, where, env, _ = family_project
     done = subprocess.run([str(python), *cmds[1].split()[1:], "-p", "no:cacheprovider"], cwd=where, capture_output=True,
-                          text=True, timeout=600, env={**env, "CI": "true"})
+                          text=True, timeout=HANG_S, env={**env, "CI": "true"})
     out = done.stdout + done.stderr
     assert done.returncode == 0 and re.search(r"\b\d+ passed\b", out) and "failed" not in out.split("passed")[-1], out
     assert family_row(out, "concat")["family-P3"] == "passed", out  # the family checks of its own test file ran

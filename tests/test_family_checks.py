@@ -18,6 +18,7 @@ from mpt_kv.checks.family import CHECKS
 from mpt_kv.families.implementations import IMPLEMENTATIONS, limits_of, transformers_runner
 from mpt_kv.families.models import build
 from mpt_kv.targets import Capabilities, Runner
+from plugin_testing import HANG_S
 
 pytest.importorskip("transformers")
 cache_utils = pytest.importorskip("transformers.cache_utils")
@@ -488,7 +489,7 @@ def test_on_hpu_the_implementation_runs_there_and_marks_a_step_after_each_call()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests" / "fakes" / "hpu")]),
            "MPT_KV_FAKE_HPU": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", HPU_FAMILY_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["device"] == "hpu", found

@@ -29,6 +29,7 @@ from mpt_kv.findings.known import entries_for, inherited
 from mpt_kv.targets import ResolvedTarget, family_target, resolve_target, target_name
 
 from mpt_kv.versions import transformers_major
+from plugin_testing import HANG_S
 
 pytestmark = pytest.mark.skipif(transformers_major() < 5, reason="owngqa's adapter and the known failures used here are "
                                 "transformers 5.x's (the cpu env); the ohabana env's forks: tests/test_fork_from_docs.py")
@@ -295,7 +296,7 @@ def test_family(check, target, device, dtype, monkeypatch):
 
 def run_pytest(pytester, *args):
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--rootdir={pytester.path}", "-rA", *args,
-                                         timeout=300)
+                                         timeout=HANG_S)
 
 
 @pytest.fixture

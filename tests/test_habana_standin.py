@@ -504,7 +504,7 @@ def test_where_habana_frameworks_is_installed_the_kernel_standin_is_never_import
     import subprocess
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fakes" / "hpu"), str(ROOT)])}
-    out = subprocess.run([sys.executable, "-c", ON_A_GAUDI], env=env, capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", ON_A_GAUDI], env=env, capture_output=True, text=True, timeout=HANG_S,
                          cwd=tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text

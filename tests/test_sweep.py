@@ -316,7 +316,7 @@ def test_an_llm_foundry_env_is_its_transformers_pin_its_model_imports_and_the_re
     """llm-foundry's requirements pin the training stack (composer, torch 2.7): the env holds only the transformers
     its wheel pins (0.18 on write it 'v4.49.0'), the three packages its model files import, and the wheel with --no-deps."""
     artifact = wheel(tmp_path, ["mosaicml[gcs,mlflow]<0.33,>=0.32.1", "transformers<4.52,>=v4.51.0", "torch<2.7.1,>=2.7.0"])
-    monkeypatch.setattr(releases, "download", lambda rel, folder: artifact)
+    monkeypatch.setattr(releases, "download", lambda rel, folder, timeout: artifact)
     seen, calls = {}, []
 
     def ensure_venv(folder, lock, install, timeout):
@@ -381,3 +381,33 @@ def test_one_checkouts_concurrent_sweeps_build_an_env_once(tmp_path, monkeypatch
         t.join()
     assert len(builds) == 1, f"built {len(builds)} times"
     assert results[0] == results[1]
+
+
+def test_an_envs_every_step_is_limited_by_the_callers_timeout_only(tmp_path, monkeypatch):
+    """The sweep's --timeout bounds a release's install and run; no step has a fixed limit of its own (a
+    `python -m venv` limited to 300 s failed the real sweep test on a loaded machine with 3000 s to spend)."""
+    limits = {}
+
+    def fake_venv(cmd, **kwargs):
+        limits["venv"] = kwargs["timeout"]
+        python = Path(cmd[-1]) / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text("")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def fake_pip(venv, args, timeout, what):
+        limits[args[0]] = timeout
+        return "transformers==4.55.4"
+
+    monkeypatch.setattr(releases.subprocess, "run", fake_venv)
+    monkeypatch.setattr(releases, "pip", fake_pip)
+    releases.ensure_venv(tmp_path / "env", {"request": 1}, lambda venv, t: limits.setdefault("install", t), 3000)
+    assert limits["venv"] == 3000
+    assert 2990 < limits["install"] <= 3000 and 2990 < limits["freeze"] <= 3000, limits
+
+    def slow_venv(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(releases.subprocess, "run", slow_venv)
+    with pytest.raises(releases.SweepError, match=r"python -m venv: timed out after 3000 s"):
+        releases.ensure_venv(tmp_path / "other", {"request": 2}, lambda venv, t: None, 3000)

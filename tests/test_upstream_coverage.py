@@ -19,6 +19,7 @@ from mpt_kv.upstream import selection as S
 from mpt_kv.upstream import tables
 from mpt_kv.upstream.measure import FORMAT
 from mpt_kv.upstream.source import NEEDS_HPU, NOT_DRIVEN, OPTION, Reason, SourceFile
+from plugin_testing import HANG_S
 
 # A model file as the ports write them: an attention class with a flash branch on an HPU kernel, a reuse_cache
 # branch, a helper called only from the flash branch, a class used only where the kernel imported, a dict of
@@ -221,7 +222,7 @@ def test_a_measurement_follows_python_subprocesses_as_xdist_workers_are_followed
     try:
         measurement.start()
         try:
-            subprocess.run([sys.executable, "-c", SUBPROCESS], check=True, timeout=300)
+            subprocess.run([sys.executable, "-c", SUBPROCESS], check=True, timeout=HANG_S)
         finally:
             measurement.stop()
         summary = summarize(measurement.coverage, ["transformers"], "ci")
@@ -325,7 +326,7 @@ def test_bad_arguments_exit_2_with_one_line_before_any_work(tmp_path, argv, mess
 def test_run_refuses_an_unwritable_coverage_summary_before_any_test(tmp_path):
     (tmp_path / "f").write_text("a file where a folder is meant")
     done = subprocess.run([sys.executable, "-m", "mpt_kv", "run", "--coverage", str(tmp_path / "f" / "x.json")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 2 and "--coverage" in done.stderr and "exists and is not a folder" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "reports").exists()
 
@@ -391,7 +392,7 @@ def test_the_docs_commands_work_when_copied(tmp_path):
     for command in section_commands()[1:]:
         argv = command.split()
         assert argv[:3] == [".venv/bin/python", "-m", "mpt_kv"], command
-        done = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
         if "--check" in argv:
             assert done.returncode == 1 and "is stale" in done.stderr, done.stderr
         else:
