@@ -267,3 +267,29 @@ def test_every_build_of_a_family_gives_the_config_the_first_build_gave():
     again_model, again = build(FAMILIES["llama"], "mha")
     assert first._attn_implementation == again._attn_implementation == "eager"
     assert again is not first and again_model is not model
+
+
+def test_the_tiny_configs_build_without_transformers_warnings():
+    """A family's tiny config keeps the Hub config's special token ids outside its small vocabulary (GPT-2's
+    50256): transformers 5.x warns about it, once per process, at collection, at the top of every run. No
+    check reads them; the config is built with that warning silenced, and the logger's level restored."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("transformers.configuration_utils")
+    warning_once = getattr(logging.Logger, "warning_once", None)
+    if hasattr(warning_once, "cache_clear"):
+        warning_once.cache_clear()  # transformers' once-per-message cache: an earlier build would hide a warning
+    log.addHandler(handler)
+    level = log.level
+    try:
+        for name, family in FAMILIES.items():
+            if family.remote_config is None:
+                for variant in family.variants:
+                    family.config(variant)
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+    assert log.level == level

@@ -4,6 +4,7 @@ little the checks need to build it tiny and read its cache (one `Family` per mod
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -190,7 +191,16 @@ class Family:
             return getattr(load_config_module(self), name)(**{**self.tiny, **self.variants[variant]})
         from transformers import AutoConfig
 
-        return AutoConfig.for_model(self.model_type, **{**self.tiny, **self.variants[variant]})
+        # transformers 5.x warns that a tiny vocabulary does not hold the Hub configs' special token ids (GPT-2's
+        # 50256, Phi-3's 32000); no check reads them (the generate drive passes its own eos), and the warning,
+        # printed at collection, was noise at the top of every run
+        log = logging.getLogger("transformers.configuration_utils")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            return AutoConfig.for_model(self.model_type, **{**self.tiny, **self.variants[variant]})
+        finally:
+            log.setLevel(level)
 
     def layer_windows(self, config, stored: bool = False) -> list:
         """Each caching layer's window (None: global), checked: a window is an int >= 2 (stored:
