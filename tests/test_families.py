@@ -18,7 +18,7 @@ from mpt_kv.families import FAMILIES, variants
 from mpt_kv import recipes
 from mpt_kv.findings import entries as kf
 from mpt_kv.checks.family import CHECKS
-from mpt_kv.checks.family_driver import pinning_problems
+from mpt_kv.checks.family_storage import pinning_problems
 from mpt_kv.catalogue.family_catalogue import store_first_as_given
 
 # the family checks by property: (implementation, family, variant, path) -> notes

@@ -450,16 +450,16 @@ def test_memory_names_cached_tensors_in_another_dtype_than_the_models():
 def test_the_entry_check_counts_transformers_cache_in_the_models_dtype():
     """The family entry describes the cache's shape: transformers' keys cached in fp32 in a bf16 model are
     family-memory's finding (a known failure can take it), not an error that says the entry is wrong."""
-    from mpt_kv.checks import family_driver
+    from mpt_kv.checks import family_driver, family_storage
 
     c = family_driver.context_of("transformers", FAMILY, VARIANT, "concat", torch.bfloat16)
     session = type("S", (), {"written": 6, "max_len": 16})()
     shape = (2, 2, 6, 8)  # batch 2, 2 K/V heads, 6 tokens, head dim 8
     kv = [(layer, name, torch.zeros(shape, dtype=torch.float32 if name == "key" else torch.bfloat16))
           for layer in (0, 1) for name in ("key", "value")]
-    family_driver.check_entry_bytes(c, session, kv)  # elements as the entry says: no error
+    family_storage.check_entry_bytes(c, session, kv)  # elements as the entry says: no error
     with pytest.raises(RuntimeError, match="the family entry says 1536"):
-        family_driver.check_entry_bytes(c, session, kv[:2])  # one layer missing: the entry misdescribes it
+        family_storage.check_entry_bytes(c, session, kv[:2])  # one layer missing: the entry misdescribes it
 
 
 HPU_FAMILY_SCRIPT = """

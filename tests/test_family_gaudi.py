@@ -249,7 +249,7 @@ def docs_fork() -> str:
 
 @needs_oh
 def test_a_fork_of_a_port_loads_and_its_views_are_found(tmp_path, monkeypatch):
-    from mpt_kv.checks.family_driver import pinning_problems
+    from mpt_kv.checks.family_storage import pinning_problems
 
     (tmp_path / "gpt2_views_fork.py").write_text(docs_fork())
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -20,7 +20,7 @@ expected to kill it (`killed_by`, as an MPT variant's). The change itself is one
 The implementation is a builder of its own (`implementation(entry)`, named "transformers+<entry>"):
 transformers' runner of the family, then `model_change`. So a row is judged as any implementation of
 the family is (against transformers' uncached forward of the same weights), never as transformers
-itself (whose cache must hold what the family entry says: `family_driver.check_entry_bytes`). An
+itself (whose cache must hold what the family entry says: `family_storage.check_entry_bytes`). An
 entry's `attention` builds that runner with one of transformers' attention implementations (the sdpa
 rows: the change lives in the sdpa path; the oracle keeps eager attention, as for every family target).
 

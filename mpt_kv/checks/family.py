@@ -57,11 +57,11 @@ import torch
 from mpt_kv.checks import index, running
 from mpt_kv.checks.accounting import model_state_tensors
 from mpt_kv.checks.compare import Crash, PropertyFailure, assert_close, describe, judged_before, shares_memory
-from mpt_kv.checks.family_driver import (OPS_PADS, FamilyContext, FusedCapture, Step, analytic_bytes, analytic_range,
-                                         assisted_program, beam_program, cache_tokens, call, check_entry_bytes,
-                                         check_fused_modules, copy_of, drive, last_positions, pinning_problems, prompt,
-                                         range_text, returned_positions, run_program, storage_report, warm_up,
-                                         aligned_written, token_positions)
+from mpt_kv.checks.family_driver import (OPS_PADS, FamilyContext, Step, assisted_program, beam_program, call, copy_of,
+                                         drive, last_positions, prompt, returned_positions, run_program, warm_up)
+from mpt_kv.checks.family_storage import (FusedCapture, aligned_written, analytic_bytes, analytic_range, cache_tokens,
+                                          check_entry_bytes, check_fused_modules, pinning_problems, range_text,
+                                          storage_report, token_positions)
 from mpt_kv.checks.storages import storage_key
 from mpt_kv.errors import InputError, Registry, Unsupported
 from mpt_kv.families.implementations import ORACLE_ATTENTION

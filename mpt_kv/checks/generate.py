@@ -4,7 +4,7 @@ applies (docs/generate.md). One check per cache path and mode (`generate/<path>/
 
 - the cache each call received (after whatever generate did between calls: a beam reorder, an assisted
   crop, a rebuild) and returned: its storages hold nothing but the cached tensors (P3's coverage rule,
-  `family_driver.pinning_problems`: a view of a fused projection's output, the tail a crop by slicing
+  `family_storage.pinning_problems`: a view of a fused projection's output, the tail a crop by slicing
   keeps) and exactly the analytic K/V of the positions generate holds, or on the static path of the
   cache's slots (the memory checks' analytic bytes; `Subject.analytic`);
 - each call's logits equal an uncached forward of the same weights over the sequence generate held for
@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from mpt_kv.checks.compare import PropertyFailure, assert_close, crash_of, describe, tolerance
-from mpt_kv.checks.family_driver import aligned_written, token_positions
+from mpt_kv.checks.family_storage import aligned_written, token_positions
 from mpt_kv.checks.generate_driver import ASSISTED, Drive, Subject, observe, reordered
 from mpt_kv.checks.properties import check_token
 

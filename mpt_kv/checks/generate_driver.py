@@ -47,7 +47,8 @@ import torch
 
 from mpt_kv.checks import index
 from mpt_kv.checks.cases import Case
-from mpt_kv.checks.family_driver import FusedCapture, pinning_problems, prompt
+from mpt_kv.checks.family_driver import prompt
+from mpt_kv.checks.family_storage import FusedCapture, pinning_problems, storage_report
 from mpt_kv.checks.results import snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import TargetUnavailable, Unsupported
@@ -90,7 +91,7 @@ class Subject:
     draft      () -> a model of the same implementation with other weights (assisted decoding's draft), or
                None where the implementation takes none
     storage    what is wrong with a cache's storages, in the words of the kind's own checks (a family's:
-               family-P3's and family-memory's, `family_driver.storage_report`); None: `storage_problems`'
+               family-P3's and family-memory's, `family_storage.storage_report`); None: `storage_problems`'
     """
 
     name: str
@@ -227,8 +228,8 @@ def static_length(cache, kv) -> int | None:
 def storage_problems(subject: Subject, kv, positions: int, static_len: int | None, fused: dict, batch: int,
                      recording: int = 0) -> list[str]:
     """What is wrong with a cache's storages: the subject's own reading where it has one (a family's:
-    `family_driver.storage_report`, the family checks' words), else P3's coverage rule
-    (`family_driver.pinning_problems`: a view of a fused projection's output, or of any buffer its cached
+    `family_storage.storage_report`, the family checks' words), else P3's coverage rule
+    (`family_storage.pinning_problems`: a view of a fused projection's output, or of any buffer its cached
     tensors do not fill) and the analytic bytes (the distinct storages hold the K/V of `positions` tokens, or
     of `static_len` slots, for `batch` rows; `recording`: `Subject.analytic`'s)."""
     if subject.storage is not None:
@@ -609,10 +610,8 @@ def family_subject(runner, c, draft: Callable[[], object] | None) -> Subject:
             return model(input_ids=ids, attention_mask=mask, use_cache=False, **extra).logits.float()
 
     def storage(kv, fused, positions, static_len, batch, recording):
-        """family-P3's and family-memory's reading (`family_driver.storage_report`), their words: the pinned views
+        """family-P3's and family-memory's reading (`family_storage.storage_report`), their words: the pinned views
         and the bytes beyond the family's analytic K/V, with what the family entry declares stored."""
-        from mpt_kv.checks.family_driver import storage_report
-
         c.batch = batch
         tokens = static_len if static_len is not None else positions
         total, expected, why = storage_report(c, kv, fused, tokens, analytic(batch, positions, static_len, recording),

@@ -234,7 +234,7 @@ class Family:
         positions, :281-310; measured on gemma2's w = 4 layer: 6 positions after a 3-token call, 7 after a
         decode, 3 after a crop back 2, 4 after the next decode). That is the most it may hold: a window
         that keeps only its w - 1 (recorded_from None) is the other end of the range the family checks
-        accept (`mpt_kv.checks.family_driver.analytic_range`)."""
+        accept (`mpt_kv.checks.family_storage.analytic_range`)."""
         out = []
         for w in self.layer_windows(config, stored):
             if static_len is not None:
