@@ -25,7 +25,7 @@ Modes (one check id each, per cache path: concat = generate's dynamic cache, sta
 `cache_implementation="static"`, or the implementation's own static path):
 
     greedy          batch 2, left-padded, greedy, `NEW_TOKENS`
-    beam            the same prompt, `NUM_BEAMS` beams (a reorder of the cache after every step)
+    beam            the same prompt, `generate_flavours.NUM_BEAMS` beams (a reorder of the cache after every step)
     prompt-lookup   assisted decoding with prompt lookup: batch 1 (upstream allows no other: transformers
                     5.24 generation/utils.py:4023, optimum-habana 1.21.2 generation/utils.py:1740), a
                     prompt with a repeated n-gram so candidates are proposed and rejected (a k-token
@@ -35,7 +35,6 @@ Modes (one check id each, per cache path: concat = generate's dynamic cache, sta
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import inspect
@@ -49,6 +48,7 @@ from mpt_kv.checks import index
 from mpt_kv.checks.cases import Case
 from mpt_kv.checks.family_driver import prompt
 from mpt_kv.checks.family_storage import FusedCapture, pinning_problems, storage_report
+from mpt_kv.checks.generate_flavours import CANDIDATES, Flavour, flavour_of, generate_positions, has_generate
 from mpt_kv.checks.results import snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import TargetUnavailable, Unsupported
@@ -58,8 +58,6 @@ MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft
 ASSISTED = ("prompt-lookup", "draft")
 NEW_TOKENS = 4         # greedy and beam: decode steps after the prefill
 ASSISTED_NEW_TOKENS = 6
-NUM_BEAMS = 3          # 3 beams of the drive's prompt move rows at a reorder (2 often keep their order)
-CANDIDATES = 3         # prompt_lookup_num_tokens; the draft's num_assistant_tokens
 NGRAM = (5, 9, 13)     # the assisted prompt: this 3-gram twice, so prompt lookup proposes its continuation
 ASSISTED_PROMPT = 8
 # an MPT target's model (the kill matrix's first case's: 3 heads, ALiBi slopes of a non-power of two)
@@ -87,7 +85,7 @@ class Subject:
                (a rollback of rejected candidates must restore what the call evicted)
     kv_of      a cache object as the forward received or returned it -> [(layer, "key"/"value", tensor)]
                as stored
-    flavour    how this implementation's generate is called (`Flavour`)
+    flavour    how this implementation's generate is called (`generate_flavours.Flavour`)
     draft      () -> a model of the same implementation with other weights (assisted decoding's draft), or
                None where the implementation takes none
     storage    what is wrong with a cache's storages, in the words of the kind's own checks (a family's:
@@ -101,7 +99,7 @@ class Subject:
     fused: list
     analytic: Callable[..., int]
     kv_of: Callable[[object], list]
-    flavour: "Flavour"
+    flavour: Flavour
     draft: Callable[[], torch.nn.Module] | None = None
     storage: Callable | None = None  # (kv, fused, positions, static_len, batch, recording) -> problems, its own words
 
@@ -112,28 +110,6 @@ class Subject:
     @property
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
-
-
-@dataclass
-class Flavour:
-    """How one implementation's `generate` is called and read.
-
-    name        "transformers", "optimum-habana", "llm-foundry"
-    generate    (model, ids, mask, mode, path, new_tokens, draft) -> sequences (B, S + new_tokens)
-    context     () -> a context manager entered around every generate call (optimum-habana: its
-                generation functions in place of transformers' for the call, as adapt_transformers_to_gaudi
-                puts them)
-    sequence    (args, kwargs) of `prepare_inputs_for_generation` -> (ids, mask) of the sequence generate
-                holds (optimum-habana's static shapes: the prefix before `token_idx`)
-    pool        model -> ([tensors], where): the cache generate itself keeps on the model between calls by
-                design (transformers 4.x's static cache, `self._cache`), accepted as a cache pool and noted
-    """
-
-    name: str
-    generate: Callable
-    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    sequence: Callable | None = None
-    pool: Callable | None = None  # model -> (the cached tensors generate keeps on the model by design, where)
 
 
 # --- one observed call ------------------------------------------------------------------------------------------
@@ -446,7 +422,7 @@ def observe(subject: Subject, mode: str, path: str, poison: bool = True) -> Driv
     return drive
 
 
-# --- the flavours ------------------------------------------------------------------------------------------------
+# --- what generate did between two calls (whose generate and how it is called: `generate_flavours`) -----------
 
 def reordered(previous, call) -> bool:
     """Generate moved rows between two calls: the cache was not cropped and the sequence it holds now does
@@ -454,99 +430,6 @@ def reordered(previous, call) -> bool:
     t = previous.ids.shape[1]
     return (call.received == previous.returned and call.ids.shape[0] == previous.ids.shape[0]
             and call.ids.shape[1] > t and not torch.equal(call.ids[:, :t], previous.ids))
-
-
-def unreachable_eos(model) -> int:
-    """An end-of-sequence token no step can choose (the vocabulary's size: past every logit), so every row
-    generates `new_tokens` and no candidate is cut at one; None is no option (transformers 4.55's prompt lookup
-    passes it to isin unguarded, candidate_generator.py:1076)."""
-    return int(model.config.vocab_size)
-
-
-# what transformers' generate refuses by design, with its own message (never a crash): Unsupported, its reason
-REFUSALS = {
-    "Assisted decoding requires a cache that can be cropped": "transformers' assisted decoding refuses a cache it "
-    "cannot crop (a static cache longer than a layer's sliding window: StaticSlidingWindowLayer.is_croppable; 5.24 "
-    "generation/utils.py:4098-4101)",
-    "assisted generate is not supported with Static cache classes": "transformers 4.x's assisted decoding refuses a "
-    "static cache (4.55.4 generation/utils.py:2529-2530)",
-}
-
-
-def transformers_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft=None):
-    """transformers' GenerationMixin.generate (5.x and 4.x alike), greedy, with an end-of-sequence token no step
-    reaches (`unreachable_eos`: every row generates `new_tokens`); what it refuses by design (`REFUSALS`) is
-    Unsupported."""
-    try:
-        return call_generate(model, ids, mask, mode, path, new_tokens, draft)
-    except ValueError as e:
-        why = next((reason for start, reason in REFUSALS.items() if str(e).startswith(start)), None)
-        if why is None:
-            raise
-        raise Unsupported(f"{type(model).__name__} {mode} on {path}: {why}: {e}") from e
-
-
-def call_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft=None):
-    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, use_cache=True, num_beams=1,
-                  pad_token_id=0, eos_token_id=unreachable_eos(model))
-    if path == "static":
-        kwargs["cache_implementation"] = "static"
-    if mode == "beam":
-        kwargs.update(num_beams=NUM_BEAMS, num_return_sequences=1, early_stopping=False, length_penalty=0.0)
-    elif mode == "prompt-lookup":
-        kwargs["prompt_lookup_num_tokens"] = CANDIDATES
-    elif mode == "draft":
-        draft.generation_config.num_assistant_tokens = CANDIDATES
-        draft.generation_config.num_assistant_tokens_schedule = "constant"
-        kwargs["assistant_model"] = draft
-    return model.generate(ids, **kwargs)
-
-
-def transformers_pool(model):
-    """transformers 4.x's generate keeps its static cache on the model and resets it for the next call of the
-    same shapes (`_get_cache`: `self._cache`, 4.55.4 generation/utils.py:1890-1954): a cache pool of generate's
-    own; 5.x makes a new cache per call (none kept)."""
-    from mpt_kv.families.models import cached_kv
-
-    cache = getattr(model, "_cache", None)
-    if cache is None:
-        return [], ""
-    return [t for _, _, t in cached_kv(cache)], ("transformers 4.x generate's static cache kept on the model "
-                                                 "(self._cache, reset and reused by the next call: generation/"
-                                                 "utils.py _get_cache)")
-
-
-TRANSFORMERS = Flavour("transformers", transformers_generate, pool=transformers_pool)
-
-
-def flavour_of(model) -> Flavour:
-    """The generate a model is driven by: optimum-habana's for its ports (`mpt_kv.targets.gaudi_generate`),
-    transformers' GenerationMixin otherwise (transformers' models, llm-foundry's under its pinned
-    transformers, a user's model that inherits it)."""
-    if type(model).__module__.startswith("optimum.habana"):
-        from mpt_kv.targets import gaudi_generate
-
-        drive = functools.partial(gaudi_generate.gaudi_generate, candidates=CANDIDATES, num_beams=NUM_BEAMS,
-                                  eos=unreachable_eos)
-        return Flavour("optimum-habana", drive, context=gaudi_generate.gaudi_generation,
-                       sequence=gaudi_generate.gaudi_sequence)
-    return TRANSFORMERS
-
-
-def has_generate(model) -> str | None:
-    """Why `model` cannot be driven by generate (None: it can)."""
-    if not callable(getattr(model, "generate", None)) or not callable(getattr(model, "prepare_inputs_for_generation",
-                                                                              None)):
-        return (f"{type(model).__name__} has no generate (and prepare_inputs_for_generation): the generate drive runs "
-                "an implementation's own generate")
-    return None
-
-
-def generate_positions(mask: torch.Tensor) -> torch.Tensor:
-    """The position ids transformers' generate gives each row: counted from its first real token (the
-    attention mask's cumsum - 1; transformers 5.24 generation/utils.py:919-921, 4.55.4 in
-    prepare_inputs_for_generation), a padding slot's 0 (masked: it reaches no real token)."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
 # --- the two kinds of target --------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def gaudi_generation():
 def gaudi_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft=None, *, candidates: int,
                    num_beams: int, eos):
     """GaudiGenerationMixin.generate on CPU (module doc), greedy, with an end-of-sequence token no step reaches
-    (`eos(model)`); the drive's beams and candidates (`mpt_kv.checks.generate_driver`: it builds this flavour)."""
+    (`eos(model)`); the drive's beams and candidates (`mpt_kv.checks.generate_flavours`: it builds this flavour)."""
 
     module = generation_module()
     config = gaudi_config(module, model)
