@@ -19,8 +19,10 @@ What a check's caller sees:
 and the files and tools behind them: BaselineError (stored ceilings), KnownFailuresError (a
 known-failures file), PortError (an optimum-habana port), MeterError (a memory meter),
 BuildError (the benchmark's target), SweepError (a release the sweep could not run),
-ProfileError (the stored gate profile: missing, malformed or edited), AliasedComparison (a check
-comparing a buffer with itself: a bug in the check).
+ProfileError (the stored gate profile: missing, malformed or edited), SummaryError (a coverage
+summary), ObserverError (the generate drive's own hook), StandInError (llm-foundry's code reaching
+the training stack's stand-in), StandinOutOfScope (an HPU kernel stand-in called outside a port's
+forward), AliasedComparison (a check comparing a buffer with itself: a bug in the check).
 
 No torch here: the pytest plugin imports this module before a worker's device card is pinned.
 """
@@ -176,6 +178,23 @@ class SweepError(Exception):
 
 class ProfileError(Exception):
     """The stored gate profile cannot be used (missing, malformed, edited): the message says why and what to run."""
+
+
+class SummaryError(ValueError):
+    """A file that is not a summary of `run --coverage`, or summaries that cannot be put side by side."""
+
+
+class ObserverError(RuntimeError):
+    """mpt-kv's own observer raised inside a hook of the generate drive (reading a cache it did not
+    expect): an error of the drive, never a crash of the implementation."""
+
+
+class StandInError(TargetBroken):
+    """llm-foundry's model code used the training stack's stand-in: it must never run any of it."""
+
+
+class StandinOutOfScope(RuntimeError):
+    """A stand-in HPU kernel called outside the forward of a port declared to use it."""
 
 
 # --- registries --------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from mpt_kv.checks.family_storage import FusedCapture, pinning_problems, storage
 from mpt_kv.checks.generate_flavours import CANDIDATES, Flavour, flavour_of, generate_positions, has_generate
 from mpt_kv.checks.results import snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
-from mpt_kv.errors import TargetUnavailable, Unsupported
+from mpt_kv.errors import ObserverError, TargetUnavailable, Unsupported
 from mpt_kv.model.config import ModelConfig
 
 MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft
@@ -225,11 +225,6 @@ def storage_problems(subject: Subject, kv, positions: int, static_len: int | Non
 
 
 # --- the observer -----------------------------------------------------------------------------------------------
-
-class ObserverError(RuntimeError):
-    """mpt-kv's own observer raised inside a hook (reading a cache it did not expect): an error of the
-    drive, never a crash of the implementation."""
-
 
 def observing(method):
     """A hook body whose exception is the observer's own, kept apart from the implementation's crashes."""

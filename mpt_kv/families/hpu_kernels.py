@@ -43,14 +43,12 @@ import types
 import torch
 import torch.nn.functional as F
 
+from mpt_kv.errors import StandinOutOfScope
+
 # how many times each stand-in ran, by name (the tests read it)
 CALLS: collections.Counter = collections.Counter()
 # the open kernel scope (habana_standin.kernel_scope): how deep, and the kernels its port declared
 _scope = {"depth": 0, "kernels": frozenset()}
-
-
-class StandinOutOfScope(RuntimeError):
-    """A stand-in kernel called outside the forward of a port declared to use it."""
 
 
 def _enter(name: str) -> None:

@@ -72,7 +72,7 @@ from pathlib import Path
 import torch
 
 from mpt_kv import versions
-from mpt_kv.errors import InputError, TargetBroken, TargetUnavailable
+from mpt_kv.errors import InputError, StandInError, TargetBroken, TargetUnavailable
 from mpt_kv.model.session import Session
 from mpt_kv.targets import Capabilities
 from mpt_kv.targets.wrappers import ModelRunner
@@ -166,10 +166,6 @@ def register_bare_parents(root: Path, name: str) -> None:
 
 
 # --- the stand-in for the training stack --------------------------------------------------------------
-
-class StandInError(TargetBroken):
-    """llm-foundry's model code used the training stack's stand-in: it must never run any of it."""
-
 
 class _AbsentType(type):
     """The stand-in's classes: reading any attribute of the class itself (`dist.get_local_rank`) raises too."""

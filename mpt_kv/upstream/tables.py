@@ -16,13 +16,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpt_kv.errors import SummaryError
 from mpt_kv.upstream import selection as S
 from mpt_kv.upstream.measure import FORMAT
 from mpt_kv.upstream.source import REASONS
-
-
-class SummaryError(ValueError):
-    """A file that is not a summary of `run --coverage`, or summaries that cannot be put side by side."""
 
 
 def load(paths) -> list[dict]:
