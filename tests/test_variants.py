@@ -12,6 +12,7 @@ from mpt_kv.catalogue import killmatrix as KM
 from mpt_kv.catalogue.designs import DESIGNS
 from mpt_kv.catalogue.variants import COLUMNS, VARIANTS, Variant, no_change
 from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.errors import Unsupported
 from mpt_kv.cli import killmatrix as killmatrix_cli
 from mpt_kv.targets import resolve
 
@@ -201,6 +202,24 @@ def test_a_declared_capability_gap_is_unsupported_not_a_pass(monkeypatch):
     build = runner_factory("no_static", capabilities=Capabilities(unsupported={"static": "no static path here"}))
     cell = KM.run_column("static-shape", build, "no_static", CPU, torch.float32, {})
     assert (cell.result, cell.detail) == ("unsupported", "no_static: no static path here")
+
+
+def _raise(error):
+    raise error
+
+
+@pytest.mark.parametrize("error, cell", [
+    (None, ("survived", "")),
+    (PropertyFailure("P1 step 2: logits differ"), ("killed", "P1 step 2: logits differ")),
+    (IndexError("index 9 is out of bounds"), ("killed (error: IndexError)",
+                                              "IndexError: index 9 is out of bounds [row r, path=static]")),
+    (Unsupported("no static path here"), ("unsupported", "no static path here")),
+])
+def test_every_cell_is_read_by_the_one_rule(error, cell):
+    """MPT, family and generate cells alike: a finding is a kill, a crash a kill named as one, a declared gap
+    unsupported (never survived), a return survived (KM.reading)."""
+    got = KM.reading(lambda: None if error is None else _raise(error), "row r, path=static")
+    assert (got.result, got.detail) == cell
 
 
 def test_the_matrix_in_two_processes_is_the_matrix_in_one():

@@ -177,7 +177,8 @@ def unavailable(column: str) -> str | None:
 def run_column(column: str, build, name: str, device, dtype, runners: dict) -> Cell:
     """Run one column (its properties of the index, in index order) over every case and path until
     the first failure, through the run layer (`mpt_kv.checks.running.Run`: the context, the oracles,
-    the property's function), on runners built once per case (`runners_for`)."""
+    the property's function), on runners built once per case (`runners_for`); each input read by
+    `reading`, the column "unsupported" when no input ran."""
     reason = unavailable(column)
     if reason:
         return Cell("n/a", reason)
@@ -191,7 +192,8 @@ def run_column(column: str, build, name: str, device, dtype, runners: dict) -> C
                 check = Check(f"{prop.name}/{path_label(path, bucket)}", prop.name, path, bucket)
                 for fields in inputs(prop, mc, bucket):
                     case = fields.pop("case")
-                    try:
+
+                    def one(case=case, fields=fields, path=path, bucket=bucket, check=check):
                         # the corner cases have their own model; every other input runs on the matrix case's,
                         # with the weights its oracles are built from (the case's seed: a bf16 row's fp32 twin)
                         shared = case.cfg == mc.case.cfg and case.seed == mc.case.seed
@@ -199,55 +201,50 @@ def run_column(column: str, build, name: str, device, dtype, runners: dict) -> C
                         runner.require(path, "bucket" if bucket else None, dtype_feature(dtype), device.type)
                         run = running.Run(check, target, device, dtype)
                         run.check_case(runner, run.context(case, **fields))
+
+                    cell = reading(one, f"{case.describe()}, path={path}, bucket={bucket}")
+                    if cell.killed:
+                        return cell
+                    if cell.result == "unsupported":
+                        skipped = cell.detail
+                    else:
                         ran += 1
-                    except Unsupported as e:  # a pytest skip: not an Exception
-                        skipped = str(e.msg)
-                    except PropertyFailure as e:
-                        return Cell("killed", first_line(e))
-                    except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
-                        return Cell(f"killed (error: {type(e).__name__})",
-                                    f"{type(e).__name__}: {first_line(e)} [{case.describe()}, path={path}, "
-                                    f"bucket={bucket}]")
     return Cell("survived") if ran else Cell("unsupported", skipped)
 
 
 def run_family_column(column: str, entry: FamilyEntry, dtype: torch.dtype = torch.float32) -> Cell:
     """One family column on one family row: its family check (by property) on the entry's
     implementation and path (family-P2: static), the entry's patch applied around it, on cpu, in
-    `dtype` (the matrix's fp32; tests/test_family_catalogue.py runs bf16 too); the same reading as
-    `run_column` (a PropertyFailure "killed", another exception "killed (error: X)", `Unsupported`
-    "unsupported")."""
+    `dtype` (the matrix's fp32; tests/test_family_catalogue.py runs bf16 too), read by `reading`."""
     reason = family_catalogue.unavailable()
     if reason:
         return Cell("n/a", reason)
-    try:
-        family_catalogue.run(entry, column, dtype=dtype)
-    except Unsupported as e:  # a pytest skip: not an Exception
-        return Cell("unsupported", str(e.msg))
-    except PropertyFailure as e:
-        return Cell("killed", first_line(e))
-    except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
-        return Cell(f"killed (error: {type(e).__name__})", f"{type(e).__name__}: {first_line(e)} "
-                    f"[{entry.family}/{entry.variant}, path={entry.path}]")
-    return Cell("survived")
+    return reading(lambda: family_catalogue.run(entry, column, dtype=dtype),
+                   f"{entry.family}/{entry.variant}, path={entry.path}")
 
 
 def run_generate_column(column: str, entry: GenerateEntry) -> Cell:
     """One generate column (a mode) on one generate row: the generate check of that mode on the row's path,
-    on its factory (cpu, float32); the same reading as `run_column`. A mode the row does not run, or a build
+    on its factory (cpu, float32), read by `reading`. A mode the row does not run, or a build
     without transformers 5.x, reads "n/a" with the reason."""
     reason = generate_catalogue.unavailable() or entry.skipped(column)
     if reason:
         return Cell("n/a", reason)
+    return reading(lambda: generate_catalogue.run(entry, column), f"{entry.name}, path={entry.path}, mode={column}")
+
+
+def reading(call, where: str) -> Cell:
+    """The one rule by which every kill-matrix cell (MPT, family and generate rows alike) reads a check's
+    outcome: a PropertyFailure is "killed"; any other exception a kill too, reported as such ("killed (error:
+    X)", naming `where`); `Unsupported` (a pytest skip: not an Exception) "unsupported"; a return "survived"."""
     try:
-        generate_catalogue.run(entry, column)
-    except Unsupported as e:  # a pytest skip: not an Exception
+        call()
+    except Unsupported as e:
         return Cell("unsupported", str(e.msg))
     except PropertyFailure as e:
         return Cell("killed", first_line(e))
     except Exception as e:  # noqa: BLE001  a crash is a kill too, reported as such
-        return Cell(f"killed (error: {type(e).__name__})", f"{type(e).__name__}: {first_line(e)} [{entry.name}, "
-                    f"path={entry.path}, mode={column}]")
+        return Cell(f"killed (error: {type(e).__name__})", f"{type(e).__name__}: {first_line(e)} [{where}]")
     return Cell("survived")
 
 
