@@ -7,6 +7,7 @@ What a check's caller sees:
                         dtype, case, step, operation, layer and the error's size or bytes
       TargetRaised      the target's own call raised (the crash rule made it a verdict)
         Crash           ... with the operation, the exception and the steps judged before it
+      Failures          independent failures of one check (family-ops' two programs), each judged
     Unsupported         the target declares it does not implement what the case needs (a skip)
     KnownFailure        with `known_failures=`: the PropertyFailure a known-failures entry names (an xfail)
     UnexpectedPass      with `known_failures=`: a case an entry covers passed (the entry is stale: XPASS)
@@ -106,8 +107,26 @@ class TargetRaised(PropertyFailure):
     failure (Finding)."""
 
 
+class Failures(PropertyFailure):
+    """Independent failures of one check, each judged on its own: family-ops runs its beam program and its
+    assisted program each on a fresh session, so a crash of the first must not hide what the second does.
+    A known-failure entry explains it only when it explains every one (`Entry.explains`, the rule for an
+    exception group); its message is theirs, numbered, one per line."""
+
+    def __init__(self, failures):
+        self.exceptions = tuple(failures)
+        super().__init__("\n".join(f"({i}) {e}" for i, e in enumerate(self.exceptions, 1)))
+
+
+def failure_of(failures: list) -> PropertyFailure | None:
+    """The one failure to raise for a check's independent parts: None, the one, or `Failures` of all."""
+    return None if not failures else failures[0] if len(failures) == 1 else Failures(failures)
+
+
 class _FindingType(type):
     def __instancecheck__(cls, exc) -> bool:
+        if isinstance(exc, Failures):  # a finding only when every one of them is
+            return all(isinstance(e, cls) for e in exc.exceptions)
         return isinstance(exc, PropertyFailure) and not isinstance(exc, TargetRaised)
 
 

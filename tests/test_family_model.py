@@ -219,6 +219,19 @@ def test_a_projects_own_file_holds_entries_about_its_family_targets(owngqa, slic
         KnownFailures(own)
 
 
+def test_an_entry_of_one_dtype_applies_by_hand_in_that_dtype_only(owngqa, slice_bug, tmp_path):
+    """The by-hand rule reads the case's dtype and device as the plugin does: an entry naming bfloat16 is
+    the known failure of the bf16 case, and the fp32 case fails as it is."""
+    own = tmp_path / "known.json"
+    own.write_text("""[{"target": "owngqa.mpt_kv_target:build/mistral/gqa", "property": "family-P3", "path": "concat",
+      "dtype": "bfloat16", "device": "cpu", "pattern": "is a view of a buffer", "reason": "bf16 only, until #12"}]""")
+    with pytest.raises(KnownFailure, match="bf16 only"):
+        P3(owngqa.build, "cpu", torch.bfloat16, known_failures=KnownFailures(own))
+    with pytest.raises(BaseException, match=SLICE) as raised:  # an xfail escaping here would read as one
+        P3(owngqa.build, "cpu", "fp32", known_failures=KnownFailures(own))
+    assert type(raised.value) is PropertyFailure, type(raised.value)
+
+
 # --- a modeling module: a copy of transformers' file, loaded without patching transformers ------------------------
 
 def copy_of_transformers_mistral(where: Path, package: str, absolute: bool = True) -> str:

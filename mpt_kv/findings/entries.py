@@ -163,11 +163,11 @@ class Entry:
 
     def explains(self, exc: BaseException | None) -> bool:
         """The failure is the known one: a PropertyFailure (every one, when hypothesis reports
-        several) whose message the pattern finds."""
+        several, or a check reports `Failures` of its independent parts) whose message the pattern finds."""
         if exc is None:
             return False
-        group = getattr(exc, "exceptions", None)  # an exception group of distinct failures
-        if group is not None and not isinstance(exc, PropertyFailure):
+        group = getattr(exc, "exceptions", None)  # an exception group, or Failures, of distinct failures
+        if group is not None:
             return bool(group) and all(self.explains(e) for e in group)
         return isinstance(exc, PropertyFailure) and self.pattern.search(str(exc)) is not None
 
@@ -296,8 +296,11 @@ def own_family_entry(raw, i: int, file: str) -> Entry:
         raise bad(f"unknown path {raw['path']!r}; expected one of {FAMILY_PATHS}")
     if not raw["reason"].strip():
         raise bad("'reason' is empty: say what fails and why it is kept")
+    check_dtype(raw, bad)
+    # its dtype and device kept: dropped, an entry about one dtype's failure would xfail every dtype's
     return Entry(i, raw["target"], raw["property"], raw["reason"], compile_pattern(raw["pattern"], bad),
-                 raw.get("path"), None, parse_when(raw.get("when", {}), bad), file, None, raw.get("upstream", ""))
+                 raw.get("path"), None, parse_when(raw.get("when", {}), bad), file, None, raw.get("upstream", ""),
+                 dtype=raw.get("dtype"), device=raw.get("device"))
 
 
 def load(path: str | Path = MPT_FILE) -> list[Entry]:

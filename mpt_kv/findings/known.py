@@ -28,8 +28,10 @@ import torch
 
 from mpt_kv.checks import index
 from mpt_kv.checks.registry import CHECKS, applies
+from mpt_kv.devices import as_device
 from mpt_kv.errors import KnownFailure, KnownFailuresError, UnexpectedPass
 from mpt_kv.findings.entries import FAMILY_FILE, MPT_FILE, Entry, load, load_families, match, same_target
+from mpt_kv.model.config import as_dtype
 from mpt_kv.targets import FamilyDeclaration, FamilyTarget, family_target, resolve_mpt
 
 
@@ -132,14 +134,15 @@ class KnownFailures:
     def __repr__(self) -> str:
         return f"KnownFailures({str(self.file)!r}: {len(self.entries)} entries)"
 
-    def entry(self, check, target) -> Entry | None:
-        """The entry that applies to `check` on `target` (resolved), or None."""
+    def entry(self, check, target, device="cpu", dtype=torch.float32) -> Entry | None:
+        """The entry that applies to `check` on `target` (resolved) on `device` in `dtype`, or None: the
+        plugin's rule, the case's dtype and device kind included (an entry may name either)."""
         return match(target.name, check.property, check.path, entries_for(target, self.entries), check.bucket,
-                     check.id)
+                     check.id, str(as_dtype(dtype)).replace("torch.", ""), as_device(device).type)
 
     def check(self, check, target, device="cpu", dtype=torch.float32, *, ceilings=None) -> list[str]:
         target = family_target(target) if index.by_name(check.property).family else resolve_mpt(target)
-        entry = self.entry(check, target)
+        entry = self.entry(check, target, device, dtype)
         if entry is None:
             return check(target, device, dtype, ceilings=ceilings)
         kind, fixed = words_for(entry)
