@@ -22,8 +22,9 @@ known-failures file), PortError (an optimum-habana port), MeterError (a memory m
 BuildError (the benchmark's target), SweepError (a release the sweep could not run),
 ProfileError (the stored gate profile: missing, malformed or edited), SummaryError (a coverage
 summary), ObserverError (the generate drive's own hook), StandInError (llm-foundry's code reaching
-the training stack's stand-in), StandinOutOfScope (an HPU kernel stand-in called outside a port's
-forward), AliasedComparison (a check comparing a buffer with itself: a bug in the check).
+the training stack's stand-in), AliasedComparison (a check comparing a buffer with itself: a bug in the check). One
+lives elsewhere: StandinOutOfScope (an HPU kernel stand-in called outside a port's forward), in
+mpt_kv/families/hpu_kernels.py, which the standalone repros ship verbatim and so imports nothing of mpt-kv.
 
 No torch here: the pytest plugin imports this module before a worker's device card is pinned.
 """
@@ -210,10 +211,6 @@ class ObserverError(RuntimeError):
 
 class StandInError(TargetBroken):
     """llm-foundry's model code used the training stack's stand-in: it must never run any of it."""
-
-
-class StandinOutOfScope(RuntimeError):
-    """A stand-in HPU kernel called outside the forward of a port declared to use it."""
 
 
 # --- registries --------------------------------------------------------------------------------------------

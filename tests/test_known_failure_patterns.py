@@ -246,3 +246,30 @@ def test_shipped_entries_are_upstreams_and_a_projects_are_its_own(tmp_path):
                     "mpt_kv_known_failures.json").read_text())
     assert words_for(known_failures.load(own)[0]) == (
         "known failure of this project (mpt_kv_known_failures.json)", f"it is fixed, remove or narrow the entry in {own}")
+
+
+# --- a case with several known failures: each of its independent failures explained by one entry ---------------
+
+def test_each_independent_failure_of_a_case_needs_an_entry_of_its_own(tmp_path):
+    """family-ops runs two programs; each one's failure is its own finding. The case is known only when every
+    one of them is explained, by any of the case's applying entries (a beam entry must not hide an assisted
+    crash)."""
+    from mpt_kv.errors import Failures, PropertyFailure
+
+    case = {"target": "transformers/gpt2/mha", "property": "family-ops", "when": {"transformers": ">=4.0"},
+            "upstream": "transformers/generation/utils.py:1"}
+    beam = {**case, "path": "concat", "reason": "r", "pattern": "reorder raised AttributeError: no _reorder_cache"}
+    crop = {**case, "path": "concat", "reason": "r", "pattern": "crop raised AttributeError: 'tuple' has no crop"}
+    anywhere = {**case, "reason": "r", "pattern": "prefill raised RuntimeError: a port-wide failure"}
+    entries = known.load_families(write(tmp_path, [beam, crop, anywhere]))
+    both = Failures([PropertyFailure("family-ops beam step 1: the implementation's reorder raised AttributeError: "
+                                     "no _reorder_cache"),
+                     PropertyFailure("family-ops assisted step 1: the implementation's crop raised AttributeError: "
+                                     "'tuple' has no crop")])
+    applying = known.matching("transformers/gpt2/mha", "family-ops", "concat", entries)
+    assert [e.pattern.pattern for e in applying] == [beam["pattern"], crop["pattern"], anywhere["pattern"]]
+    assert known.explaining(applying, both) == applying[:2]
+    assert known.explaining(applying[:1] + applying[2:], both) is None  # no entry explains the crop
+    assert known.explaining(applying, Failures([both.exceptions[0], RuntimeError("an adapter's own bug")])) is None
+    assert [e.pattern.pattern for e in known.matching("transformers/gpt2/mha", "family-ops", "static", entries)] == [
+        anywhere["pattern"]]

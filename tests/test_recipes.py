@@ -168,6 +168,20 @@ def test_every_flash_cell_runs_the_standins_fusedsdpa_and_leaves_no_hpu_behind(p
     assert device_label(FamilyTarget("optimum-habana", family, variant), "cpu", path) == "cpu+standin"
 
 
+def test_a_flash_cell_scopes_the_standin_another_ports_import_left_in_the_module(ports, monkeypatch):
+    """A port module first imported as a dependency of a port that declares the kernel stand-in keeps the stand-in's
+    FusedSDPA; a flash recipe cell of a port that declares none must still run it inside its scope (order-dependent:
+    llama's module imported under mixtral's port's stand-in failed llama's flash cells with StandinOutOfScope)."""
+    from mpt_kv.families import hpu_kernels
+    from mpt_kv.families.ports import load_port_module
+
+    monkeypatch.setattr(load_port_module(FAMILIES["llama"]), "FusedSDPA", hpu_kernels.FusedSDPA)
+    runner = ports.gaudi_runner(FAMILIES["llama"], "gqa", torch.float32, recipe="flash-bucket")
+    before = hpu_kernels.CALLS["FusedSDPA"]
+    runner.session("static", 16).prefill(*prompt_of("llama", "gqa"))
+    assert hpu_kernels.CALLS["FusedSDPA"] > before
+
+
 def test_a_plain_cell_runs_no_standin_and_keeps_its_label(ports):
     from mpt_kv.families import hpu_kernels
     from mpt_kv.families.habana_standin import device_label

@@ -20,6 +20,7 @@ from mpt_kv.checks.family import CHECKS
 from mpt_kv.checks.index import by_name
 from mpt_kv.checks.running import function_of
 from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.errors import Failures
 from mpt_kv.checks.properties import Context
 from mpt_kv.families import FAMILIES
 from mpt_kv.findings import entries as family_known
@@ -38,7 +39,7 @@ CRASH = "The expanded size of the tensor (9) must match the existing size (6) at
 
 class Session:
     """transformers' real session; `wrong_decode` adds 0.5 to a decode's logits (the rows see the
-    same tokens: a value bug), `crash` makes that operation raise the port's RuntimeError."""
+    same tokens: a value bug), `crash` makes that operation (or those, a tuple) raise the port's RuntimeError."""
 
     def __init__(self, inner, wrong_decode, crash, paths=("concat", "static")):
         self.inner, self.wrong_decode, self.crash, self.paths = inner, wrong_decode, crash, paths
@@ -47,7 +48,7 @@ class Session:
         return getattr(self.inner, name)
 
     def _maybe_crash(self, operation):
-        if operation == self.crash:
+        if operation in ((self.crash,) if isinstance(self.crash, str) else self.crash or ()):
             raise RuntimeError(CRASH)
 
     def prefill(self, ids, mask):
@@ -63,6 +64,7 @@ class Session:
         return self.inner.extend(tokens)
 
     def crop(self, n):
+        self._maybe_crash("crop")
         return self.inner.crop(n)
 
     def reorder(self, index):
@@ -137,8 +139,24 @@ def test_ops_a_reorder_crash_names_the_steps_judged_before_it():
                                               r"reorder raised RuntimeError: .*\(judged before it and held: prefill, "
                                               r"step 0 \(decode\)\)"):
         CHECKS["family-ops"](implementation(False, "reorder"), FAMILY, VARIANT, "concat")
-    with pytest.raises(PropertyFailure, match=r"^family-ops beam step 0 \(decode\): logits vs"):
+    # the wrong decode: both programs decode, and each program's failure is its own
+    with pytest.raises(Failures) as both:
         CHECKS["family-ops"](implementation(True, "reorder"), FAMILY, VARIANT, "concat")
+    assert [str(e).split(":")[0] for e in both.value.exceptions] == [
+        "family-ops beam step 0 (decode)", "family-ops assisted step 2 (decode)"]
+
+
+def test_ops_a_beam_program_crash_hides_no_assisted_program_crash():
+    """Each program runs on its own session: a known beam-search crash (a port without _reorder_cache) must
+    not stop the assisted program, whose own crash is another finding (a tuple cache without crop)."""
+    with pytest.raises(Failures) as both:
+        CHECKS["family-ops"](implementation(False, ("reorder", "crop")), FAMILY, VARIANT, "concat")
+    beam, assisted = map(str, both.value.exceptions)
+    assert beam.startswith("family-ops beam step 1 (reorder [2, 0, 1]): the implementation's reorder raised"), beam
+    assert assisted.startswith("family-ops assisted step 1 (crop -2): the implementation's crop raised"), assisted
+    with pytest.raises(PropertyFailure) as alone:  # one program failing: its failure as it is, not a group
+        CHECKS["family-ops"](implementation(False, "crop"), FAMILY, VARIANT, "concat")
+    assert not isinstance(alone.value, Failures) and "assisted step 1 (crop -2)" in str(alone.value)
 
 
 # --- the MPT operation programs ---------------------------------------------------------------------------

@@ -27,7 +27,8 @@ family-P4      outputs are not reused: the logits a call returned are not overwr
 family-ops     a fixed beam program (a reorder after each decode: a permutation, then one with a
                repeat) and a fixed assisted program (extend 3, crop back 2, decode, extend 3),
                batch 3: P1 after every operation, the oracle following each row's token history
-               through the crops and reorders
+               through the crops and reorders; each program on its own session, both always run
+               (a failure of one hides nothing of the other: both fail as `Failures`)
 family-memory  after the prefill and every call, the bytes of the distinct storages the cache
                reaches = the family's analytic K/V bytes for the tokens written (concat: batch x
                written, static: batch x cache length; MQA/GQA aware; a window that keeps its past
@@ -63,7 +64,7 @@ from mpt_kv.checks.family_storage import (FusedCapture, aligned_written, analyti
                                           check_entry_bytes, check_fused_modules, pinning_problems, range_text,
                                           storage_report, token_positions)
 from mpt_kv.checks.storages import storage_key
-from mpt_kv.errors import InputError, Registry, Unsupported
+from mpt_kv.errors import InputError, Registry, Unsupported, failure_of
 from mpt_kv.families.implementations import ORACLE_ATTENTION
 from mpt_kv.families.models import named_kv
 
@@ -251,7 +252,7 @@ def check_operations(runner, c: FamilyContext) -> list[str]:
     """family-ops (module doc). A program whose operation the implementation lacks is Unsupported
     with its reason, after the other program ran: never a pass."""
     c.batch = len(OPS_PADS)
-    unsupported = []
+    unsupported, failures = [], []
     for name, needs, ops in (beam_program(), assisted_program()):
         reasons = [r for r in (runner.capabilities.reason(f) for f in needs) if r]
         if reasons:
@@ -262,6 +263,11 @@ def check_operations(runner, c: FamilyContext) -> list[str]:
                 run_program(runner, c, name, ops)
         except Unsupported as e:
             unsupported.append(f"{name} program: {e.msg}")
+        except PropertyFailure as e:  # the other program runs too, on its own session: one failure hides none
+            failures.append(e)
+    failure = failure_of(failures)
+    if failure is not None:
+        raise failure
     if unsupported:
         ran = "" if len(unsupported) == 2 else " (the other program ran and held)"
         raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: " + " | ".join(unsupported) + ran)

@@ -235,12 +235,16 @@ def recipe_kernels(family: Family, recipe) -> tuple[tuple, list]:
     module has its FusedSDPA already (a kernel stand-in port: its own scope)."""
     if not recipe.use_flash_attention or importlib.util.find_spec("habana_frameworks") is not None:
         return (), []
-    module = load_port_module(family)
-    if getattr(module, "FusedSDPA", None) is not None:
-        return (), []
     from mpt_kv.families import hpu_kernels
 
+    module = load_port_module(family)
     port = _port(family)
+    fused = getattr(module, "FusedSDPA", None)
+    # the module's own kernel, or the stand-in its port declares (scoped by its own forward): nothing to add. The
+    # stand-in alone, where the port declares none, came from another port's stand-in import of this module (mixtral's
+    # port imports llama's): kept there, it is called outside any scope unless this recipe's scope opens
+    if fused is not None and (fused is not hpu_kernels.FusedSDPA or "FusedSDPA" in port.kernels):
+        return (), []
     branches = [(module, "FusedSDPA", hpu_kernels.FusedSDPA)]
     if "SDPContext" in vars(module):  # its try/except import of sdp_kernel failed here: as it succeeds on an HPU
         branches += [(module, "sdp_kernel", hpu_kernels.sdp_kernel), (module, "SDPContext", True)]

@@ -162,14 +162,33 @@ class Entry:
                 and self.dtype in (None, dtype) and self.device in (None, device))
 
     def explains(self, exc: BaseException | None) -> bool:
-        """The failure is the known one: a PropertyFailure (every one, when hypothesis reports
-        several, or a check reports `Failures` of its independent parts) whose message the pattern finds."""
-        if exc is None:
-            return False
-        group = getattr(exc, "exceptions", None)  # an exception group, or Failures, of distinct failures
-        if group is not None:
-            return bool(group) and all(self.explains(e) for e in group)
-        return isinstance(exc, PropertyFailure) and self.pattern.search(str(exc)) is not None
+        """This entry alone explains the failure (`explaining([self], exc)`)."""
+        return explaining([self], exc) is not None
+
+
+def failures_in(exc: BaseException) -> list[BaseException]:
+    """A failure's independent failures: every leaf of an exception group (hypothesis reports several) or
+    of `Failures` (a check's independent parts, family-ops' two programs); else the failure itself."""
+    group = getattr(exc, "exceptions", None)
+    if group is None:
+        return [exc]
+    return [leaf for e in group for leaf in failures_in(e)]
+
+
+def explaining(entries: list, exc: BaseException | None) -> list | None:
+    """The known-failure rule, for every case, MPT and family alike, by hand and in the plugin: a case's
+    failure is known when each of its independent failures (`failures_in`) is a PropertyFailure whose
+    message the pattern of one of the case's applying entries finds. The entries that explain them, in
+    the case's order (None: the failure is not known; an empty group is never known)."""
+    parts = [] if exc is None else failures_in(exc)
+    used = []
+    for part in parts:
+        entry = next((e for e in entries if isinstance(part, PropertyFailure) and e.pattern.search(str(part))), None)
+        if entry is None:
+            return None
+        if entry not in used:
+            used.append(entry)
+    return used or None
 
 
 def same_target(entry_target: str, case_target: str) -> bool:
@@ -417,16 +436,30 @@ def check_entries_cover_cells(entries) -> None:
 
 # --- the rule ----------------------------------------------------------------------------------------
 
-def match(target: str, prop: str, path: str | None, entries: list[Entry] | None = None,
-          bucket: int | None = None, check: str | None = None, dtype: str | None = None,
-          device: str | None = None) -> Entry | None:
-    """The entry that applies (installed versions) to the case (target, property, path, bucketed or
-    not, check id, dtype, device kind), or None. Every case's, MPT and family alike (the pytest plugin
-    asks here). An entry that names the case's target as it is (with its attention implementation,
-    "transformers[sdpa]/falcon/alibi") comes before one that names its family target
-    ("transformers/falcon/alibi"), and a recipe cell's own entries before those of every path, whatever
-    their order in the file."""
+def matching(target: str, prop: str, path: str | None, entries: list[Entry] | None = None,
+             bucket: int | None = None, check: str | None = None, dtype: str | None = None,
+             device: str | None = None) -> list[Entry]:
+    """The entries that apply (installed versions) to the case (target, property, path, bucketed or
+    not, check id, dtype, device kind), in file order; [] for none. Every case's, MPT and family alike
+    (the pytest plugin asks here). Only the most specific apply: an entry that names the case's target
+    as it is (with its attention implementation, "transformers[sdpa]/falcon/alibi") replaces those that
+    name its family target ("transformers/falcon/alibi"), and a recipe cell's own entries replace those
+    of every path, whatever their order in the file. Several entries at that level are several known
+    failures of the case (`explaining`: each of its independent failures explained by one)."""
     candidates = [e for e in (load() if entries is None else entries)
                   if e.covers(target, prop, path, bucket, check, dtype, device) and e.applies()]
     recipe_cell = bool(path and recipes.SEPARATOR in path)
-    return min(candidates, key=lambda e: (e.target != target, recipe_cell and e.path != path), default=None)
+
+    def specificity(e):
+        return (e.target != target, recipe_cell and e.path != path)
+
+    best = min(map(specificity, candidates), default=None)
+    return [e for e in candidates if specificity(e) == best]
+
+
+def match(target: str, prop: str, path: str | None, entries: list[Entry] | None = None,
+          bucket: int | None = None, check: str | None = None, dtype: str | None = None,
+          device: str | None = None) -> Entry | None:
+    """The first of the entries that apply to the case (`matching`), or None."""
+    found = matching(target, prop, path, entries, bucket, check, dtype, device)
+    return found[0] if found else None

@@ -30,7 +30,8 @@ from mpt_kv.checks import index
 from mpt_kv.checks.registry import CHECKS, applies
 from mpt_kv.devices import as_device
 from mpt_kv.errors import KnownFailure, KnownFailuresError, UnexpectedPass
-from mpt_kv.findings.entries import FAMILY_FILE, MPT_FILE, Entry, load, load_families, match, same_target
+from mpt_kv.findings.entries import (FAMILY_FILE, MPT_FILE, Entry, explaining, load, load_families, matching,
+                                     same_target)
 from mpt_kv.model.config import as_dtype
 from mpt_kv.targets import FamilyDeclaration, FamilyTarget, family_target, resolve_mpt
 
@@ -134,23 +135,39 @@ class KnownFailures:
     def __repr__(self) -> str:
         return f"KnownFailures({str(self.file)!r}: {len(self.entries)} entries)"
 
-    def entry(self, check, target, device="cpu", dtype=torch.float32) -> Entry | None:
-        """The entry that applies to `check` on `target` (resolved) on `device` in `dtype`, or None: the
+    def entries_of(self, check, target, device="cpu", dtype=torch.float32) -> list[Entry]:
+        """The entries that apply to `check` on `target` (resolved) on `device` in `dtype` (`matching`): the
         plugin's rule, the case's dtype and device kind included (an entry may name either)."""
-        return match(target.name, check.property, check.path, entries_for(target, self.entries), check.bucket,
-                     check.id, str(as_dtype(dtype)).replace("torch.", ""), as_device(device).type)
+        return matching(target.name, check.property, check.path, entries_for(target, self.entries), check.bucket,
+                        check.id, str(as_dtype(dtype)).replace("torch.", ""), as_device(device).type)
+
+    def entry(self, check, target, device="cpu", dtype=torch.float32) -> Entry | None:
+        """The first of `entries_of`, or None."""
+        found = self.entries_of(check, target, device, dtype)
+        return found[0] if found else None
 
     def check(self, check, target, device="cpu", dtype=torch.float32, *, ceilings=None) -> list[str]:
         target = family_target(target) if index.by_name(check.property).family else resolve_mpt(target)
-        entry = self.entry(check, target, device, dtype)
-        if entry is None:
+        entries = self.entries_of(check, target, device, dtype)
+        if not entries:
             return check(target, device, dtype, ceilings=ceilings)
-        kind, fixed = words_for(entry)
         try:
             notes = check(target, device, dtype, ceilings=ceilings)
         except BaseException as e:
-            if entry.explains(e):
-                raise KnownFailure(f"{kind}, {entry.name}: {entry.reason}", entry, e) from e
+            used = explaining(entries, e)
+            if used:
+                raise KnownFailure(known_text(used), used[0], e) from e
             raise
-        raise UnexpectedPass(f"[XPASS(strict)] {check.id} on {target.name} passed ({len(notes)} notes): {kind} "
-                             f"{entry.name} did not happen: {entry.reason} -- if {fixed}")
+        raise UnexpectedPass(f"[XPASS(strict)] {check.id} on {target.name} passed ({len(notes)} notes): "
+                             + xpass_text(entries))
+
+
+def known_text(used: list[Entry]) -> str:
+    """What an xfail says: each entry that explains one of the case's failures, its kind, name and reason."""
+    return " | ".join(f"{words_for(e)[0]}, {e.name}: {e.reason}" for e in used)
+
+
+def xpass_text(entries: list[Entry]) -> str:
+    """What a pass of a case its entries cover says: none of their failures happened, and what to do."""
+    return " | ".join(f"{kind} {e.name} did not happen: {e.reason} -- if {fixed}"
+                      for e in entries for kind, fixed in [words_for(e)])

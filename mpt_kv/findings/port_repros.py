@@ -197,6 +197,8 @@ PROGRAMS = {
     "(prefill|decode)": [("prefill",), ("extend", 1)],
     # family-P1/P2: the prefill, 2 greedy steps, then a chunk of 3 tokens in one cached call
     "extend": [("prefill",), ("extend", 1), ("extend", 1), ("extend", 3)],
+    # family-ops' assisted program: candidates verified in one 3-token cached call right after the prefill
+    "assisted-extend": [("prefill",), ("extend", 3)],
     "reorder": [("prefill",), ("reorder",)],
     "uncached": [("uncached",)],  # family-P0: the forward with use_cache=False
     # family-ops' beam search: a step, the reorder, the next step
@@ -208,6 +210,8 @@ PROGRAMS = {
 PROGRAM_CALLS = {"prefill": "the prefill", "decode": "a decode step after the prefill",
                  "(prefill|decode)": "the prefill or the decode step after it",
                  "extend": "a 3-token cached call after the prefill and 2 decode steps",
+                 "assisted-extend": "a 3-token cached call right after the prefill (assisted decoding's first "
+                                    "verification of its candidates)",
                  "reorder": "the beam-search cache reorder after the prefill",
                  "uncached": "the uncached forward (use_cache=False)",
                  "beam-decode": "the decode step after a beam-search cache reorder",
@@ -359,6 +363,11 @@ def crash_program(entries: list[dict]) -> Program | None:
         return None
     if call == "decode" and re.search(r"beam step \d+ \(decode\)", pattern):  # family-ops' beam program
         call = "beam-decode"
+    # family-ops' assisted program: its own finding of the k-token call (3 rows, an 8-token prompt, the extend
+    # right after the prefill), where the checks that extend after 2 decode steps meet another error or none
+    assisted = call == "extend" and all(e.get("property") == "family-ops" for e in entries)
+    if assisted:
+        call = "assisted-extend"
     paths = {e.get("path") for e in entries}
     # an entry without a path holds on every path the check drives (family-P2: concat, then static)
     path = ("concat" if "concat" in paths else "static" if "static" in paths else "concat" if None in paths
@@ -371,7 +380,7 @@ def crash_program(entries: list[dict]) -> Program | None:
             return None
         if error == "size-mismatch":
             dim = re.search(r"dimension (\d)", pattern).group(1)
-            fix = SIZE_MISMATCH_FIXES.get((call, dim))
+            fix = SIZE_MISMATCH_FIXES.get(("extend" if assisted else call, dim))
             if fix is None:
                 return None
     # family-P2 alone: the concat path first, then the static one (check_static_concat)
@@ -382,7 +391,8 @@ def crash_program(entries: list[dict]) -> Program | None:
     # family-ops' beam program: batch 3 (mpt-kv's OPS_PADS), whose first reorder [2, 0, 1] reaches
     # past a dimension of 2 (ChatGLM's 2 multi-query groups, where its _reorder_cache selects)
     beam = call in ("reorder", "beam-decode") and all(e.get("property") == "family-ops" for e in entries)
-    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix, pads=(2, 0, 1) if beam else (2, 0))
+    return Program(call, path, paths, short, expected_errors(entry["pattern"]), fix,
+                   pads=(2, 0, 1) if beam or assisted else (2, 0), prompt=8 if assisted else 6)
 
 
 # optimum-habana findings seen in what a call leaves, not in an error (port_program.py.tmpl's
@@ -646,6 +656,9 @@ def program_repro(entries: list[dict], slug: str) -> Repro:
              "extend": "model.generate(new_ids, attention_mask=mask, past_key_values=<an earlier generate's cache>, "
                        f"{options}) - a cached call of k > 1 tokens; here a prefill, 2 greedy steps, then 3 tokens "
                        "in one call",
+             "assisted-extend": f"model.generate(input_ids, attention_mask=attention_mask, prompt_lookup_num_tokens=3, "
+                                f"{options}) - assisted decoding's verification of its candidates; here a prefill, "
+                                "then 3 tokens in one cached call",
              "reorder": f"model.generate(input_ids, attention_mask=attention_mask, num_beams=2, {options}) - here "
                         "its first reorder",
              "beam-decode": f"model.generate(input_ids, attention_mask=attention_mask, num_beams=2, {options}) - here "

@@ -87,7 +87,7 @@ TRANSFORMERS_CALLS[("gpt_neo", "global-local4", "stored_windows:static")] = (
     "static-local-layers-full-length", "cached_tensors", "static_local_layers_gpt_neo",
     "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - here its prefill",
     "preallocate window_size slots for the local layers (StaticSlidingWindowLayer), from layer_types")
-for _text, _seen in (("family-P1 prefill", "p1"), ("family-P2 prefill", "p2"), ("family-ops beam prefill", "ops")):
+for _text, _seen in (("family-P1 prefill", "p1"), ("family-P2 prefill", "p2"), ("family-ops (beam|assisted) prefill", "ops")):
     TRANSFORMERS_CALLS[("gpt_neo", "global-local4", _text)] = (
         f"static-cache-mask-from-key-length-{_seen}", None, "static_mask_from_key_length",
         "model.generate(input_ids, attention_mask=attention_mask, cache_implementation=\"static\") - here its "

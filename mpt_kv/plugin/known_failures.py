@@ -67,9 +67,9 @@ def note_case(config, item, params: dict) -> None:
         if e.covers(params["target"], params["property"], params.get("path"), params.get("bucket"), params.get("check"),
                     params.get("dtype"), params.get("device")):
             state.known_covered.add(e.key)
-    entry = match(params, candidates)
-    if entry is not None:
-        item.stash[KNOWN] = entry
+    applying = matching(params, candidates)
+    if applying:
+        item.stash[KNOWN] = applying
 
 
 def tell_controller(config) -> None:
@@ -89,10 +89,10 @@ def from_worker(node) -> None:
         state.family_cases |= known.get("family_cases", False)
 
 
-def match(params: dict, entries):
-    """The entry that applies to a conformance case (its parametrization), by the one rule."""
-    return known_entries.match(params["target"], params["property"], params.get("path"), entries,
-                                params.get("bucket"), params.get("check"), params.get("dtype"), params.get("device"))
+def matching(params: dict, entries) -> list:
+    """The entries that apply to a conformance case (its parametrization), by the one rule."""
+    return known_entries.matching(params["target"], params["property"], params.get("path"), entries,
+                                  params.get("bucket"), params.get("check"), params.get("dtype"), params.get("device"))
 
 
 def expected_to_fail(item) -> bool:
@@ -102,9 +102,9 @@ def expected_to_fail(item) -> bool:
 def will_xfail(item, excinfo) -> bool:
     """Whether this failure of a case is the one it is expected to have (its entry explains it, or
     its xfail marker's `raises` takes it): pytest then shows only the reason, never the traceback."""
-    entry = item.stash.get(KNOWN, None)
-    if entry is not None:
-        return entry.explains(excinfo.value)
+    applying = item.stash.get(KNOWN, None)
+    if applying is not None:
+        return known_entries.explaining(applying, excinfo.value) is not None
     marker = item.get_closest_marker("xfail")
     if marker is None or marker.args or marker.kwargs.get("condition") is not None:
         return False  # a conditional xfail: pytest decides
@@ -131,32 +131,33 @@ def brief_traceback(item, call):
 def apply(item, report, call) -> None:
     """A case with a known-failure entry, after its call: xfail only the PropertyFailure its
     pattern names. A pass (upstream fixed it) or any other failure fails the case, saying why."""
-    entry = item.stash.get(KNOWN, None)
-    if entry is None or report.when != "call":
+    applying = item.stash.get(KNOWN, None)
+    if applying is None or report.when != "call":
         return
-    from mpt_kv.findings.known import words_for  # lazy: it imports torch (the case ran: torch is imported)
+    from mpt_kv.findings.known import known_text, xpass_text  # lazy: it imports torch (the case ran: torch is imported)
 
     excinfo = call.excinfo
-    kind, fixed = words_for(entry)
+    used = known_entries.explaining(applying, excinfo.value) if report.failed and excinfo is not None else None
     if report.passed:
         report.outcome = "failed"
-        report.longrepr = f"[XPASS(strict)] {kind} {entry.name} did not happen: {entry.reason} -- if {fixed}"
-    elif report.failed and excinfo is not None and entry.explains(excinfo.value):
+        report.longrepr = "[XPASS(strict)] " + xpass_text(applying)
+    elif used:
         report.outcome = "skipped"
-        report.wasxfail = f"{kind}, {entry.name}: {entry.reason}"
-        report.user_properties = [*report.user_properties, ("mpt_kv_known_xfail", entry.key),
-                                  *([("mpt_kv_upstream", entry.upstream)] if entry.upstream else [])]
+        report.wasxfail = known_text(used)
+        upstream = "; ".join(e.upstream for e in used if e.upstream)
+        report.user_properties = [*report.user_properties, ("mpt_kv_known_xfail", [e.key for e in used]),
+                                  *([("mpt_kv_upstream", upstream)] if upstream else [])]
     elif report.failed:
-        report.sections.append(("mpt-kv known failure", (
-            f"{entry.name} in {entry.file} expects a PropertyFailure whose message matches "
-            f"/{entry.pattern.pattern}/; this failure is not that one, so the case fails")))
+        report.sections.append(("mpt-kv known failure", "; ".join(
+            f"{e.name} in {e.file} expects a PropertyFailure whose message matches /{e.pattern.pattern}/"
+            for e in applying) + "; this failure (or one of its independent failures) is not such a one, so the "
+            "case fails"))
 
 
 def count(state, report) -> None:
     """On the controller: a case an entry xfailed."""
     if report.when == "call":
-        key = dict(report.user_properties).get("mpt_kv_known_xfail")
-        if key is not None:
+        for key in dict(report.user_properties).get("mpt_kv_known_xfail") or ():
             state.xfailed[tuple(key)] += 1
 
 
