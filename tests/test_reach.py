@@ -1,5 +1,5 @@
 """Reach: the knobs the default run's cases take (mpt_kv/checks/reach.py), the state a model keeps
-after its generations (ceilings.model_state_problem), and known failures pinned to one check."""
+after its generations (model_state.model_state_problem), and known failures pinned to one check."""
 
 import json
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mpt_kv.checks import ceilings as C
-from mpt_kv.checks import accounting as A
 from mpt_kv.checks import reach, registry
+from mpt_kv.checks.model_state import model_state_tensors
 from mpt_kv.checks.strategies import EDGE_CASES
 from mpt_kv.model.config import random_state_dict
 from mpt_kv.findings import entries as known_failures
@@ -131,7 +131,7 @@ def test_the_reference_keeps_nothing_on_the_model():
     runner = build("reference", case.cfg, random_state_dict(case.cfg), "cpu", torch.float32)
     assert C.measure(runner, case, "concat", "cpu", torch.float32).problems == []
     weights = {C.storage_key(t) for t in [*runner.model.parameters(), *runner.model.buffers()]}
-    assert A.model_state_tensors(runner, weights) == []  # weights and registered buffers only
+    assert model_state_tensors(runner, weights) == []  # weights and registered buffers only
 
 
 # --- known failures pinned to one check -----------------------------------------------------------------

@@ -13,7 +13,8 @@ s itemsize; KV(L) = 2 * n * B * H * L * hd * s (`analytic.kv_cache_bytes`).
                         its layout stores it (paged blocks, block-growth slack, a quantized cache,
                         a pool kept from an earlier generation) and the session's bookkeeping
     explain_excess      where the bytes beyond that are: per layer, per session attribute, or elsewhere
-    model_state_problem what the model and runner keep after every generation ended
+
+(what the model and runner keep after every generation ended: `mpt_kv.checks.model_state`)
 
 Bytes are read with `mpt_kv.memory.meter` (cpu: exact live storages; cuda/hpu: allocator statistics).
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from mpt_kv.checks.storages import covered_bytes, storage_key
-from mpt_kv.errors import describe
 from mpt_kv.memory import analytic
 from mpt_kv.memory.meter import Meter, meter_for
 from mpt_kv.model.config import ModelConfig
@@ -131,8 +130,8 @@ def new_cache_bytes(cfg: ModelConfig, batch: int, length: int, s: int, block: in
 def session_tensors(session) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the session references through attributes, lists, tuples and dicts, with its
     path ('session.cache.kv[0][1]'); models and runners are not entered (they hold the weights).
-    The same walk as the model-state check's (`_tensors_in`)."""
-    return list(_tensors_in(session, "session", 8))
+    The same walk as the model-state check's (`tensors_in`)."""
+    return list(tensors_in(session, "session", 8))
 
 
 def span_bytes(t: torch.Tensor) -> int:
@@ -398,36 +397,7 @@ def retained(session, allocated: int, L: int, cfg: ModelConfig, B: int, s: int, 
                     lambda: explain_excess(acc, excess, kv, cfg, B, qkv, paged))
 
 
-def model_state_tensors(runner, preexisting: set[int]) -> list[tuple[str, torch.Tensor]]:
-    """Tensors the runner and its model reference that are neither its weights nor tensors that
-    existed before the generations (`preexisting`): module attributes, registered buffers made
-    since, runner attributes, with their paths ('model.transformer.blocks.0.attn.probs')."""
-    out, seen = [], set()
-    parameters = {storage_key(p) for p in runner.model.parameters()}
-
-    def add(where, t):
-        key = storage_key(t)
-        if key not in seen and key not in preexisting and key not in parameters:
-            seen.add(key)
-            out.append((where, t))
-
-    for name, module in runner.model.named_modules():
-        prefix = f"model.{name}." if name else "model."
-        for attr, value in vars(module).items():
-            if attr in ("_parameters", "_modules"):
-                continue
-            items = value.items() if attr == "_buffers" else [(attr, value)]
-            for key, v in items:
-                for where, t in _tensors_in(v, prefix + str(key), 6):
-                    add(where, t)
-    for attr, value in vars(runner).items():
-        if attr != "model":
-            for where, t in _tensors_in(value, f"runner.{attr}", 6):
-                add(where, t)
-    return out
-
-
-def _tensors_in(x, where, depth, seen=None):
+def tensors_in(x, where, depth, seen=None):
     """Tensors reachable from x through dicts, lists, tuples and plain objects' attributes (a kept
     session, a history list), not through modules (walked on their own) or runners."""
     seen = set() if seen is None else seen
@@ -446,67 +416,7 @@ def _tensors_in(x, where, depth, seen=None):
     else:
         return
     for w, v in items:
-        yield from _tensors_in(v, w, depth - 1, seen)
-
-
-def _digest(t: torch.Tensor) -> bytes:
-    """The bytes a tensor holds, hashed (read on the host; no copy of it stays allocated)."""
-    flat = t.detach().reshape(-1).contiguous()
-    return hashlib.blake2b(flat.view(torch.uint8).cpu().numpy().tobytes(), digest_size=16).digest()
-
-
-def made_once(runner, preexisting: set[int]) -> dict[int, tuple]:
-    """What the model and runner hold right after the warm-up generation that they did not hold before
-    it: {storage key: (weakref to the storage, its digest, where)}. A tensor still there, the same
-    storage holding the same bytes after later generations (`constants_kept`), is model state built
-    once on the first forward (llm-foundry's MPT builds its ALiBi bias so), not per-generation state."""
-    return {storage_key(t): (weakref.ref(t.untyped_storage()), _digest(t), where)
-            for where, t in model_state_tensors(runner, preexisting)}
-
-
-def constants_kept(runner, once: dict, preexisting: set[int]) -> dict[int, tuple[str, torch.Tensor]]:
-    """Of `made_once`'s tensors, those the model or runner still hold after the generations, in the same
-    storage and unchanged (the later generations ran other tokens: state a generation writes changes)."""
-    out = {}
-    for where, t in model_state_tensors(runner, preexisting):
-        key = storage_key(t)
-        ref, digest, _ = once.get(key, (None, None, None))
-        if ref is not None and ref() is t.untyped_storage() and _digest(t) == digest:
-            out[key] = (where, t)
-    return out
-
-
-def model_state_problem(runner, held: int, pool: dict, preexisting: set[int], slack_per_storage: int,
-                        ctx: dict, once: dict | None = None) -> str | None:
-    """After every generation ended and its session is gone, the model holds its weights, its
-    declared cache pool (`pool`: the storages of the last generations, kept by a target that
-    declares Capabilities(cache_pool=True)) and the constants it built once (`once`: `made_once`
-    after the warm-up; those still there and unchanged) and nothing else: `held` bytes above the
-    level before the warm-up, less those, must be 0 (exact on cpu). Otherwise: what is held, by name."""
-    alive = {key: ref() for key, ref in pool.items() if ref() is not None}
-    pooled = sum(st.nbytes() for st in alive.values())
-    constants = {key: v for key, v in constants_kept(runner, once or {}, preexisting).items() if key not in alive}
-    built = sum(t.untyped_storage().nbytes() for _, t in constants.values())
-    # one-sided: less is fine (a pool made before this measurement, as when a runner serves several
-    # generations, is not counted in `held`; memory freed is not state kept)
-    excess = held - pooled - built
-    if excess <= slack_per_storage * 4:
-        return None
-    found = [(where, t) for where, t in model_state_tensors(runner, preexisting)
-             if storage_key(t) not in alive and storage_key(t) not in constants]
-    named = "; ".join(f"{where} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} keeps "
-                      f"{t.untyped_storage().nbytes()} bytes" for where, t in found[:6])
-    more = f" and {len(found) - 6} more" if len(found) > 6 else ""
-    rest = excess - sum(t.untyped_storage().nbytes() for _, t in found)
-    kept = ", ".join(x for x in (f"{pooled} of them the declared cache pool" if pooled else "",
-                                 f"{built} of them constants built once and unchanged since the warm-up"
-                                 if built else "") if x)
-    return (f"memory: after the generations ended and their sessions were deleted, the model and runner hold {held} "
-            f"bytes above the level before the warm-up generation{f' ({kept})' if kept else ''}"
-            f": {excess} bytes of per-generation state kept on the model or runner. "
-            f"{named + more if named else 'No tensor attribute of the model or runner holds them'}"
-            f"{f'; {rest:+d} bytes held by nothing found there (a hook, a global?)' if found and rest else ''} "
-            f"[{describe(ctx)}]")
+        yield from tensors_in(v, w, depth - 1, seen)
 
 
 def pool_bytes(session, kept: dict) -> int:

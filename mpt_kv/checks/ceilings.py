@@ -66,9 +66,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mpt_kv.checks.accounting import (ROUNDING, WeakQkvCapture, checked_meter, decode_bound, decode_bound_text,
-                                      growth_block, itemsize, made_once, model_state_problem, quantized_layout,
-                                      retained, shape_of, step_allowance, weights_bytes)
+                                      growth_block, itemsize, quantized_layout, retained, shape_of, step_allowance,
+                                      weights_bytes)
 from mpt_kv.checks.cases import Case, Context
+from mpt_kv.checks.model_state import made_once, model_state_problem
 from mpt_kv.checks.storages import storage_key
 # the stored ceilings a memory check compares with (public here: docs/targets.md)
 from mpt_kv.checks.stored_ceilings import METRICS, StoredCeilings, compare_stored  # noqa: F401

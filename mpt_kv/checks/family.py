@@ -56,13 +56,13 @@ import weakref
 import torch
 
 from mpt_kv.checks import index, running
-from mpt_kv.checks.accounting import model_state_tensors
 from mpt_kv.checks.compare import Crash, PropertyFailure, assert_close, describe, judged_before, shares_memory
-from mpt_kv.checks.family_driver import (OPS_PADS, FamilyContext, Step, assisted_program, beam_program, call, copy_of,
-                                         drive, last_positions, prompt, returned_positions, run_program, warm_up)
+from mpt_kv.checks.family_driver import OPS_PADS, FamilyContext, Step, call, copy_of, drive, prompt, warm_up
+from mpt_kv.checks.family_programs import assisted_program, beam_program, last_positions, returned_positions, run_program
 from mpt_kv.checks.family_storage import (FusedCapture, aligned_written, analytic_bytes, analytic_range, cache_tokens,
                                           check_entry_bytes, check_fused_modules, pinning_problems, range_text,
                                           storage_report, token_positions)
+from mpt_kv.checks.model_state import model_state_tensors
 from mpt_kv.checks.storages import storage_key
 from mpt_kv.errors import InputError, Registry, Unsupported, failure_of
 from mpt_kv.families.implementations import ORACLE_ATTENTION

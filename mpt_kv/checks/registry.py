@@ -242,8 +242,10 @@ def select(*properties: str) -> list[Check]:
 
 
 def drawn_records(profile: str = "ci", device: str = "cpu", dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
-    """The reach records of every check under `profile`, without running a model (running.drawn_records)."""
-    return run_layer.drawn_records(CHECKS.values(), profile, device, dtypes)
+    """The reach records of every check under `profile`, without running a model (`mpt_kv.checks.drawn`)."""
+    from mpt_kv.checks.drawn import drawn_records as draw  # the hypothesis strategies, without a model
+
+    return draw(CHECKS.values(), profile, device, dtypes)
 
 
 

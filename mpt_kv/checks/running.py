@@ -58,19 +58,16 @@ from typing import Callable, Iterable
 import torch
 from hypothesis import Phase, given, settings
 
-from mpt_kv.checks import family_driver, index, profiles, programs, reach
-from mpt_kv.checks.accounting import expected_kv_bytes, itemsize
+from mpt_kv.checks import evidence, family_driver, index, profiles, programs, reach
 from mpt_kv.checks.cases import Case, Context, fp32_twin, reference_oracle
 from mpt_kv.checks.graphs import graphed
 from mpt_kv.checks.profiles import SHRINKING_PROFILES
-from mpt_kv.checks.storages import storage_key
 from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_cases
 from mpt_kv.devices import as_device
 from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.model.config import as_dtype, random_state_dict
 from mpt_kv.targets import (Capabilities, FamilyDeclaration, FamilyTarget, ResolvedTarget, Runner, Target,
                             family_target, required_features, resolve_mpt)
-from mpt_kv.targets.layouts import QuantizedKV, layout_of, storage_tensors
 
 # --- what a run under pytest plugs in -------------------------------------------------------------------------
 
@@ -259,72 +256,10 @@ def run(check, target: Target, device="cpu", dtype=torch.float32, ceilings=None)
         r.require(r.features())
         notes = DRIVERS[r.prop.runs](r)
         if r.prop.cache and r.check.path:  # a cache property passed: what shows the target has a cache
-            record("mpt_kv_cache", cache_evidence(r))
+            record("mpt_kv_cache", evidence.cache_evidence(r))
     for note in dict.fromkeys(notes):
         record("mpt_kv_note", note)
     return notes
-
-
-# --- what shows a cache exists (the green-run rule reads it: mpt_kv.plugin.gate) ------------------------------
-
-_evidence: dict = {}
-
-
-def cache_evidence(r: Run) -> dict:
-    """{"shown": bool, "why": str}: whether the target keeps a cache on this path, once per target,
-    device, dtype, path and bucket (a prefill on a tiny model). Shown when, after a prefill, the cache's
-    storages (a declared layout's own: pools, codes and scales; else `kv()`'s) hold at least the analytic
-    K/V bytes of the prefilled tokens, and a second read returns the same storages. A target whose
-    "cache" keeps only the token ids and recomputes K and V at every call gives right values: the value
-    checks pass it, and only this says it checked no cache. A family target: the family's analytic K/V
-    (`mpt_kv.checks.family_driver.cache_evidence`)."""
-    key = (r.target, str(r.device), r.dtype, r.check.path, r.check.bucket)
-    try:
-        if key in _evidence:
-            return _evidence[key]
-    except TypeError:  # an unhashable target: measured every time
-        key = None
-    try:
-        if r.on_family:
-            evidence = family_driver.cache_evidence(*r.family_case("cache-evidence"))
-        else:
-            evidence = mpt_cache_evidence(r)
-    except (Exception, Unsupported) as e:  # noqa: BLE001  no evidence: the gate says why, the check's verdict stands
-        evidence = {"shown": False, "why": f"the prefill that shows the cache raised {type(e).__name__}: {e}"}
-    if key is not None:
-        _evidence[key] = evidence
-    return evidence
-
-
-def mpt_cache_evidence(r: Run) -> dict:
-    case = r.without_clip(STATIC_SHAPE_CASE)  # a shape the static-shape check compiles anyway (HPU)
-    runner = r.runner(case, r.features(case))
-    ids, mask = case.inputs(r.device)
-    with torch.inference_mode():
-        session = runner.session(r.check.path, case.total_len, r.check.bucket)
-        session.prefill(ids, mask)
-        layout = layout_of(session)
-
-        def stored() -> list[torch.Tensor]:
-            if isinstance(layout, QuantizedKV):
-                return [t for _, _, t in layout_of(session).stored()]
-            return [t for pair in storage_tensors(session) for t in pair if torch.is_tensor(t)]
-
-        first = stored()
-        again = stored()  # `first` still alive: a recomputed tensor cannot take its storage's address
-    storages = {storage_key(t): t.untyped_storage().nbytes() for t in first}
-    held = sum(storages.values())
-    analytic = expected_kv_bytes(layout, case.cfg, case.batch, session.written, itemsize(r.dtype))
-    where = (f"after a prefill of {case.batch} x {session.written} tokens on {r.check.path}"
-             f"{f' (bucket {r.check.bucket})' if r.check.bucket else ''}, {str(r.dtype).replace('torch.', '')}:")
-    if held < analytic:
-        return {"shown": False, "why": f"{where} the cache's storages hold {held} bytes, less than the analytic K/V "
-                                       f"of the prefilled tokens ({analytic} bytes): no cache is kept"}
-    if set(storages) != {storage_key(t) for t in again}:
-        return {"shown": False, "why": f"{where} a second read of the cache returned other storages than the "
-                                       "first: K/V made at each read (recomputed from the tokens?), not kept"}
-    return {"shown": True, "why": f"{where} the cache's storages hold {held} bytes (analytic K/V {analytic}), the "
-                                  "same at a second read"}
 
 
 def resolved_for(check, target: Target):
@@ -554,53 +489,3 @@ DRIVERS: dict[str, Callable[[Run], list[str]]] = {
     "case": by_case, "fixed": by_fixed_case, "memory": by_memory_config, "program": by_program,
     "operation": by_operation, "family": by_family, "generate": by_generate,
 }
-
-
-def drawn_records(checks, profile: str = "ci", device: str = "cpu", dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
-    """The reach records of `checks` under `profile`, without running a model: each drawn check's
-    strategy as its driver draws it (its property, dtype, the profile's examples; the program checks'
-    fixed programs and a third of the examples, every operation the built-in targets implement),
-    each fixed case (edge cases, static-shape, graphs, memory configs, ops-memory's case) once."""
-    out = []
-    for check in checks:
-        runs = index.by_name(check.property).runs
-        for dtype in dtypes:
-            if runs == "program":
-                drawn = list(programs.fixed_programs(device, set(programs.OPERATIONS)))
-
-                @settings(settings.get_profile(profile), database=None,
-                          max_examples=max(2, settings.get_profile(profile).max_examples // 3))
-                @given(program=programs.programs(device, set(programs.OPERATIONS), dtype))
-                def draw_programs(program):
-                    drawn.append(program)
-
-                draw_programs.hypothesis.inner_test._hypothesis_internal_add_digest = f"{check.id}|{dtype}".encode()
-                draw_programs()
-                out += [{"check": check.id, "knobs": k} for p in drawn
-                        for k in program_knobs(p, check.path, check.bucket, device, dtype)]
-                continue
-            if runs == "memory":
-                found = [check.config.case()]
-            elif runs == "fixed":
-                found = [STATIC_SHAPE_CASE]
-            elif runs == "operation":
-                found = list(programs.MEMORY_CASES)
-            elif runs != "case":  # the family checks' fixed cases are not MPT cases (docs/families.md)
-                continue
-            elif check.edge:
-                found = [edge_cases(device)[check.edge]]
-            elif check.graphs:
-                found = [edge_cases("hpu")["bucket-128"] if device == "hpu" else GRAPH_CASE]
-            else:
-                found = []
-
-                @settings(settings.get_profile(profile), database=None)
-                @given(case=cases(device, prop=check.property, dtype=dtype))
-                def draw(case):
-                    found.append(case)
-
-                draw.hypothesis.inner_test._hypothesis_internal_add_digest = f"{check.id}|{dtype}".encode()
-                draw()
-            out += [{"check": check.id, "knobs": reach.knobs(c, check.path, check.bucket, device, dtype)}
-                    for c in found]
-    return out

@@ -265,7 +265,7 @@ def nothing_ran(results: list[dict], allowed: bool = False) -> str | None:
 CACHE_PROPERTIES = index.CACHE
 NOT_CACHE_PROPERTIES = index.NOT_CACHE
 # A cache case checked its target when it passed on a cache that exists (its record's `cache`: the run
-# layer's evidence, mpt_kv.checks.running.cache_evidence: after a prefill the cache's storages hold the
+# layer's evidence, mpt_kv.checks.evidence.cache_evidence: after a prefill the cache's storages hold the
 # analytic K/V and a second read returns the same ones), or when it was a known failure (xfail): a
 # strict xfail of only the PropertyFailure an entry names, so the cache ran and the check found that
 # very finding (a port whose every cache check is a shipped upstream bug is checked, and fails the day
