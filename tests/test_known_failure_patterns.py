@@ -273,3 +273,23 @@ def test_each_independent_failure_of_a_case_needs_an_entry_of_its_own(tmp_path):
     assert known.explaining(applying, Failures([both.exceptions[0], RuntimeError("an adapter's own bug")])) is None
     assert [e.pattern.pattern for e in known.matching("transformers/gpt2/mha", "family-ops", "static", entries)] == [
         anywhere["pattern"]]
+
+
+def test_an_entry_whose_failure_is_gone_fails_the_case_even_when_another_entry_explains_it(tmp_path):
+    """Several entries on one case must not let a stale one linger: the beam crash fixed upstream while the
+    assisted crash stays is XPASS for the beam entry (as a pass is for a case's one entry)."""
+    from mpt_kv.errors import Failures, PropertyFailure
+
+    case = {"target": "transformers/gpt2/mha", "property": "family-ops", "path": "concat",
+            "when": {"transformers": ">=4.0"}, "upstream": "transformers/generation/utils.py:1", "reason": "r"}
+    beam = {**case, "pattern": "reorder raised AttributeError: no _reorder_cache"}
+    crop = {**case, "pattern": "crop raised AttributeError: 'tuple' has no crop"}
+    entries = known.load_families(write(tmp_path, [beam, crop]))
+    assisted = PropertyFailure("family-ops assisted step 1: the implementation's crop raised AttributeError: 'tuple' "
+                               "has no crop")
+    both = Failures([PropertyFailure("family-ops beam step 1: the implementation's reorder raised AttributeError: "
+                                     "no _reorder_cache"), assisted])
+    assert known.known_verdict(entries, both) == ("known", entries)
+    assert known.known_verdict(entries, assisted) == ("stale", entries[:1])  # the beam crash is gone
+    assert known.known_verdict(entries, None) == ("pass", entries)
+    assert known.known_verdict(entries, PropertyFailure("family-ops assisted prefill logits differ")) == ("unknown", [])

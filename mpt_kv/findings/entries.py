@@ -191,6 +191,28 @@ def explaining(entries: list, exc: BaseException | None) -> list | None:
     return used or None
 
 
+def known_verdict(entries: list, exc: BaseException | None) -> tuple[str, list]:
+    """The verdict of a case its applying `entries` cover, after it ran (`exc`: its failure; None: it passed),
+    by hand and in the plugin alike:
+
+        ("known", used)      each independent failure is named by an entry (`explaining`) and each entry's
+                             failure is among them: the case xfails, naming `used`
+        ("unknown", [])      a failure no entry names: the case fails as it is
+        ("stale", entries)   its failures are named, but these entries' failure did not happen here: the
+                             case fails as XPASS (a fix upstream made them stale; with several entries a case
+                             could otherwise keep xfailing on another's failure and hide that)
+        ("pass", entries)    it passed: every entry is stale for it (XPASS)
+    """
+    if exc is None:
+        return "pass", list(entries)
+    used = explaining(entries, exc)
+    if used is None:
+        return "unknown", []
+    parts = [str(part) for part in failures_in(exc)]
+    unseen = [e for e in entries if not any(e.pattern.search(part) for part in parts)]
+    return ("stale", unseen) if unseen else ("known", used)
+
+
 def same_target(entry_target: str, case_target: str) -> bool:
     """An entry's target covers a case's: the same name, or the entry names no attention implementation
     and the case's target is its family target with one ("transformers/gpt2/mha" covers
@@ -443,15 +465,16 @@ def matching(target: str, prop: str, path: str | None, entries: list[Entry] | No
     not, check id, dtype, device kind), in file order; [] for none. Every case's, MPT and family alike
     (the pytest plugin asks here). Only the most specific apply: an entry that names the case's target
     as it is (with its attention implementation, "transformers[sdpa]/falcon/alibi") replaces those that
-    name its family target ("transformers/falcon/alibi"), and a recipe cell's own entries replace those
-    of every path, whatever their order in the file. Several entries at that level are several known
-    failures of the case (`explaining`: each of its independent failures explained by one)."""
+    name its family target ("transformers/falcon/alibi"), a recipe cell's own entries replace those
+    of every path, and a bucketed case's own (`bucket`: true) those of every bucket, whatever their order
+    in the file. Several entries at that level are several known failures of the case (`known_verdict`:
+    each of its independent failures explained by one, each one's failure seen)."""
     candidates = [e for e in (load() if entries is None else entries)
                   if e.covers(target, prop, path, bucket, check, dtype, device) and e.applies()]
     recipe_cell = bool(path and recipes.SEPARATOR in path)
 
     def specificity(e):
-        return (e.target != target, recipe_cell and e.path != path)
+        return (e.target != target, recipe_cell and e.path != path, bucket is not None and e.bucket is None)
 
     best = min(map(specificity, candidates), default=None)
     return [e for e in candidates if specificity(e) == best]

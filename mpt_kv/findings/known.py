@@ -30,7 +30,7 @@ from mpt_kv.checks import index
 from mpt_kv.checks.registry import CHECKS, applies
 from mpt_kv.devices import as_device
 from mpt_kv.errors import KnownFailure, KnownFailuresError, UnexpectedPass
-from mpt_kv.findings.entries import (FAMILY_FILE, MPT_FILE, Entry, explaining, load, load_families, matching,
+from mpt_kv.findings.entries import (FAMILY_FILE, MPT_FILE, Entry, known_verdict, load, load_families, matching,
                                      same_target)
 from mpt_kv.model.config import as_dtype
 from mpt_kv.targets import FamilyDeclaration, FamilyTarget, family_target, resolve_mpt
@@ -154,9 +154,12 @@ class KnownFailures:
         try:
             notes = check(target, device, dtype, ceilings=ceilings)
         except BaseException as e:
-            used = explaining(entries, e)
-            if used:
-                raise KnownFailure(known_text(used), used[0], e) from e
+            verdict, named = known_verdict(entries, e)
+            if verdict == "known":
+                raise KnownFailure(known_text(named), named[0], e) from e
+            if verdict == "stale":
+                raise UnexpectedPass(f"[XPASS(strict)] {check.id} on {target.name} failed, but not as these entries "
+                                     "say (its other failures are known): " + xpass_text(named)) from e
             raise
         raise UnexpectedPass(f"[XPASS(strict)] {check.id} on {target.name} passed ({len(notes)} notes): "
                              + xpass_text(entries))

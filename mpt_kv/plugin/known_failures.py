@@ -104,7 +104,7 @@ def will_xfail(item, excinfo) -> bool:
     its xfail marker's `raises` takes it): pytest then shows only the reason, never the traceback."""
     applying = item.stash.get(KNOWN, None)
     if applying is not None:
-        return known_entries.explaining(applying, excinfo.value) is not None
+        return known_entries.known_verdict(applying, excinfo.value)[0] == "known"
     marker = item.get_closest_marker("xfail")
     if marker is None or marker.args or marker.kwargs.get("condition") is not None:
         return False  # a conditional xfail: pytest decides
@@ -129,25 +129,33 @@ def brief_traceback(item, call):
 
 
 def apply(item, report, call) -> None:
-    """A case with a known-failure entry, after its call: xfail only the PropertyFailure its
-    pattern names. A pass (upstream fixed it) or any other failure fails the case, saying why."""
+    """A case with known-failure entries, after its call, by `entries.known_verdict`: xfail only when each of
+    its independent failures is a PropertyFailure an entry's pattern names and each entry's failure happened. A
+    pass, an entry whose failure did not happen (upstream fixed it) or any other failure fails the case, saying why."""
     applying = item.stash.get(KNOWN, None)
     if applying is None or report.when != "call":
         return
     from mpt_kv.findings.known import known_text, xpass_text  # lazy: it imports torch (the case ran: torch is imported)
 
     excinfo = call.excinfo
-    used = known_entries.explaining(applying, excinfo.value) if report.failed and excinfo is not None else None
-    if report.passed:
+    if not (report.passed or report.failed) or (report.failed and excinfo is None):
+        return
+    verdict, named = known_entries.known_verdict(applying, None if report.passed else excinfo.value)
+    if verdict == "pass":
         report.outcome = "failed"
         report.longrepr = "[XPASS(strict)] " + xpass_text(applying)
-    elif used:
+    elif verdict == "stale":
+        report.outcome = "failed"
+        report.longrepr = ("[XPASS(strict)] the case failed, but not as these entries say (its other failures are "
+                           "known): " + xpass_text(named))
+    elif verdict == "known":
+        used = named
         report.outcome = "skipped"
         report.wasxfail = known_text(used)
         upstream = "; ".join(e.upstream for e in used if e.upstream)
         report.user_properties = [*report.user_properties, ("mpt_kv_known_xfail", [e.key for e in used]),
                                   *([("mpt_kv_upstream", upstream)] if upstream else [])]
-    elif report.failed:
+    else:
         report.sections.append(("mpt-kv known failure", "; ".join(
             f"{e.name} in {e.file} expects a PropertyFailure whose message matches /{e.pattern.pattern}/"
             for e in applying) + "; this failure (or one of its independent failures) is not such a one, so the "
