@@ -148,6 +148,39 @@ def test_an_entry_with_a_dtype_or_device_applies_to_those_cases_only(run, tmp_pa
            "(bfloat16, hpu)" in output(fp32), output(fp32)
 
 
+SEVERAL_CASES = """
+import pytest
+from mpt_kv.checks.compare import PropertyFailure
+from mpt_kv.errors import Failures
+
+VIEW = PropertyFailure("P3: layer 0 cached key (1, 1, 1, 4) is a view of mixed_qkv (1, 1, 12)")
+SHARED = PropertyFailure("P3: layer 0 cached value (1, 1, 1, 4) shares storage with layer 1's")
+
+@pytest.mark.property("P3")
+@pytest.mark.parametrize("path", ["concat"])
+@pytest.mark.parametrize("what", ["both", "view_only", "with_another"])
+def test_case(target, device, path, what):
+    raise {"both": Failures([VIEW, SHARED]), "view_only": VIEW,
+           "with_another": Failures([VIEW, PropertyFailure("P3: layer 1 cached key pins 64 bytes")])}[what]
+"""
+
+
+def test_several_entries_of_a_case_xfail_it_only_when_each_names_one_of_its_failures(run, tmp_path):
+    """The plugin's side of `known_verdict`: two independent failures, two entries: xfail; one of the two gone:
+    XPASS naming the entry that did not happen; a failure neither names: the case fails."""
+    path = tmp_path / "known.json"
+    path.write_text(json.dumps([ENTRY, {**ENTRY, "pattern": "shares storage with layer 1", "reason": "test: shared"}]))
+    result = run(SEVERAL_CASES, "--only-targets", "--target", "reference", "--device", "cpu", "--dtype", "fp32",
+                 "-rxX", "--allow-no-cache-check", MPT_KV_KNOWN_FAILURES=str(path))
+    text = output(result)
+    result.assert_outcomes(xfailed=1, failed=2)
+    assert "XFAIL test_gated.py::test_case[cpu-reference-both-concat] - known failure of this project " \
+           "(known.json), entry 0" in text and "| known failure of this project (known.json), entry 1" in text, text
+    assert "[XPASS(strict)] the case failed, but not as these entries say (its other failures are known): known " \
+           "failure of this project (known.json) entry 1 (reference P3 concat) did not happen" in text, text
+    assert "this failure (or one of its independent failures) is not such a one, so the case fails" in text, text
+
+
 def test_a_malformed_known_failures_file_is_a_usage_error_not_an_internal_error(run, tmp_path):
     path = tmp_path / "known.json"
     path.write_text(json.dumps([{**ENTRY, "pattern": "view of (mixed_qkv"}]))
