@@ -193,6 +193,28 @@ def test_mpt_ops_p1_a_wrong_decode_before_a_crashing_reorder_fails_naming_the_de
     assert "step=0" in message and "reorder raised" not in message, message
 
 
+def crashing_reference(crash):
+    """The reference target (a factory) whose sessions raise at `crash` (an operation, or a tuple of them)."""
+    def build(cfg, state_dict, device, dtype):
+        runner = reference_build(cfg, state_dict, device, dtype)
+        open_session = runner.session
+        runner.session = lambda path, max_len, bucket=None: Session(open_session(path, max_len, bucket), False, crash)
+        return runner
+    return build
+
+
+def test_mpt_ops_a_beam_program_crash_hides_no_other_fixed_program():
+    """The run layer's program driver (by_program): each fixed program on a fresh runner, whatever the one before
+    it did, as family-ops' two programs; the drawn programs only once the fixed ones hold."""
+    from mpt_kv.checks.registry import CHECKS as MPT_CHECKS
+
+    with pytest.raises(Failures) as every:
+        MPT_CHECKS["ops-P1/concat"](crashing_reference(("reorder", "extend")), "cpu", torch.float32)
+    beam, *others = map(str, every.value.exceptions)
+    assert "the target's reorder raised RuntimeError" in beam, beam
+    assert others and all("the target's extend raised RuntimeError" in o for o in others), others
+
+
 # --- caches keyed by what they hold ----------------------------------------------------------------------
 
 def test_a_family_copy_under_the_same_name_gets_its_own_runner_and_model():
