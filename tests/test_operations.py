@@ -290,6 +290,7 @@ def test_the_packaged_known_failures_name_the_operations_findings():
         ("optimum-habana", "ops-P2", "static", None, "<=1.21.2,>=1.20.0"),
         ("optimum-habana", "ops-P3", "concat", None, "<=1.21.2,>=1.20.0"),
         ("optimum-habana", "ops-P3", "static", None, "<=1.21.2,>=1.20.0"),
+        ("optimum-habana", "ops-static-storage", "static", None, "<=1.21.2,>=1.20.0"),
     ], ops
 
 
