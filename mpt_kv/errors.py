@@ -7,7 +7,7 @@ What a check's caller sees:
                         dtype, case, step, operation, layer and the error's size or bytes
       TargetRaised      the target's own call raised (the crash rule made it a verdict)
         Crash           ... with the operation, the exception and the steps judged before it
-      Failures          independent failures of one check (family-ops' two programs), each judged
+      Failures          independent failures of one check (`independently`: family-ops' two programs), each judged
     Unsupported         the target declares it does not implement what the case needs (a skip)
     KnownFailure        with `known_failures=`: the PropertyFailure a known-failures entry names (an xfail)
     UnexpectedPass      with `known_failures=`: a case an entry covers passed (the entry is stale: XPASS)
@@ -119,9 +119,18 @@ class Failures(PropertyFailure):
         super().__init__("\n".join(f"({i}) {e}" for i, e in enumerate(self.exceptions, 1)))
 
 
-def failure_of(failures: list) -> PropertyFailure | None:
-    """The one failure to raise for a check's independent parts: None, the one, or `Failures` of all."""
-    return None if not failures else failures[0] if len(failures) == 1 else Failures(failures)
+def independently(parts) -> None:
+    """Runs each of a check's independent parts (callables: family-ops' two programs, the ops checks' fixed
+    programs), every one whatever the others did, and raises what failed: the one failure, or `Failures` of
+    all (a failure of one must hide none of the others). Anything but a PropertyFailure propagates at once."""
+    failures = []
+    for part in parts:
+        try:
+            part()
+        except PropertyFailure as e:
+            failures.append(e)
+    if failures:
+        raise failures[0] if len(failures) == 1 else Failures(failures)
 
 
 class _FindingType(type):

@@ -50,6 +50,7 @@ error.
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -64,7 +65,7 @@ from mpt_kv.checks.family_storage import (FusedCapture, aligned_written, analyti
                                           storage_report, token_positions)
 from mpt_kv.checks.model_state import model_state_tensors
 from mpt_kv.checks.storages import storage_key
-from mpt_kv.errors import InputError, Registry, Unsupported, failure_of
+from mpt_kv.errors import InputError, Registry, Unsupported, independently
 from mpt_kv.families.implementations import ORACLE_ATTENTION
 from mpt_kv.families.models import named_kv
 
@@ -252,22 +253,20 @@ def check_operations(runner, c: FamilyContext) -> list[str]:
     """family-ops (module doc). A program whose operation the implementation lacks is Unsupported
     with its reason, after the other program ran: never a pass."""
     c.batch = len(OPS_PADS)
-    unsupported, failures = [], []
-    for name, needs, ops in (beam_program(), assisted_program()):
+    unsupported = []
+
+    def program(name, needs, ops):  # each on its own session: one failing hides nothing of the other
         reasons = [r for r in (runner.capabilities.reason(f) for f in needs) if r]
         if reasons:
             unsupported.append(f"{name} program: {'; '.join(reasons)}")
-            continue
+            return
         try:
             with torch.inference_mode():
                 run_program(runner, c, name, ops)
         except Unsupported as e:
             unsupported.append(f"{name} program: {e.msg}")
-        except PropertyFailure as e:  # the other program runs too, on its own session: one failure hides none
-            failures.append(e)
-    failure = failure_of(failures)
-    if failure is not None:
-        raise failure
+
+    independently(functools.partial(program, *p) for p in (beam_program(), assisted_program()))
     if unsupported:
         ran = "" if len(unsupported) == 2 else " (the other program ran and held)"
         raise Unsupported(f"{c.implementation}/{c.family.name} {c.path}: " + " | ".join(unsupported) + ran)

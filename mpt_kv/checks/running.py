@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ from mpt_kv.checks.graphs import graphed
 from mpt_kv.checks.profiles import SHRINKING_PROFILES
 from mpt_kv.checks.strategies import GRAPH_CASE, STATIC_SHAPE_CASE, cases, edge_cases
 from mpt_kv.devices import as_device
-from mpt_kv.errors import PropertyFailure, TargetUnavailable, Unsupported, failure_of
+from mpt_kv.errors import TargetUnavailable, Unsupported, independently
 from mpt_kv.model.config import as_dtype, random_state_dict
 from mpt_kv.targets import (Capabilities, FamilyDeclaration, FamilyTarget, ResolvedTarget, Runner, Target,
                             family_target, required_features, resolve_mpt)
@@ -364,15 +365,11 @@ def by_program(r: Run) -> list[str]:
     several cached calls, each checked; ci: 2 drawn + 2 fixed per check). Notes: the distinct input shapes fed to the target, and the operations it
     declares unsupported (not drawn; its other operations ran)."""
     allowed = allowed_operations(r)
-    fed, notes, failures = programs.Fed(), [], []
-    for program in programs.fixed_programs(r.device.type, allowed):
-        try:
-            notes += one_program(r, program, fed)
-        except PropertyFailure as e:  # each on a fresh runner: a failing program hides none of the others
-            failures.append(e)
-    failure = failure_of(failures)
-    if failure is not None:
-        raise failure  # the drawn programs mix the same operations: drawn once the fixed ones hold
+    fed, notes = programs.Fed(), []
+    # each on a fresh runner: a failing program hides none of the others; the drawn programs mix the same
+    # operations: drawn once the fixed ones hold
+    independently(functools.partial(lambda p: notes.extend(one_program(r, p, fed)), program)
+                  for program in programs.fixed_programs(r.device.type, allowed))
     strategy = programs.programs(r.device.type, allowed, r.dtype, r.caps)
     drive(r.key, strategy, lambda program: notes.extend(one_program(r, program, fed)), "program", fraction=3)
     missing = [f"{op} ({r.caps.reason(op)})" for op in programs.OPERATIONS if op not in allowed]
