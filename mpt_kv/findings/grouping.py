@@ -46,8 +46,10 @@ def versions(entry: dict) -> str:
 
 
 def checks_seen(entries: list[dict]) -> str:
-    """The checks (with the path where an entry names one) that see one finding."""
-    return ", ".join(e["property"] + (f" ({e['path']})" if e.get("path") else "") for e in entries)
+    """The checks (with the path where an entry names one; a check id where it names one, as a generate
+    entry does: generate/static/beam) that see one finding."""
+    return ", ".join(e["check"] if e.get("check") else e["property"] + (f" ({e['path']})" if e.get("path") else "")
+                     for e in entries)
 
 
 def grouped(entries: list[dict]) -> list[list[dict]]:
