@@ -52,7 +52,36 @@ def test_each_mode_and_path_is_a_check_of_the_index():
     prop = index.by_name("generate")
     assert prop.runs == "generate" and prop.operations == generate_driver.MODES
     ids = [c for c in CHECKS if c.startswith("generate/")]
-    assert ids == [f"generate/{p}/{m}" for p in ("concat", "static") for m in generate_driver.MODES]
+    assert ids == [f"generate/{p}/{m}" for p in index.GENERATE_PATHS for m in generate_driver.MODES]
+
+
+def test_optimum_habanas_own_paths_are_its_ports_greedy_and_beam_only():
+    """reuse_cache and the recipes' flags: the ports' cells (the recipe's variant), never an MPT target's."""
+    llama_gqa = FamilyTarget("optimum-habana", "llama", "gqa", ("concat", "static", "static+reuse",
+                                                                "static+reuse@flash-reuse", "static@flash-bucket"))
+    assert applies(CHECKS["generate/static+reuse@flash-reuse/beam"], llama_gqa)
+    assert applies(CHECKS["generate/static@flash-bucket/greedy"], llama_gqa)
+    assert not applies(CHECKS["generate/static+reuse@flash-reuse/prompt-lookup"], llama_gqa)
+    assert not applies(CHECKS["generate/static+reuse/greedy"], llama_gqa)  # not the first variant
+    assert applies(CHECKS["generate/static+reuse/greedy"], FamilyTarget("optimum-habana", "llama", "mha",
+                                                                       ("concat", "static", "static+reuse")))
+    assert not applies(CHECKS["generate/static+reuse/greedy"], "optimum-habana")
+    with pytest.raises(Unsupported, match="its ports'"):
+        CHECKS["generate/static+reuse/greedy"]("transformers", "cpu", torch.float32)
+
+
+def test_a_recipe_becomes_the_gaudi_generation_config_settings_run_generation_gives_it():
+    from mpt_kv.recipes import RECIPES, TINY_BUCKET
+    from mpt_kv.targets.gaudi_generate import recipe_settings
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    flash = recipe_settings(RECIPES["flash-bucket"], mask)
+    assert flash["bucket_size"] == TINY_BUCKET and flash["bucket_internal"] and flash["use_flash_attention"]
+    assert flash["flash_attention_recompute"] and flash["flash_attention_causal_mask"] and flash["trim_logits"]
+    assert flash["flash_attention_fast_softmax"] and flash["valid_sequence_lengths"].tolist() == [2, 4]
+    reuse = recipe_settings(RECIPES["reuse-trim-softmax"], mask)
+    assert reuse["bucket_size"] == -1 and not reuse["bucket_internal"] and reuse["attn_softmax_bf16"]
+    assert "valid_sequence_lengths" not in reuse and recipe_settings(None, mask) == {}
 
 
 def test_a_family_gets_one_tiny_config_greedy_and_beam_and_prompt_lookup_where_it_has_windows():
@@ -257,3 +286,27 @@ def test_optimum_habanas_generate_runs_on_cpu_and_transformers_is_restored_after
     with gaudi_generate.gaudi_generation() as module:
         assert GenerationMixin.generate is module.GaudiGenerationMixin.generate
     assert GenerationMixin.generate is before
+
+
+@pytest.mark.optimum_habana
+def test_a_bug_of_the_reuse_cache_path_alone_fails_its_generate_cell_only(monkeypatch):
+    """The reuse_cache cell reads the model's buffers and judges its calls: a KVCache that drops the prompt's
+    last position when it initialises a preallocated buffer (the reuse_cache prefill's branch alone) fails
+    generate/static+reuse; generate's plain static path, which never takes that branch, still passes."""
+    from mpt_kv.families import FAMILIES
+    from mpt_kv.families.gaudi import load_port_module
+
+    target = FamilyTarget("optimum-habana", "llama", "mha", ("concat", "static", "static+reuse"))
+    kv_cache = load_port_module(FAMILIES["llama"]).KVCache  # the llama port's own (models/llama/modeling_llama.py)
+    update = kv_cache.update
+
+    def drops_the_last_prompt_position(prev, cur, dim, idx, inp_seq_len):
+        if inp_seq_len != -1 and prev.shape != cur.shape and 1 < cur.shape[2] <= prev.shape[2]:
+            prev[:, :, :inp_seq_len - 1, :].copy_(cur[:, :, :-1])
+            return cur
+        return update(prev, cur, dim, idx, inp_seq_len)
+
+    monkeypatch.setattr(kv_cache, "update", staticmethod(drops_the_last_prompt_position))
+    CHECKS["generate/static/greedy"](target, "cpu", torch.float32)
+    with pytest.raises(PropertyFailure, match=r"generate/static\+reuse/greedy call 1 \(decode\): logits"):
+        CHECKS["generate/static+reuse/greedy"](target, "cpu", torch.float32)

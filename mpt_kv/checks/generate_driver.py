@@ -35,6 +35,7 @@ Modes (one check id each, per cache path: concat = generate's dynamic cache, sta
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import inspect
@@ -44,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from mpt_kv import recipes
 from mpt_kv.checks import index
 from mpt_kv.checks.cases import Case
 from mpt_kv.checks.family_driver import prompt
@@ -65,6 +67,12 @@ MPT_CASE = Case(ModelConfig(d_model=24, n_heads=3, n_layers=2, vocab_size=64, ma
                 ASSISTED_NEW_TOKENS + CANDIDATES, seed=41)
 CACHE_KEYS = ("cache", "past_key_values")  # transformers 5.x names the forward's cache `cache`, 4.x and the ports
 #                                            `past_key_values`
+
+
+def is_static(path: str) -> bool:
+    """A generate path of a static cache: "static", optimum-habana's "static+reuse" and a recipe's
+    ("static+reuse@flash-reuse", `mpt_kv.recipes`)."""
+    return recipes.split(path)[0] != "concat"
 
 
 # --- what the drive needs of a target ---------------------------------------------------------------------------
@@ -151,6 +159,11 @@ class Drive:
     crash: BaseException | None = None
     crashed_in: str = "generate"        # "call N" where the exception came out of a forward
     alive: list = field(default_factory=list)  # (where, bytes, storage key) of the cache storages still alive after it
+
+    @property
+    def static(self) -> bool:
+        """A static cache: the static path, optimum-habana's reuse_cache or a recipe on one."""
+        return is_static(self.path)
 
     def operations(self) -> dict:
         """What the run did to the cache, read from its calls: k-token calls (assisted decoding's verification:
@@ -263,8 +276,10 @@ class Observer:
         @functools.wraps(original)  # generate validates its keyword arguments against this signature
         def prepare(*args, **kwargs):
             ids = args[0] if args else kwargs.get("input_ids")
-            self.pending = (args, kwargs, ids)
-            return original(*args, **kwargs)
+            self.pending = (args, kwargs, ids, None)
+            prepared = original(*args, **kwargs)
+            self.pending = (args, kwargs, ids, prepared)
+            return prepared
 
         prepare.__signature__ = inspect.signature(original)
         model.prepare_inputs_for_generation = prepare
@@ -282,10 +297,10 @@ class Observer:
         """(ids, mask) of the sequence generate holds for this call: its prepare_inputs_for_generation's
         input (the flavour's reading of it), else the forward's own input (a call made without it)."""
         if self.pending is not None:
-            args, pkw, ids = self.pending
+            args, pkw, ids, prepared = self.pending
             self.pending = None
             if self.subject.flavour.sequence is not None:
-                return self.subject.flavour.sequence(args, pkw)
+                return self.subject.flavour.sequence(args, pkw, prepared)
             return ids, pkw.get("attention_mask")
         return kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0], kwargs.get("attention_mask")
 
@@ -303,7 +318,7 @@ class Observer:
         self.remember(kv, f"the cache {call.name} received", cache)
         call.received = positions_of(cache, kv)
         if self.judge and kv and call.received is not None:
-            static = static_length(cache, kv) if self.drive.path == "static" else None
+            static = static_length(cache, kv) if self.drive.static else None
             # what the cache should hold before this call: the sequence less the tokens it is fed
             problems = storage_problems(self.subject, kv, ids.shape[1] - call.fed, static, self.fused.outputs,
                                         ids.shape[0])
@@ -323,7 +338,7 @@ class Observer:
         kv = self.subject.kv_of(cache) if cache is not None else []
         self.remember(kv, f"the cache {call.name} returned", cache)
         call.returned = positions_of(cache, kv)
-        static = static_length(cache, kv) if self.drive.path == "static" else None
+        static = static_length(cache, kv) if self.drive.static else None
         call.static_len = static
         if self.judge and kv:
             written = call.ids.shape[1]
@@ -395,7 +410,7 @@ def observe(subject: Subject, mode: str, path: str, poison: bool = True) -> Driv
     ids, mask, new = inputs(subject, mode)
     drive = Drive(mode, path, ids, mask, new)
     draft = subject.draft() if mode == "draft" else None
-    observer = Observer(subject, drive, poison=poison and path == "static")
+    observer = Observer(subject, drive, poison=poison and drive.static)
     try:
         with torch.inference_mode(), subject.flavour.context():
             drive.sequences = snapshot(subject.flavour.generate(subject.model, ids, mask, mode, path, new, draft))
@@ -453,6 +468,14 @@ def mpt_subject(name: str, runner, cfg, draft: Callable[[], object] | None) -> S
                    cached_kv, flavour_of(model), draft=(lambda: draft().model) if draft is not None else None)
 
 
+def only_shapes(cache) -> bool:
+    """A legacy cache of shapes, no tensor: what optimum-habana's ports return with reuse_cache or, after the
+    prefill, bucket_internal (the cache lives elsewhere: the model's buffers, generate's padded cache)."""
+    return isinstance(cache, (tuple, list)) and bool(cache) and all(
+        isinstance(layer, torch.Size) or (isinstance(layer, (tuple, list)) and all(isinstance(x, torch.Size) for x in layer))
+        for layer in cache)  # an MQA port's layer is one tensor (K and V stacked): one shape
+
+
 def family_subject(runner, c, draft: Callable[[], object] | None) -> Subject:
     """A family target's subject: the implementation's runner, the oracle transformers' uncached model of the
     same weights (`FamilyContext.oracle`), the family's fused projections and analytic bytes
@@ -463,7 +486,28 @@ def family_subject(runner, c, draft: Callable[[], object] | None) -> Subject:
     if why:
         raise Unsupported(f"{c.implementation}/{c.family.name}: {why}")
     port = getattr(runner, "port", None)
-    kv_of = (lambda cache: named_kv(port.kv(cache))) if port is not None else cached_kv
+
+    def kv_of(cache):
+        if port is None:
+            return cached_kv(cache)
+        # with bucket_internal a decode returns only the cache's shapes (generate keeps the padded cache it
+        # passes each call, written in place): no cache to read there (what the next call receives is)
+        return [] if only_shapes(cache) else named_kv(port.kv(cache))
+
+    flavour = flavour_of(runner.model)
+    if port is not None and getattr(runner, "reuse_cache", False):
+        # reuse_cache: generate allocates the cache on the model (allocate_kv_cache) and the port returns only
+        # its shapes: the cache every call received and returned is the model's buffers, kept for the next
+        # generate by design (optimum-habana 1.21.2 generation/utils.py:1638-1642)
+        def kv_of(cache):
+            return named_kv(port.reuse_kv(runner.model))
+
+        def pool(model):
+            return [t for _, _, t in named_kv(port.reuse_kv(model))], (
+                "optimum-habana's reuse_cache buffers, allocated on the model by generate (allocate_kv_cache, "
+                "generation/utils.py:1638-1642) and reused by its next call")
+
+        flavour = dataclasses.replace(flavour, pool=pool)
 
     def analytic(batch, positions, static_len=None, recording=0):
         if static_len is not None or not recording:
@@ -502,5 +546,5 @@ def family_subject(runner, c, draft: Callable[[], object] | None) -> Subject:
         return ["; ".join(part for part in (head, *why) if part)]
 
     return Subject(f"{c.implementation}/{c.family.name}/{c.variant}", runner, c.config, oracle,
-                   c.fused_modules(runner), analytic, kv_of, flavour_of(runner.model),
+                   c.fused_modules(runner), analytic, kv_of, flavour,
                    draft=(lambda: draft().model) if draft is not None else None, storage=storage)

@@ -29,7 +29,7 @@ class Flavour:
     context     () -> a context manager entered around every generate call (optimum-habana: its
                 generation functions in place of transformers' for the call, as adapt_transformers_to_gaudi
                 puts them)
-    sequence    (args, kwargs) of `prepare_inputs_for_generation` -> (ids, mask) of the sequence generate
+    sequence    (args, kwargs, its output) of `prepare_inputs_for_generation` -> (ids, mask) of the sequence generate
                 holds (optimum-habana's static shapes: the prefix before `token_idx`)
     pool        model -> ([tensors], where): the cache generate itself keeps on the model between calls by
                 design (transformers 4.x's static cache, `self._cache`), accepted as a cache pool and noted

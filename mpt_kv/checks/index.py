@@ -32,6 +32,9 @@ STATIC_PATHS = ("static", "static+bucket")
 FAMILY_PATHS = ("concat", "static", "static+reuse") + recipe_paths.PATHS
 # the generate checks' modes (mpt_kv.checks.generate_driver): a check id each per path, generate/<path>/<mode>
 GENERATE_MODES = ("greedy", "beam", "prompt-lookup", "draft")
+# the generate checks' paths: generate's dynamic cache and its static one on every target; on optimum-habana's
+# ports also its reuse_cache and each text-generation recipe's flags (mpt_kv/recipes.py), as generate takes them
+GENERATE_PATHS = ("concat", "static", "static+reuse") + recipe_paths.PATHS
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ PROPERTIES: tuple[Property, ...] = (
              "(greedy, beam, assisted: prompt lookup, a draft) gets or leaves a cache that pins storage or holds other "
              "bytes than the analytic K/V, or gives logits other than an uncached forward over the sequence generate "
              "holds; generate returns other tokens than the oracle's greedy ones, or leaves a cache allocated",
-             "docs/generate.md", "mpt_kv.checks.generate:check_generate", "generate", ("concat", "static"),
+             "docs/generate.md", "mpt_kv.checks.generate:check_generate", "generate", GENERATE_PATHS,
              operations=GENERATE_MODES),
     Property("family-P0", "a family's uncached logits = transformers'", "another family's uncached logits differ from "
              "transformers' model of the same weights", "docs/families.md", "mpt_kv.checks.family:check_uncached",

@@ -44,6 +44,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from mpt_kv.checks import ceilings as C
+from mpt_kv import recipes
 from mpt_kv.checks import index, strategies
 from mpt_kv.checks import running as run_layer
 from mpt_kv.checks.index import BUCKET, MEMORY_BUCKET  # noqa: F401  (public here before the index)
@@ -203,6 +204,8 @@ def applies(check: Check, target) -> bool:
 
 
 ASSISTED_MODES = ("prompt-lookup", "draft")
+PLAIN_GENERATE_PATHS = ("concat", "static")  # every target's; the others are optimum-habana's (module doc)
+GAUDI_GENERATE_MODES = ("greedy", "beam")      # on optimum-habana's own paths
 # family generate cells not yet told apart: each fails in a way none of its port's direct-drive findings
 # names, and is not yet told apart from what the drive sets up differently from run_generation.py (no cell
 # until then: docs/generate.md "Not yet"); every other cell of optimum-habana's ports runs, its failures
@@ -231,11 +234,16 @@ def generate_applies(check: Check, target) -> bool:
     assisted decoding by prompt lookup only where the family has local windows (their crop must restore the
     window's evicted positions: the family's own part of assisted decoding; the rest of it, candidates,
     verification and crop, is GenerationMixin's and cache_utils' code the MPT targets' cells run, with a draft
-    model too)."""
+    model too). optimum-habana's own paths (its reuse_cache, each text-generation recipe's flags:
+    `index.GENERATE_PATHS`) are its ports' only: greedy and beam, reuse_cache on the first variant, a recipe
+    on the variant it names (the only one whose paths have it)."""
+    plain = check.path in PLAIN_GENERATE_PATHS
     if not isinstance(target, FamilyTarget):
-        return True
+        return plain
     if check.path not in target.paths or (target.name, check.id) in GENERATE_NOT_YET:
         return False
+    if not plain:
+        return check.operation in GAUDI_GENERATE_MODES and (recipes.recipe_of(check.path) is not None or _first(target))
     from mpt_kv.families import FAMILIES  # lazy: the registry of checks loads no family module
 
     family = target.family if not isinstance(target.family, str) else FAMILIES.get(target.family)
@@ -243,7 +251,15 @@ def generate_applies(check: Check, target) -> bool:
         return True
     if check.operation == "draft" or (check.operation in ASSISTED_MODES and family.windows is None):
         return False
-    return target.variant == next(iter(family.variants))
+    return _first(target)
+
+
+def _first(target: FamilyTarget) -> bool:
+    """The target is its family's first variant (one tiny config per family), or a family not in the registry."""
+    from mpt_kv.families import FAMILIES
+
+    family = target.family if not isinstance(target.family, str) else FAMILIES.get(target.family)
+    return family is None or target.variant == next(iter(family.variants))
 
 
 def select(*properties: str) -> list[Check]:

@@ -410,6 +410,9 @@ def by_generate(r: Run) -> list[str]:
     if r.dtype != torch.float32:
         raise Unsupported(f"{r.check.id}: the generate drive runs in float32 (generate's tokens are judged against "
                           f"the oracle's greedy ones), not {str(r.dtype).replace('torch.', '')}")
+    if not r.on_family and r.check.path not in ("concat", "static"):
+        raise Unsupported(f"{r.check.id}: optimum-habana's own generate paths (reuse_cache, its recipes' flags) are "
+                          f"its ports' (family targets), not {r.name}'s")
     if r.on_family:
         try:
             runner, fc = r.family_case(r.check.id)

@@ -3,10 +3,11 @@ own `generate`, run as users run it (greedy, beam search, assisted decoding by p
 model; the dynamic cache, concat, and the static one), every forward call it makes observed and judged by the
 rules the direct drive applies (docs/generate.md). Beside the direct drive: both are columns of the matrix.
 
-MPT targets: the run's targets (the plugin's `target` parameter), every mode and path. Family targets: every
-built-in family implementation among the run's targets, as mpt_kv/conformance/test_families.py takes them, on
-the cells `mpt_kv.checks.registry.generate_applies` gives (one tiny config per family, greedy and beam, prompt
-lookup where the family has local windows). float32 and cpu only: a generate cell of another dtype or device is
+MPT targets: the run's targets (the plugin's `target` parameter), every mode on concat and static. Family
+targets: every built-in family implementation among the run's targets, as mpt_kv/conformance/test_families.py
+takes them, on the cells `mpt_kv.checks.registry.generate_applies` gives (one tiny config per family, greedy and
+beam, prompt lookup where the family has local windows; on optimum-habana's ports also its reuse_cache and
+each recipe documented for the family, greedy and beam). float32 and cpu only: a generate cell of another dtype or device is
 not generated (the drive judges generate's tokens against the oracle's greedy ones, on the cpu meter).
 """
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from mpt_kv.checks import index
-from mpt_kv.checks.registry import CHECKS, applies, parametrize_with_checks
+from mpt_kv.checks.registry import CHECKS, PLAIN_GENERATE_PATHS, applies, parametrize_with_checks
 from mpt_kv.families.habana_standin import device_label
 from mpt_kv.families.implementations import IMPLEMENTATIONS, family_targets, users_attention
 from mpt_kv.plugin.options import dtype_names
@@ -58,7 +59,8 @@ def pytest_generate_tests(metafunc):
         metafunc.definition.add_marker(pytest.mark.parametrize("check, target, device, dtype", params))
 
 
-@parametrize_with_checks(checks=index.of_runs("generate"))  # generate/<path>/<mode>: the index's generate checks
+# generate/<path>/<mode> on generate's own two paths: optimum-habana's (reuse_cache, its recipes) are its ports'
+@parametrize_with_checks(checks=[c.id for c in GENERATE if c.path in PLAIN_GENERATE_PATHS])
 def test_generate(check, target, device, dtype):
     check(target, device, dtype)
 

@@ -30,6 +30,9 @@ import importlib
 import importlib.util
 import sys
 
+import torch
+
+from mpt_kv import recipes
 from mpt_kv.errors import TargetUnavailable
 from mpt_kv.targets import gaudi as gaudi_target
 
@@ -128,8 +131,10 @@ def gaudi_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draf
 
     module = generation_module()
     config = gaudi_config(module, model)
+    base, recipe = recipes.split(path)
     config.update(max_new_tokens=new_tokens, do_sample=False, use_cache=True, num_beams=1, pad_token_id=0,
-                  eos_token_id=eos(model), static_shapes=path == "static", ignore_eos=False)
+                  eos_token_id=eos(model), static_shapes=base != "concat", ignore_eos=False,
+                  reuse_cache=base == "static+reuse", **recipe_settings(recipe, mask))
     kwargs = {}
     if mode == "beam":
         config.update(num_beams=num_beams, num_return_sequences=1, early_stopping=False, length_penalty=0.0)
@@ -146,6 +151,23 @@ def gaudi_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draf
                           use_cache=True, **kwargs)
 
 
+def recipe_settings(recipe, mask) -> dict:
+    """The GaudiGenerationConfig settings of a text-generation recipe's flags (`mpt_kv.recipes`: what
+    run_generation.py sets from its command line, generation/utils.py reads), at the tiny sessions' bucket
+    (`recipes.TINY_BUCKET`); none for no recipe. `valid_sequence_lengths`: each row's unpadded prompt length,
+    which run_generation.py passes with --flash_attention_causal_mask (:827-832)."""
+    if recipe is None:
+        return {}
+    settings = {name: getattr(recipe, name) for name in (
+        "trim_logits", "attn_softmax_bf16", "limit_hpu_graphs", "bucket_internal", "use_flash_attention",
+        "flash_attention_recompute", "flash_attention_causal_mask")}
+    settings.update(bucket_size=recipes.TINY_BUCKET if recipe.bucket_size > 0 else -1,
+                    flash_attention_fast_softmax=recipe.fast_softmax)
+    if recipe.flash_attention_causal_mask and mask is not None:
+        settings["valid_sequence_lengths"] = mask.sum(-1, dtype=torch.int32)
+    return settings
+
+
 def gaudi_config(module, model):
     """The model's generation config as a GaudiGenerationConfig (what a model loaded under
     adapt_transformers_to_gaudi has: transformers.modeling_utils.GenerationConfig is the Gaudi one there), its
@@ -160,13 +182,20 @@ def gaudi_config(module, model):
     return config
 
 
-def gaudi_sequence(args, kwargs):
-    """The sequence optimum-habana's generate holds for a call (its prepare_inputs_for_generation's input):
-    with static shapes the ids and mask are padded to the max length and `token_idx` (1-based) says how far
-    they are written: the prefix before it."""
+def gaudi_sequence(args, kwargs, prepared=None):
+    """The sequence optimum-habana's generate holds for a call (its prepare_inputs_for_generation's input and
+    output, `prepared`): with static shapes the ids and mask are padded to the max length and `token_idx`
+    (1-based) says how far they are written: the prefix before it, once a cache exists; at the prefill too
+    where the port is fed the prompt alone (reuse_cache or bucket_internal on a port that slices
+    input_ids[:, :token_idx] then) or returns the logits of token_idx - 1 alone (trim_logits)."""
     ids, mask = (args[0] if args else kwargs.get("input_ids")), kwargs.get("attention_mask")
     token_idx = kwargs.get("token_idx")
-    if token_idx is not None and ids is not None and kwargs.get("past_key_values") is not None:
+    if token_idx is None or ids is None:
+        return ids, mask
+    fed = prepared.get("input_ids") if isinstance(prepared, dict) else None
+    prefix_only = (kwargs.get("past_key_values") is not None or (fed is not None and fed.shape[1] < ids.shape[1])
+                   or bool(isinstance(prepared, dict) and prepared.get("trim_logits")))
+    if prefix_only:
         n = int(token_idx.reshape(-1)[0])
         ids = ids[:, :n]
         mask = None if mask is None else mask[:, :n]
