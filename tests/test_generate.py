@@ -111,8 +111,28 @@ def test_a_port_cell_not_yet_told_apart_has_no_cell_and_names_a_real_one():
     left_out = [(t.name, c.id) for f, fam in FAMILIES.items() if fam.gaudi is not None
                 for t in [FamilyTarget("optimum-habana", f, next(iter(fam.variants)))]
                 for c in CHECKS.values() if c.id.startswith("generate/") and c.path in t.paths and not applies(c, t)
+                and c.operation != "chunked"  # GaudiGenerationMixin has no chunked prefill: no port cell
                 and (c.operation not in ("prompt-lookup", "draft") or (c.operation == "prompt-lookup" and fam.windows))]
     assert sorted(left_out) == sorted(GENERATE_NOT_YET)
+
+
+@needs_5x
+def test_a_chunked_prefill_is_judged_chunk_by_chunk_and_one_run_whole_is_an_error(monkeypatch):
+    """generate/concat/chunked: each chunk a call of its own, judged over the prompt up to its end (the chunk's
+    sequence rebuilt from the prompt); a generate that ignores prefill_chunk_size checked nothing of it: an
+    error, never a pass."""
+    from mpt_kv.checks import generate_flavours
+
+    notes = CHECKS["generate/concat/chunked"]("transformers", "cpu", torch.float32)
+    assert any("1 k-token calls" in n or "2 k-token calls" in n for n in notes), notes
+    call = generate_flavours.call_generate
+
+    def whole(model, ids, mask, mode, path, new_tokens, draft=None):
+        return call(model, ids, mask, "greedy", path, new_tokens, draft)
+
+    monkeypatch.setattr(generate_flavours, "call_generate", whole)
+    with pytest.raises(RuntimeError, match="ran the prefill whole though asked for prefill_chunk_size=4"):
+        CHECKS["generate/concat/chunked"]("transformers", "cpu", torch.float32)
 
 
 def test_the_reference_has_no_generate_and_says_so():

@@ -27,7 +27,7 @@ import torch
 
 from mpt_kv.checks import index
 
-GENERATE_COLUMNS = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft
+GENERATE_COLUMNS = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked
 STATIC_MODES = ("greedy", "beam", "draft")
 NO_STATIC_PROMPT_LOOKUP = ("transformers 5.24's prompt lookup overruns a static cache at the end of a generation (a "
                            "known failure of the base, transformers-mpt-prompt-lookup-static-cache-overrun)")

@@ -34,11 +34,12 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure, assert_close, crash_of, describe, tolerance
 from mpt_kv.checks.family_storage import aligned_written, token_positions
+from mpt_kv.checks.generate_flavours import CHUNK
 from mpt_kv.checks.generate_driver import ASSISTED, Drive, Subject, is_static, observe, reordered
 from mpt_kv.checks.properties import check_token
 from mpt_kv.errors import ObserverError
 
-GREEDY_EXACT = ("greedy", "prompt-lookup", "draft")  # the modes whose tokens are the oracle's greedy tokens
+GREEDY_EXACT = ("greedy", "prompt-lookup", "draft", "chunked")  # the modes whose tokens are the oracle's greedy ones
 
 
 def base_path(path: str) -> str:
@@ -203,8 +204,19 @@ def reached(c: GenerateContext, drive: Drive) -> None:
     if c.mode in ASSISTED and not ops["extends"]:
         raise RuntimeError(f"{c.check}: {c.subject.name}'s assisted generate verified no candidates in a k-token call "
                            f"({ops['calls']} calls): nothing of assisted decoding was checked")
+    if c.mode == "chunked" and not chunked(drive):
+        raise RuntimeError(f"{c.check}: {c.subject.name}'s generate ran the prefill whole though asked for "
+                           f"prefill_chunk_size={CHUNK} ({ops['calls']} calls): nothing of chunked prefill was checked")
     c.notes.append(f"{c.check}: generate made {ops['calls']} calls: {ops['extends']} k-token calls, {ops['crops']} "
                    f"crops, {ops['reorders']} reorders seen [{describe(c.ctx())}]")
+
+
+def chunked(drive: Drive) -> bool:
+    """The prefill ran in chunks: its first call was fed less than the prompt, or it received a cache already
+    (transformers 4.x's `_prefill_chunking` calls the model's forward method itself, past the module's hooks:
+    the chunks are not observed, the cache they wrote is)."""
+    first = drive.calls[0] if drive.calls else None
+    return first is not None and (first.fed < drive.prompt_ids.shape[1] or bool(first.received))
 
 
 def judge_kept(c: GenerateContext, drive: Drive) -> None:

@@ -31,6 +31,9 @@ Modes (one check id each, per cache path: concat = generate's dynamic cache, sta
                     prompt with a repeated n-gram so candidates are proposed and rejected (a k-token
                     verification call, then a crop)
     draft           assisted decoding with a draft model: the same implementation with other weights
+    chunked         greedy with a chunked prefill (`prefill_chunk_size=generate_flavours.CHUNK`): the prompt
+                    written to the cache in k-token calls before the first token (transformers' long-context
+                    option; optimum-habana's generate has none: unsupported, saying so)
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import ObserverError, TargetUnavailable, Unsupported
 from mpt_kv.model.config import ModelConfig
 
-MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft
+MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked
 ASSISTED = ("prompt-lookup", "draft")
 NEW_TOKENS = 4         # greedy and beam: decode steps after the prefill
 ASSISTED_NEW_TOKENS = 6
@@ -301,8 +304,20 @@ class Observer:
             self.pending = None
             if self.subject.flavour.sequence is not None:
                 return self.subject.flavour.sequence(args, pkw, prepared)
-            return ids, pkw.get("attention_mask")
+            return self.chunk_of_prompt(ids, pkw.get("attention_mask")), pkw.get("attention_mask")
         return kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0], kwargs.get("attention_mask")
+
+    def chunk_of_prompt(self, ids, mask):
+        """A chunked prefill's call hands prepare_inputs_for_generation its chunk alone, with the mask up to the
+        chunk's end (transformers 5.24 generation/utils.py `_prefill`): the sequence generate holds is the
+        prompt up to there, where the chunk is the prompt's tokens just before; else `ids` as they are."""
+        prompt = self.drive.prompt_ids
+        if ids is None or mask is None or mask.dim() != 2 or ids.shape[1] >= mask.shape[1]:
+            return ids
+        end = mask.shape[1]
+        if end <= prompt.shape[1] and ids.shape[0] == prompt.shape[0] and torch.equal(ids, prompt[:, end - ids.shape[1]:end]):
+            return prompt[:, :end]
+        return ids
 
     @observing
     def before(self, module, args, kwargs):

@@ -18,6 +18,8 @@ from mpt_kv.errors import Unsupported
 
 NUM_BEAMS = 3          # 3 beams of the drive's prompt move rows at a reorder (2 often keep their order)
 CANDIDATES = 3         # prompt_lookup_num_tokens; the draft's num_assistant_tokens
+CHUNK = 4              # prefill_chunk_size: the drive's 6-token prompt as a 4-token and a 2-token call (row 0's
+#                        first chunk straddles its 2 padding slots and its first tokens)
 
 
 @dataclass
@@ -56,6 +58,9 @@ REFUSALS = {
     "generation/utils.py:4098-4101)",
     "assisted generate is not supported with Static cache classes": "transformers 4.x's assisted decoding refuses a "
     "static cache (4.55.4 generation/utils.py:2529-2530)",
+    # "chunkink" in 4.51-4.55, "chunking" in 5.x
+    "Cannot use prefill chunk": "transformers' chunked prefill needs a Cache object, and a model whose generate keeps "
+    "a legacy tuple cache has none (4.51 generation/utils.py:4882, llm-foundry's MPT)",
 }
 
 
@@ -85,6 +90,8 @@ def call_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft
         draft.generation_config.num_assistant_tokens = CANDIDATES
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         kwargs["assistant_model"] = draft
+    elif mode == "chunked":
+        kwargs["prefill_chunk_size"] = CHUNK
     return model.generate(ids, **kwargs)
 
 

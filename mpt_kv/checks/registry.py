@@ -239,6 +239,8 @@ def generate_applies(check: Check, target) -> bool:
         return False
     if not plain:
         return check.operation in GAUDI_GENERATE_MODES and (recipes.recipe_of(check.path) is not None or _first(target))
+    if check.operation == "chunked" and target.implementation_name == "optimum-habana":
+        return False  # GaudiGenerationMixin has no chunked prefill (its MPT target's cell says so: Unsupported)
     from mpt_kv.families import FAMILIES  # lazy: the registry of checks loads no family module
 
     family = target.family if not isinstance(target.family, str) else FAMILIES.get(target.family)

@@ -28,12 +28,13 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import sys
 
 import torch
 
 from mpt_kv import recipes
-from mpt_kv.errors import TargetUnavailable
+from mpt_kv.errors import TargetUnavailable, Unsupported
 from mpt_kv.targets import gaudi as gaudi_target
 
 GENERATION = "optimum.habana.transformers.generation.utils"
@@ -130,6 +131,9 @@ def gaudi_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draf
     (`eos(model)`); the drive's beams and candidates (`mpt_kv.checks.generate_flavours`: it builds this flavour)."""
 
     module = generation_module()
+    if mode == "chunked" and "prefill_chunk_size" not in inspect.getsource(module):
+        raise Unsupported(f"{gaudi_target.release()}: GaudiGenerationMixin (its generation/utils.py) never reads "
+                          "prefill_chunk_size: its generate runs the prefill whole, no chunked prefill to check")
     config = gaudi_config(module, model)
     base, recipe = recipes.split(path)
     config.update(max_new_tokens=new_tokens, do_sample=False, use_cache=True, num_beams=1, pad_token_id=0,
