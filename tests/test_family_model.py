@@ -179,10 +179,12 @@ def test_a_fork_that_fixed_an_inherited_bug_fails_as_xpass_until_it_declares_the
         P3(fork_of_transformers(owngqa), known_failures=KnownFailures())
     fixed = fork_of_transformers(owngqa, fixes={"family-P3/concat": "the window is copied, not sliced"})
     assert P3(fixed, known_failures=KnownFailures()) == []
-    # the other entries of transformers 5.x it inherits (family-memory and the generate drive on concat) still
-    # apply to it
-    assert [(e.property, e.path) for e in inherited(fixed, KnownFailures().entries) if e.applies()] == [
-        ("family-memory", "concat"), ("generate", "concat")]
+    # the other entries of transformers 5.x it inherits (family-memory and the generate drive's modes on concat)
+    # still apply to it
+    assert [(e.property, e.path, e.check) for e in inherited(fixed, KnownFailures().entries) if e.applies()] == [
+        ("family-memory", "concat", None), ("generate", "concat", "generate/concat/greedy"),
+        ("generate", "concat", "generate/concat/beam"), ("generate", "concat", "generate/concat/prompt-lookup"),
+        ("generate", "concat", "generate/concat/chunked")]
 
 
 def test_fixes_naming_no_inherited_entry_is_an_error(owngqa):
