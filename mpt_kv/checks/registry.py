@@ -211,10 +211,6 @@ GAUDI_GENERATE_MODES = ("greedy", "beam")      # on optimum-habana's own paths
 # until then: docs/generate.md "Not yet"); every other cell of optimum-habana's ports runs, its failures
 # known failures of their own (the port's direct-drive finding seen through generate)
 GENERATE_NOT_YET = {
-    ("optimum-habana/gemma3/hybrid-window9", "generate/concat/prompt-lookup"):
-        "the prefill of the 11-token assisted prompt, longer than the port's window of 9, differs from "
-        "transformers' uncached forward (the direct drive's prompts are shorter than the window); gpt_oss's and "
-        "gemma2's ports let a query see one position more than the window, probably this too: not yet confirmed",
     ("optimum-habana/deepseek_v3/mla", "generate/concat/greedy"):
         "greedy generate's second call feeds 3 tokens (the port's prepare_inputs_for_generation), and the cache it "
         "receives holds 256 bytes beyond the latent's analytic bytes",
