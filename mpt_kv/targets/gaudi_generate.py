@@ -162,11 +162,10 @@ def recipe_settings(recipe, mask) -> dict:
     which run_generation.py passes with --flash_attention_causal_mask (:827-832)."""
     if recipe is None:
         return {}
-    settings = {name: getattr(recipe, name) for name in (
-        "trim_logits", "attn_softmax_bf16", "limit_hpu_graphs", "bucket_internal", "use_flash_attention",
-        "flash_attention_recompute", "flash_attention_causal_mask")}
-    settings.update(bucket_size=recipes.TINY_BUCKET if recipe.bucket_size > 0 else -1,
-                    flash_attention_fast_softmax=recipe.fast_softmax)
+    # the flags as generate puts them into model_kwargs (one map of them: Recipe.model_kwargs); reuse_cache is the
+    # path's (static+reuse), lazy_mode no config setting (an HPU switch: gaudi_generate passes lazy_mode=False)
+    settings = {k: v for k, v in recipe.model_kwargs().items() if k not in ("lazy_mode", "reuse_cache")}
+    settings["bucket_size"] = recipes.TINY_BUCKET if recipe.bucket_size > 0 else -1
     if recipe.flash_attention_causal_mask and mask is not None:
         settings["valid_sequence_lengths"] = mask.sum(-1, dtype=torch.int32)
     return settings
