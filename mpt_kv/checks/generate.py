@@ -39,7 +39,7 @@ from mpt_kv.checks.generate_driver import ASSISTED, Drive, Subject, is_static, o
 from mpt_kv.checks.properties import check_token
 from mpt_kv.errors import ObserverError
 
-GREEDY_EXACT = ("greedy", "prompt-lookup", "draft", "chunked")  # the modes whose tokens are the oracle's greedy ones
+GREEDY_EXACT = ("greedy", "prompt-lookup", "draft", "chunked", "multi-turn")  # the modes whose tokens are the oracle's greedy ones
 
 
 def base_path(path: str) -> str:
@@ -174,18 +174,21 @@ def compare_written(c: GenerateContext, static, concat) -> None:
 
 
 def judge_tokens(c: GenerateContext, drive: Drive) -> None:
-    """The tokens generate returned: `new_tokens` per row, each the oracle's greedy choice after the ones
-    before it (one uncached forward over the returned sequence; P1's near-tie rule)."""
+    """The tokens generate returned: `new_tokens` per row (in each turn), each the oracle's greedy choice after
+    the ones before it (one uncached forward over the returned sequence; P1's near-tie rule)."""
     seq, S = drive.sequences, drive.prompt_ids.shape[1]
-    if seq is None or seq.shape[1] != S + drive.new_tokens:
+    last, n = drive.turns[-1]
+    if seq is None or seq.shape[1] != last + n:
         got = None if seq is None else seq.shape[1] - S
-        raise fail(c, drive, f"generate returned {got} new tokens per row, asked for {drive.new_tokens} (no "
-                   "end-of-sequence token was given)", "the returned tokens")
+        raise fail(c, drive, f"generate returned {got} positions past the prompt per row, asked for {last + n - S} "
+                   "(no end-of-sequence token was given)", "the returned tokens")
     mask = torch.cat([drive.prompt_mask, torch.ones_like(seq[:, S:])], dim=1)
     oracle = c.subject.oracle(seq, mask)
     tol = c.tol(f"logits:{base_path(c.path)}")
-    for t in range(drive.new_tokens):
-        check_token(seq[:, S + t:S + t + 1], oracle[:, S + t - 1], tol, c, f"token {t}", what=c.check)
+    for turn, (start, count) in enumerate(drive.turns):
+        for t in range(count):
+            name = f"token {t}" if len(drive.turns) == 1 else f"turn {turn + 1} token {t}"
+            check_token(seq[:, start + t:start + t + 1], oracle[:, start + t - 1], tol, c, name, what=c.check)
 
 
 def reached(c: GenerateContext, drive: Drive) -> None:
@@ -207,6 +210,10 @@ def reached(c: GenerateContext, drive: Drive) -> None:
     if c.mode == "chunked" and not chunked(drive):
         raise RuntimeError(f"{c.check}: {c.subject.name}'s generate ran the prefill whole though asked for "
                            f"prefill_chunk_size={CHUNK} ({ops['calls']} calls): nothing of chunked prefill was checked")
+    if c.mode == "multi-turn" and not continued(drive):
+        raise RuntimeError(f"{c.check}: {c.subject.name}'s second turn did not continue the cache the first filled (no "
+                           f"call of it received that cache and was fed less than its sequence; {ops['calls']} calls): "
+                           "nothing of a continued cache was checked")
     c.notes.append(f"{c.check}: generate made {ops['calls']} calls: {ops['extends']} k-token calls, {ops['crops']} "
                    f"crops, {ops['reorders']} reorders seen [{describe(c.ctx())}]")
 
@@ -217,6 +224,14 @@ def chunked(drive: Drive) -> bool:
     the chunks are not observed, the cache they wrote is)."""
     first = drive.calls[0] if drive.calls else None
     return first is not None and (first.fed < drive.prompt_ids.shape[1] or bool(first.received))
+
+
+def continued(drive: Drive) -> bool:
+    """The second turn of a multi-turn run continued the first's cache: its first call received a cache that held
+    positions and was fed less than the sequence generate held (the reply and the first turn's last token)."""
+    start = drive.turns[-1][0]
+    second = next((call for call in drive.calls if call.ids.shape[1] >= start), None)
+    return second is not None and bool(second.received) and second.fed < second.ids.shape[1]
 
 
 def judge_kept(c: GenerateContext, drive: Drive) -> None:

@@ -34,6 +34,10 @@ Modes (one check id each, per cache path: concat = generate's dynamic cache, sta
     chunked         greedy with a chunked prefill (`prefill_chunk_size=generate_flavours.CHUNK`): the prompt
                     written to the cache in k-token calls before the first token (transformers' long-context
                     option; optimum-habana's generate has none: unsupported, saying so)
+    multi-turn      two greedy turns of a chat on one cache object the user made (`generate_flavours.multi_turn`):
+                    the second turn's input is the first's output and the user's reply, and generate continues
+                    the cache the first turn filled (its first call feeds the reply and the first turn's last
+                    token, never fed before)
 """
 
 from __future__ import annotations
@@ -53,13 +57,13 @@ from mpt_kv.checks import index
 from mpt_kv.checks.cases import Case
 from mpt_kv.checks.family_driver import prompt
 from mpt_kv.checks.family_storage import FusedCapture, pinning_problems, storage_report
-from mpt_kv.checks.generate_flavours import CANDIDATES, Flavour, flavour_of, generate_positions, has_generate
+from mpt_kv.checks.generate_flavours import CANDIDATES, REPLY, Flavour, flavour_of, generate_positions, has_generate
 from mpt_kv.checks.results import snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import ObserverError, TargetUnavailable, Unsupported
 from mpt_kv.model.config import ModelConfig
 
-MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked
+MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, multi-turn
 ASSISTED = ("prompt-lookup", "draft")
 NEW_TOKENS = 4         # greedy and beam: decode steps after the prefill
 ASSISTED_NEW_TOKENS = 6
@@ -167,6 +171,15 @@ class Drive:
     def static(self) -> bool:
         """A static cache: the static path, optimum-habana's reuse_cache or a recipe on one."""
         return is_static(self.path)
+
+    @property
+    def turns(self) -> list[tuple[int, int]]:
+        """(first position, count) of the tokens generate chose in each turn of the sequences it returned: one
+        turn, or multi-turn's two with the user's reply between them."""
+        start = self.prompt_ids.shape[1]
+        if self.mode != "multi-turn":
+            return [(start, self.new_tokens)]
+        return [(start, self.new_tokens), (start + self.new_tokens + len(REPLY), self.new_tokens)]
 
     def operations(self) -> dict:
         """What the run did to the cache, read from its calls: k-token calls (assisted decoding's verification:
@@ -425,7 +438,9 @@ def observe(subject: Subject, mode: str, path: str, poison: bool = True) -> Driv
     ids, mask, new = inputs(subject, mode)
     drive = Drive(mode, path, ids, mask, new)
     draft = subject.draft() if mode == "draft" else None
-    observer = Observer(subject, drive, poison=poison and drive.static)
+    # not on multi-turn: transformers 4.x's StaticCache counts the positions it holds from its nonzero slots
+    # (get_seq_length, which the second turn's generate reads), so poisoned slots would change what generate does
+    observer = Observer(subject, drive, poison=poison and drive.static and mode != "multi-turn")
     try:
         with torch.inference_mode(), subject.flavour.context():
             drive.sequences = snapshot(subject.flavour.generate(subject.model, ids, mask, mode, path, new, draft))

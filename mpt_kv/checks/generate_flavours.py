@@ -20,6 +20,8 @@ NUM_BEAMS = 3          # 3 beams of the drive's prompt move rows at a reorder (2
 CANDIDATES = 3         # prompt_lookup_num_tokens; the draft's num_assistant_tokens
 CHUNK = 4              # prefill_chunk_size: the drive's 6-token prompt as a 4-token and a 2-token call (row 0's
 #                        first chunk straddles its 2 padding slots and its first tokens)
+REPLY = (3, 5)         # multi-turn: the user's next turn, appended to what the first turn returned (2 tokens: with
+#                        the first turn's last token, never fed, the second turn's first call feeds 3)
 
 
 @dataclass
@@ -78,6 +80,8 @@ def transformers_generate(model, ids, mask, mode: str, path: str, new_tokens: in
 
 
 def call_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft=None):
+    if mode == "multi-turn":
+        return multi_turn(model, ids, mask, path, new_tokens)
     kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, use_cache=True, num_beams=1,
                   pad_token_id=0, eos_token_id=unreachable_eos(model))
     if path == "static":
@@ -93,6 +97,57 @@ def call_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft
     elif mode == "chunked":
         kwargs["prefill_chunk_size"] = CHUNK
     return model.generate(ids, **kwargs)
+
+
+def multi_turn(model, ids, mask, path: str, new_tokens: int):
+    """Two greedy turns of a chat on one cache, as transformers' docs reuse a cache across turns ("Cache reuse",
+    docs/source/en/cache_explanation.md): the user makes the cache (a DynamicCache, or a StaticCache long enough
+    for both turns), generate fills it on the first turn; the second turn is the first's output with the user's
+    reply (`REPLY`) appended, and generate continues the same cache (its `_prefill` slices what the cache holds off
+    the input: transformers 5.24 generation/utils.py:4300-4311). A model that takes no Cache object (a legacy tuple
+    cache: llm-foundry's MPT, which transformers 4.51 refuses a Cache for, generation/utils.py:1488-1492) continues
+    from the cache the first turn returned (`return_dict_in_generate`). Returns the second turn's sequences: the
+    prompt, the first turn's tokens, the reply, the second turn's tokens."""
+    import transformers
+
+    batch, total = ids.shape[0], ids.shape[1] + 2 * new_tokens + len(REPLY)
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, use_cache=True, num_beams=1, pad_token_id=0,
+                  eos_token_id=unreachable_eos(model))
+    # transformers 5.x names generate's cache argument `cache` (`past_key_values` deprecated), 4.x `past_key_values`
+    name = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+    if getattr(model, "_supports_cache_class", True):
+        cache = user_cache(model, path, batch, total)
+        first = model.generate(ids, attention_mask=mask, **kwargs, **{name: cache})
+    else:
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+        first, cache = out.sequences, out.past_key_values
+    reply = torch.tensor([list(REPLY)], dtype=first.dtype).remainder(model.config.vocab_size).expand(batch, -1)
+    ids2 = torch.cat([first, reply], dim=1)
+    mask2 = torch.cat([mask, torch.ones(batch, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    return model.generate(ids2, attention_mask=mask2, **kwargs, **{name: cache})
+
+
+def user_cache(model, path: str, batch: int, max_len: int):
+    """The cache a user makes for a multi-turn chat: transformers' DynamicCache on the concat path, a static cache
+    of `max_len` slots (both turns) on the static path, as each release's documented constructor takes them (5.x: a
+    StaticCache from the model's config, which gives each layer its type: a window layer's cache; 4.x: the class the
+    model's generation config names, as generate would pick it (`cache_implementation`: gemma2/3's "hybrid"), with
+    the batch, the device and the dtype, and a DynamicCache without a config)."""
+    import transformers
+    from transformers import DynamicCache, StaticCache
+
+    v5 = int(transformers.__version__.split(".")[0]) >= 5
+    if path != "static":
+        return DynamicCache(config=model.config) if v5 else DynamicCache()
+    if v5:
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    from transformers.generation.configuration_utils import NEED_SETUP_CACHE_CLASSES_MAPPING
+
+    cls = NEED_SETUP_CACHE_CLASSES_MAPPING.get(getattr(model.generation_config, "cache_implementation", None) or
+                                               "static", StaticCache)
+    weight = next(model.parameters())
+    return cls(config=model.config, max_batch_size=batch, max_cache_len=max_len, device=weight.device,
+               dtype=weight.dtype)
 
 
 def transformers_pool(model):

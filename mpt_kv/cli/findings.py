@@ -25,6 +25,7 @@ of the README into docs/findings.md.)
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -177,6 +178,27 @@ def write_repros(directory: Path) -> int:
     return 0
 
 
+def derive(modes: list[str], reports: list[Path]) -> int:
+    """--derive SOURCE NEW: the derived entries on stdout (JSON, to append to the known-failures files after
+    review), every failed cell no entry explains on stderr (exit 1 then)."""
+    from mpt_kv.checks import index
+    from mpt_kv.findings.derive import derive_from_reports
+
+    unknown = [m for m in modes if m not in index.GENERATE_MODES]
+    if unknown:
+        usage_error(f"--derive {' '.join(modes)}: {unknown[0]!r} is no generate mode: {', '.join(index.GENERATE_MODES)}")
+    if not reports:
+        usage_error("--derive needs at least one --report (a conformance run's JSON report)")
+    missing = [str(r) for r in reports if not r.is_file()]
+    if missing:
+        usage_error(f"--report {missing[0]}: no such file")
+    derived, unexplained = derive_from_reports(reports, *modes)
+    print(json.dumps(derived, indent=2))
+    for r in unexplained:
+        print(f"unexplained: {r['target']} {r['check']}: {r.get('message', '')[:300]}", file=sys.stderr)
+    return 1 if unexplained else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = Parser(prog="python -m mpt_kv findings", description=__doc__,
@@ -189,8 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--configs", action="store_true", help="every real config's K/V and fused bytes per token")
     mode.add_argument("--repro", type=path_arg, metavar="DIR", default=None,
                       help="write a standalone reproduction script per finding under DIR")
+    mode.add_argument("--derive", nargs=2, metavar=("SOURCE", "NEW"), default=None,
+                      help="print, as JSON, the known failures of generate mode NEW's failed cells in --report that a "
+                           "SOURCE mode entry (or a direct-drive entry of the target) already explains "
+                           "(mpt_kv.findings.derive); exit 1 when a failed cell is left unexplained")
+    p.add_argument("--report", type=path_arg, action="append", default=[],
+                   help="with --derive: a conformance run's JSON report (repeatable)")
     p.add_argument("--doc", "--readme", dest="doc", type=path_arg, default=None, help=f"the doc (default {DOC})")
     args = p.parse_args(argv)
+    if args.derive is not None:
+        return derive(args.derive, args.report)
+    if args.report:
+        usage_error("--report is only read with --derive")
     readme_path = args.doc or DOC
     if args.doc is not None and not (args.update or args.check):
         usage_error("--doc is only read with --update-docs or --check")

@@ -134,6 +134,10 @@ def gaudi_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draf
     if mode == "chunked" and "prefill_chunk_size" not in inspect.getsource(module):
         raise Unsupported(f"{gaudi_target.release()}: GaudiGenerationMixin (its generation/utils.py) never reads "
                           "prefill_chunk_size: its generate runs the prefill whole, no chunked prefill to check")
+    if mode == "multi-turn":
+        raise Unsupported(f"{gaudi_target.release()}: GaudiGenerationMixin's multi-turn (a second generate continuing "
+                          "the cache of the first) is not driven yet: its ports keep legacy tuple caches, sized on "
+                          "the static path to one call's max length (docs/generate.md, \"Not yet\")")
     config = gaudi_config(module, model)
     base, recipe = recipes.split(path)
     config.update(max_new_tokens=new_tokens, do_sample=False, use_cache=True, num_beams=1, pad_token_id=0,
