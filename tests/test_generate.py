@@ -112,6 +112,7 @@ def test_a_port_cell_not_yet_told_apart_has_no_cell_and_names_a_real_one():
                 for t in [FamilyTarget("optimum-habana", f, next(iter(fam.variants)))]
                 for c in CHECKS.values() if c.id.startswith("generate/") and c.path in t.paths and not applies(c, t)
                 and c.operation != "chunked"  # GaudiGenerationMixin has no chunked prefill: no port cell
+                and c.operation != "multi-turn"  # not driven on GaudiGenerationMixin yet (docs/generate.md)
                 and (c.operation not in ("prompt-lookup", "draft") or (c.operation == "prompt-lookup" and fam.windows))]
     assert sorted(left_out) == sorted(GENERATE_NOT_YET)
 
@@ -133,6 +134,46 @@ def test_a_chunked_prefill_is_judged_chunk_by_chunk_and_one_run_whole_is_an_erro
     monkeypatch.setattr(generate_flavours, "call_generate", whole)
     with pytest.raises(RuntimeError, match="ran the prefill whole though asked for prefill_chunk_size=4"):
         CHECKS["generate/concat/chunked"]("transformers", "cpu", torch.float32)
+
+
+@needs_5x
+def test_a_multi_turn_chat_continues_the_cache_and_a_second_turn_from_scratch_is_an_error(monkeypatch):
+    """generate/<path>/multi-turn: the second turn's first call receives the cache the first turn filled and is fed
+    the reply and the first turn's last token; both turns' tokens are judged. A second generate that starts over
+    (no cache handed to it) checked nothing of a continued cache: an error, never a pass."""
+    from mpt_kv.checks import generate_flavours
+
+    for path in ("concat", "static"):
+        notes = CHECKS[f"generate/{path}/multi-turn"]("transformers", "cpu", torch.float32)
+        assert any("generate made 8 calls: 1 k-token calls" in n for n in notes), notes
+
+    def from_scratch(model, ids, mask, path, new_tokens):
+        kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                      eos_token_id=generate_flavours.unreachable_eos(model))
+        first = model.generate(ids, attention_mask=mask, **kwargs)
+        ids2 = torch.cat([first, torch.tensor([list(generate_flavours.REPLY)] * ids.shape[0])], dim=1)
+        mask2 = torch.cat([mask, torch.ones(ids.shape[0], ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+        return model.generate(ids2, attention_mask=mask2, **kwargs)
+
+    monkeypatch.setattr(generate_flavours, "multi_turn", from_scratch)
+    with pytest.raises(RuntimeError, match="second turn did not continue the cache the first filled"):
+        CHECKS["generate/concat/multi-turn"]("transformers", "cpu", torch.float32)
+
+
+@needs_5x
+def test_a_bug_of_continuing_a_cache_alone_fails_the_multi_turn_cell_only():
+    """llm-foundry's rule in transformers' MPT (the catalogue's continue_feeds_last_token_only):
+    prepare_inputs_for_generation feeds one token whenever the cache holds positions. Greedy, beam and a chunked
+    prefill pass (each of their calls after the first feeds one token anyway); a second turn continuing the cache
+    drops the user's reply, and its cell fails."""
+    variant = GENERATE_VARIANTS["continue_feeds_last_token_only"]
+    for mode in ("greedy", "beam", "chunked"):
+        generate_catalogue.run(variant, mode)
+    # the second turn's first call is fed 1 token where the sequence asks 3: the cache it received is 2 positions
+    # short of the sequence less what it was fed
+    with pytest.raises(PropertyFailure, match=r"generate/concat/multi-turn call 4 \(decode\): the cache it received .* "
+                                              r"the analytic K/V of 2 x 11 tokens"):
+        generate_catalogue.run(variant, "multi-turn")
 
 
 def test_the_reference_has_no_generate_and_says_so():

@@ -27,7 +27,7 @@ import torch
 
 from mpt_kv.checks import index
 
-GENERATE_COLUMNS = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked
+GENERATE_COLUMNS = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, multi-turn
 STATIC_MODES = ("greedy", "beam", "draft")
 NO_STATIC_PROMPT_LOOKUP = ("transformers 5.24's prompt lookup overruns a static cache at the end of a generation (a "
                            "known failure of the base, transformers-mpt-prompt-lookup-static-cache-overrun)")
@@ -317,6 +317,32 @@ cache_kept_after_generate = entry(
     "chat-continuation helpers that stash past_key_values on the model; transformers 4.x's static cache pool without "
     "its reset and reuse",
     last_cache_kept, killed_by=("greedy", "beam", "prompt-lookup", "draft"))
+
+
+def one_token_with_a_cache():
+    base = copying_crop()
+
+    class OneTokenWithACache(base):
+        """prepare_inputs_for_generation that feeds one token whenever the cache holds positions: greedy, beam
+        and a chunked prefill feed one token per call after the first anyway; what starts a several-token call on
+        a filled cache loses the tokens before its last (a chat's next turn; assisted decoding's verification)."""
+
+        def prepare_inputs_for_generation(self, input_ids, *args, next_sequence_length=None, cache=None, **kwargs):
+            if next_sequence_length is not None and cache is not None and cache.get_seq_length() > 0:
+                next_sequence_length = 1
+            return super().prepare_inputs_for_generation(input_ids, *args, next_sequence_length=next_sequence_length,
+                                                         cache=cache, **kwargs)
+
+    return OneTokenWithACache
+
+
+continue_feeds_last_token_only = entry(
+    "continue_feeds_last_token_only", "concat",
+    "prepare_inputs_for_generation feeds the last token alone whenever a cache is passed: a chat's next turn, which "
+    "continues the cache of the previous one, drops the user's reply",
+    "llm-foundry 0.22.0's MPT (llmfoundry/models/mpt/modeling_mpt.py:1386-1388: input_ids[:, -1] if past_key_values "
+    "is not None), the one-new-token-per-call assumption of pre-Cache modeling files",
+    one_token_with_a_cache, killed_by=("multi-turn",))  # and assisted decoding's columns, whose verification it cuts
 
 
 __all__ = ["GENERATE_COLUMNS", "GENERATE_DESIGNS", "GENERATE_VARIANTS", "GenerateEntry", "run", "unavailable",

@@ -20,6 +20,7 @@ NUM_BEAMS = 3          # 3 beams of the drive's prompt move rows at a reorder (2
 CANDIDATES = 3         # prompt_lookup_num_tokens; the draft's num_assistant_tokens
 CHUNK = 4              # prefill_chunk_size: the drive's 6-token prompt as a 4-token and a 2-token call (row 0's
 #                        first chunk straddles its 2 padding slots and its first tokens)
+SCORED = ("beam", "prompt-lookup", "draft")  # the modes that ask generate for its scores and logits too
 REPLY = (3, 5)         # multi-turn: the user's next turn, appended to what the first turn returned (2 tokens: with
 #                        the first turn's last token, never fed, the second turn's first call feeds 3)
 
@@ -96,6 +97,13 @@ def call_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft
         kwargs["assistant_model"] = draft
     elif mode == "chunked":
         kwargs["prefill_chunk_size"] = CHUNK
+    if mode in SCORED:
+        # what users of beam search and assisted decoding read besides the tokens (sequences_scores, each step's
+        # scores and logits): generate then returns its cache with them (5.24 generation/utils.py:3889-3892,
+        # :4254-4257), which the caller drops with the output; the drive keeps the sequences alone, and the
+        # kept-after-generate rule holds that cache to it
+        kwargs.update(return_dict_in_generate=True, output_scores=True, output_logits=True)
+        return model.generate(ids, **kwargs).sequences
     return model.generate(ids, **kwargs)
 
 
