@@ -184,7 +184,7 @@ def test_a_fork_that_fixed_an_inherited_bug_fails_as_xpass_until_it_declares_the
     assert [(e.property, e.path, e.check) for e in inherited(fixed, KnownFailures().entries) if e.applies()] == [
         ("family-memory", "concat", None), ("generate", "concat", "generate/concat/greedy"),
         ("generate", "concat", "generate/concat/beam"), ("generate", "concat", "generate/concat/prompt-lookup"),
-        ("generate", "concat", "generate/concat/chunked")]
+        ("generate", "concat", "generate/concat/chunked"), ("generate", "concat", "generate/concat/multi-turn")]
 
 
 def test_fixes_naming_no_inherited_entry_is_an_error(owngqa):
