@@ -176,6 +176,39 @@ def test_a_bug_of_continuing_a_cache_alone_fails_the_multi_turn_cell_only():
         generate_catalogue.run(variant, "multi-turn")
 
 
+@pytest.mark.skipif(transformers_major() >= 5, reason="transformers 5.x runs contrastive search from the Hub only")
+def test_contrastive_candidates_are_judged_over_the_history_they_follow(monkeypatch):
+    """generate/concat/contrastive (transformers 4.x): each step feeds batch x top_k candidates, one token each
+    without their history; the drive judges each against the tokens generate chose before it, repeated top_k
+    times, and the candidate. Judged over the other row's history, the same run fails; a generate that scored no
+    candidates checked nothing of contrastive search: an error."""
+    from mpt_kv.checks import generate_flavours
+
+    notes = CHECKS["generate/concat/contrastive"]("transformers/llama/mha", "cpu", torch.float32)
+    assert any("generate made" in n for n in notes), notes
+    history = generate_driver.candidates_history
+
+    def other_rows(drive):
+        drive.sequences = drive.sequences.flip(0)
+        history(drive)
+
+    monkeypatch.setattr(generate_driver, "candidates_history", other_rows)
+    with pytest.raises(PropertyFailure, match=r"generate/concat/contrastive call 1 \(decode\): logits"):
+        CHECKS["generate/concat/contrastive"]("transformers/llama/mha", "cpu", torch.float32)
+    monkeypatch.undo()
+    call = generate_flavours.call_generate
+    monkeypatch.setattr(generate_flavours, "call_generate",
+                        lambda model, ids, mask, mode, *a: call(model, ids, mask, "greedy", *a))
+    with pytest.raises(RuntimeError, match="scored no candidates in a call of batch x top_k rows"):
+        CHECKS["generate/concat/contrastive"]("transformers/llama/mha", "cpu", torch.float32)
+
+
+@pytest.mark.skipif(transformers_major() < 5, reason="transformers 4.x runs contrastive search itself")
+def test_contrastive_search_on_transformers_5_is_unsupported_saying_why():
+    with pytest.raises(Unsupported, match="runs contrastive search from the Hub only"):
+        CHECKS["generate/concat/contrastive"]("transformers", "cpu", torch.float32)
+
+
 def test_the_reference_has_no_generate_and_says_so():
     with pytest.raises(Unsupported, match="ReferenceMPT has no generate"):
         CHECKS["generate/concat/greedy"]("reference", "cpu", torch.float32)

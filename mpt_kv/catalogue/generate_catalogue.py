@@ -27,7 +27,10 @@ import torch
 
 from mpt_kv.checks import index
 
-GENERATE_COLUMNS = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, multi-turn
+GENERATE_COLUMNS = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, contrastive, multi-turn
+# transformers 5.x, which the rows change, runs contrastive search from the Hub only (generate_flavours): no row runs it
+HUB_ONLY = ("contrastive",)
+ROW_MODES = tuple(m for m in GENERATE_COLUMNS if m not in HUB_ONLY)
 STATIC_MODES = ("greedy", "beam", "draft")
 NO_STATIC_PROMPT_LOOKUP = ("transformers 5.24's prompt lookup overruns a static cache at the end of a generation (a "
                            "known failure of the base, transformers-mpt-prompt-lookup-static-cache-overrun)")
@@ -41,7 +44,7 @@ class GenerateEntry:
     origin: str                   # where it comes from
     model: Callable[[], type]     # () -> the model class (transformers' MptForCausalLM with the change)
     build: Callable | None = None  # the entry as an MPT target factory (set by `entry`)
-    modes: tuple[str, ...] = GENERATE_COLUMNS  # the columns its row runs
+    modes: tuple[str, ...] = ROW_MODES  # the columns its row runs
     killed_by: tuple[str, ...] = ()  # variants: the columns expected to kill it
     waits_for: str = ""           # variants: the check feature, not in this build, that will kill it
     cache_pool: bool = False      # it keeps a cache on purpose, declared (Capabilities(cache_pool=True))
@@ -50,6 +53,8 @@ class GenerateEntry:
         """Why the row does not run `mode` (None: it does)."""
         if mode in self.modes:
             return None
+        if mode in HUB_ONLY:
+            return "transformers 5.x runs contrastive search from the Hub only (custom_generate): no row runs it"
         return NO_STATIC_PROMPT_LOOKUP if self.path == "static" and mode == "prompt-lookup" else \
             f"{self.name} runs {', '.join(self.modes)}"
 

@@ -26,7 +26,8 @@ is not installed their cells are "n/a" with the reason (their variants wait).
 Generate rows (`mpt_kv.catalogue.generate_catalogue`): must-pass designs and must-kill variants of the half
 of the cache that lives in `generate`, each transformers 5.x's MPT driven by its own generate with one change
 to its generation methods, under the generate columns (`GENERATE_COLUMNS`: greedy, beam, prompt-lookup,
-draft: the generate check of that mode, `mpt_kv.checks.generate`), on cpu, on the row's cache path.
+draft, chunked, contrastive, multi-turn: the generate check of that mode, `mpt_kv.checks.generate`), on cpu, on the
+row's cache path (contrastive: n/a on every row, which transformers 5.x runs from the Hub only).
 
 A kill is a check that raises: `PropertyFailure` is "killed", any other exception "killed (error:
 ExcType)" (the variant crashes, which a user would see too). A column stops at its first kill.

@@ -34,7 +34,7 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure, assert_close, crash_of, describe, tolerance
 from mpt_kv.checks.family_storage import aligned_written, token_positions
-from mpt_kv.checks.generate_flavours import CHUNK
+from mpt_kv.checks.generate_flavours import CHUNK, TOP_K
 from mpt_kv.checks.generate_driver import ASSISTED, Drive, Subject, is_static, observe, reordered
 from mpt_kv.checks.properties import check_token
 from mpt_kv.errors import ObserverError
@@ -115,6 +115,10 @@ def judge_calls(c: GenerateContext, drive: Drive, concat: Drive | None, judged: 
             if k > call.ids.shape[1]:
                 raise fail(c, drive, f"logits for {k} positions, the sequence generate held has {call.ids.shape[1]}",
                            call.name)
+            if call.history_unknown:
+                judged.append(call.name)
+                previous = call
+                continue
             expected = c.subject.oracle(call.ids, call.mask if call.mask is not None else torch.ones_like(call.ids))
             where = None if call.mask is None else call.mask[:, -k:].bool()[:, :, None]
             if where is not None and not where.any():  # fail closed: a comparison of nothing passes anything
@@ -210,6 +214,10 @@ def reached(c: GenerateContext, drive: Drive) -> None:
     if c.mode == "chunked" and not chunked(drive):
         raise RuntimeError(f"{c.check}: {c.subject.name}'s generate ran the prefill whole though asked for "
                            f"prefill_chunk_size={CHUNK} ({ops['calls']} calls): nothing of chunked prefill was checked")
+    if c.mode == "contrastive" and not any(call.ids.shape[0] == drive.prompt_ids.shape[0] * TOP_K
+                                           for call in drive.calls[1:]):
+        raise RuntimeError(f"{c.check}: {c.subject.name}'s generate scored no candidates in a call of batch x top_k "
+                           f"rows ({ops['calls']} calls): nothing of contrastive search was checked")
     if c.mode == "multi-turn" and not continued(drive):
         raise RuntimeError(f"{c.check}: {c.subject.name}'s second turn did not continue the cache the first filled (no "
                            f"call of it received that cache and was fed less than its sequence; {ops['calls']} calls): "

@@ -34,6 +34,10 @@ Modes (one check id each, per cache path: concat = generate's dynamic cache, sta
     chunked         greedy with a chunked prefill (`prefill_chunk_size=generate_flavours.CHUNK`): the prompt
                     written to the cache in k-token calls before the first token (transformers' long-context
                     option; optimum-habana's generate has none: unsupported, saying so)
+    contrastive     contrastive search (`penalty_alpha`, `top_k=generate_flavours.TOP_K`): after the prefill, every
+                    step repeats the cache top_k times, feeds each row's top_k candidate tokens in one call of
+                    batch x top_k rows, and keeps the chosen candidate's rows (optimum-habana's run_generation.py
+                    --penalty_alpha --top_k; transformers 5.x runs it from the Hub only: unsupported)
     multi-turn      two greedy turns of a chat on one cache object the user made (`generate_flavours.multi_turn`):
                     the second turn's input is the first's output and the user's reply, and generate continues
                     the cache the first turn filled (its first call feeds the reply and the first turn's last
@@ -57,13 +61,14 @@ from mpt_kv.checks import index
 from mpt_kv.checks.cases import Case
 from mpt_kv.checks.family_driver import prompt
 from mpt_kv.checks.family_storage import FusedCapture, pinning_problems, storage_report
-from mpt_kv.checks.generate_flavours import CANDIDATES, REPLY, Flavour, flavour_of, generate_positions, has_generate
+from mpt_kv.checks.generate_flavours import (CANDIDATES, REPLY, TOP_K, Flavour, flavour_of, generate_positions,
+                                             has_generate)
 from mpt_kv.checks.results import snapshot
 from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import ObserverError, TargetUnavailable, Unsupported
 from mpt_kv.model.config import ModelConfig
 
-MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, multi-turn
+MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, contrastive, multi-turn
 ASSISTED = ("prompt-lookup", "draft")
 NEW_TOKENS = 4         # greedy and beam: decode steps after the prefill
 ASSISTED_NEW_TOKENS = 6
@@ -143,6 +148,14 @@ class Call:
     problems: dict = field(default_factory=dict)  # "received" / "returned" -> [what is wrong with that cache]
     kv: list | None = None       # the returned K/V, copied (the last call's, for static = concat)
     static_len: int | None = None
+    fed_ids: torch.Tensor | None = None  # (B, fed): the tokens the model was fed
+    history_unknown: bool = False  # contrastive candidates of a run that returned no sequences: logits not judged
+
+    @property
+    def held(self) -> int:
+        """Positions of the sequence generate holds for this call: its ids', or its mask's where generate handed
+        prepare_inputs_for_generation fewer ids than the mask (contrastive search's candidates)."""
+        return max(self.ids.shape[1], self.mask.shape[1] if self.mask is not None else 0)
 
     @property
     def name(self) -> str:
@@ -338,7 +351,8 @@ class Observer:
         ids, mask = self.sequence(args, kwargs)
         mask = mask if mask is None or mask.dim() == 2 else None
         call = Call(len(self.drive.calls), ids.detach().clone(), None if mask is None else mask.detach().clone(),
-                    int(ids_fed.shape[1]) if ids_fed is not None else int(ids.shape[1]))
+                    int(ids_fed.shape[1]) if ids_fed is not None else int(ids.shape[1]),
+                    fed_ids=None if ids_fed is None else ids_fed.detach().clone())
         self.drive.calls.append(call)
         self.current = call
         cache = cache_of(kwargs)
@@ -348,7 +362,7 @@ class Observer:
         if self.judge and kv and call.received is not None:
             static = static_length(cache, kv) if self.drive.static else None
             # what the cache should hold before this call: the sequence less the tokens it is fed
-            problems = storage_problems(self.subject, kv, ids.shape[1] - call.fed, static, self.fused.outputs,
+            problems = storage_problems(self.subject, kv, call.held - call.fed, static, self.fused.outputs,
                                         ids.shape[0])
             if problems:
                 call.problems["received"] = problems
@@ -369,7 +383,7 @@ class Observer:
         static = static_length(cache, kv) if self.drive.static else None
         call.static_len = static
         if self.judge and kv:
-            written = call.ids.shape[1]
+            written = call.held
             # an assisted verification call's window layers may keep what it evicted until generate's crop
             recording = call.fed if self.drive.mode in ASSISTED and not static else 0
             problems = storage_problems(self.subject, kv, written, static, self.fused.outputs, call.ids.shape[0],
@@ -454,12 +468,33 @@ def observe(subject: Subject, mode: str, path: str, poison: bool = True) -> Driv
             drive.crashed_in = observer.current.name
     finally:
         observer.close()
+    if mode == "contrastive":
+        candidates_history(drive)
     if drive.crash is None:
         # what generate left behind: the cache storages it made that outlive it (identity, as the cpu meter's
         # finalizers count a storage until its last view dies), once its output and the calls' copies are ours
         gc.collect(1)  # the young generations: what generate made (a full collection costs seconds in a large process)
         drive.alive = observer.still_alive()
     return drive
+
+
+def candidates_history(drive: Drive) -> None:
+    """Contrastive search hands prepare_inputs_for_generation each candidate token without the history it
+    follows (transformers: the (batch x top_k, 1) candidates; optimum-habana's static shapes: rows of padding
+    with the candidate at token_idx - 1): a candidate call's sequence is the tokens generate chose before it,
+    each row repeated top_k times, and the candidate it was fed; the chosen tokens are those generate returned.
+    Without them (a crash) the candidates' logits cannot be judged, their caches still are."""
+    rows = drive.prompt_ids.shape[0] * TOP_K
+    for call in drive.calls:
+        if call.index == 0 or call.ids.shape[0] != rows or call.fed_ids is None or call.fed != 1:
+            continue
+        if drive.sequences is None or drive.sequences.shape[1] < call.held - 1:
+            call.history_unknown = True
+            continue
+        history = drive.sequences[:, :call.held - 1].repeat_interleave(TOP_K, dim=0)
+        call.ids = torch.cat([history, call.fed_ids.to(history.dtype)], dim=1)
+        if call.mask is not None:
+            call.mask = call.mask[:, :call.held]
 
 
 # --- what generate did between two calls (whose generate and how it is called: `generate_flavours`) -----------

@@ -20,6 +20,8 @@ NUM_BEAMS = 3          # 3 beams of the drive's prompt move rows at a reorder (2
 CANDIDATES = 3         # prompt_lookup_num_tokens; the draft's num_assistant_tokens
 CHUNK = 4              # prefill_chunk_size: the drive's 6-token prompt as a 4-token and a 2-token call (row 0's
 #                        first chunk straddles its 2 padding slots and its first tokens)
+TOP_K = 3              # contrastive search's candidates per row (run_generation.py's --top_k; 4 there)
+PENALTY_ALPHA = 0.6    # its degeneration penalty (run_generation.py's --penalty_alpha default)
 SCORED = ("beam", "prompt-lookup", "draft")  # the modes that ask generate for its scores and logits too
 REPLY = (3, 5)         # multi-turn: the user's next turn, appended to what the first turn returned (2 tokens: with
 #                        the first turn's last token, never fed, the second turn's first call feeds 3)
@@ -61,23 +63,35 @@ REFUSALS = {
     "generation/utils.py:4098-4101)",
     "assisted generate is not supported with Static cache classes": "transformers 4.x's assisted decoding refuses a "
     "static cache (4.55.4 generation/utils.py:2529-2530)",
+    # contrastive search, transformers 4.x and optimum-habana alike (4.55.4 generation/utils.py:3216-3223,
+    # optimum-habana 1.21.2 :2262-2271): after the prefill it repeats and selects the cache's rows, and refuses a
+    # layout it cannot (Bloom's fused (batch x heads, ...) keys, GPT-BigCode's fused K/V tensor)
+    "does not have a standard cache format and therefore **can't** be used for contrastive search":
+    "contrastive search refuses a cache layout whose rows it cannot repeat and select (generation/utils.py's "
+    "_contrastive_search, after the prefill)",
     # "chunkink" in 4.51-4.55, "chunking" in 5.x
     "Cannot use prefill chunk": "transformers' chunked prefill needs a Cache object, and a model whose generate keeps "
     "a legacy tuple cache has none (4.51 generation/utils.py:4882, llm-foundry's MPT)",
 }
 
 
+def refusing(model, mode: str, path: str, call):
+    """`call()`, where a ValueError carrying one of `REFUSALS`' messages (what a generate refuses by design, in its
+    own words) is Unsupported with its reason: the one rule of both flavours."""
+    try:
+        return call()
+    except ValueError as e:
+        why = next((reason for words, reason in REFUSALS.items() if words in str(e)), None)
+        if why is None:
+            raise
+        raise Unsupported(f"{type(model).__name__} {mode} on {path}: {why}: {e}") from e
+
+
 def transformers_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft=None):
     """transformers' GenerationMixin.generate (5.x and 4.x alike), greedy, with an end-of-sequence token no step
     reaches (`unreachable_eos`: every row generates `new_tokens`); what it refuses by design (`REFUSALS`) is
     Unsupported."""
-    try:
-        return call_generate(model, ids, mask, mode, path, new_tokens, draft)
-    except ValueError as e:
-        why = next((reason for start, reason in REFUSALS.items() if str(e).startswith(start)), None)
-        if why is None:
-            raise
-        raise Unsupported(f"{type(model).__name__} {mode} on {path}: {why}: {e}") from e
+    return refusing(model, mode, path, lambda: call_generate(model, ids, mask, mode, path, new_tokens, draft))
 
 
 def call_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft=None):
@@ -97,6 +111,14 @@ def call_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft
         kwargs["assistant_model"] = draft
     elif mode == "chunked":
         kwargs["prefill_chunk_size"] = CHUNK
+    elif mode == "contrastive":
+        import transformers
+
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            raise Unsupported(f"transformers {transformers.__version__} runs contrastive search from the Hub only "
+                              "(custom_generate 'transformers-community/contrastive-search', generation/utils.py "
+                              "GENERATION_MODES_MAPPING, :143-151 in 5.24): not in the package, and nothing of it runs offline")
+        kwargs.update(penalty_alpha=PENALTY_ALPHA, top_k=TOP_K)
     if mode in SCORED:
         # what users of beam search and assisted decoding read besides the tokens (sequences_scores, each step's
         # scores and logits): generate then returns its cache with them (5.24 generation/utils.py:3889-3892,

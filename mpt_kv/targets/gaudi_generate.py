@@ -148,6 +148,10 @@ def gaudi_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draf
         config.update(num_beams=num_beams, num_return_sequences=1, early_stopping=False, length_penalty=0.0)
     elif mode == "prompt-lookup":
         config.update(prompt_lookup_num_tokens=candidates)
+    elif mode == "contrastive":  # run_generation.py --penalty_alpha --top_k
+        from mpt_kv.checks.generate_flavours import PENALTY_ALPHA, TOP_K
+
+        config.update(penalty_alpha=PENALTY_ALPHA, top_k=TOP_K)
     elif mode == "draft":
         draft.generation_config = gaudi_config(module, draft)  # as from_pretrained under adapt_transformers_to_gaudi
         draft.generation_config.num_assistant_tokens = candidates
@@ -155,8 +159,11 @@ def gaudi_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draf
         kwargs["assistant_model"] = draft
     # use_cache as a keyword (run_generation.py's --use_kv_cache): a config value equal to the global default
     # gives way to the model's own (MptConfig's use_cache is False)
-    return model.generate(ids, attention_mask=mask, generation_config=config, lazy_mode=False, hpu_graphs=False,
-                          use_cache=True, **kwargs)
+    from mpt_kv.checks.generate_flavours import refusing  # what generate refuses by design: Unsupported
+
+    return refusing(model, mode, path, lambda: model.generate(ids, attention_mask=mask, generation_config=config,
+                                                              lazy_mode=False, hpu_graphs=False, use_cache=True,
+                                                              **kwargs))
 
 
 def recipe_settings(recipe, mask) -> dict:
