@@ -39,6 +39,7 @@ WITH_REPROS = {
     # the generate drive's own findings (kept scripts: generate's half of the cache)
     "transformers-falcon-alibi-static-generate-4d-mask", "transformers-mpt-prompt-lookup-static-cache-overrun",
     "optimum-habana-mpt-static-draft-assistant-mask-mismatch", "optimum-habana-mpt-static-beam-reads-model-config-eos",
+    "optimum-habana-mpt-static-contrastive-mask-overrun",
     # transformers_call.py.tmpl: a prefill shows them
     # the zoo's windows, hybrids and latents (transformers_call.py.tmpl too: a prefill and decode steps)
     *(f"transformers-{f}-{s}" for f in ("gemma2-hybrid-window4", "gemma3-hybrid-window9", "gpt-oss-hybrid-window7",
