@@ -203,6 +203,26 @@ def test_contrastive_candidates_are_judged_over_the_history_they_follow(monkeypa
         CHECKS["generate/concat/contrastive"]("transformers/llama/mha", "cpu", torch.float32)
 
 
+def test_a_candidate_call_whose_history_is_unknown_still_has_its_caches_judged():
+    """A contrastive run that crashed returned no tokens, so its candidate calls' logits cannot be judged (their
+    history is what generate returns); what was wrong with the cache a candidate call returned still fails it."""
+    from types import SimpleNamespace
+
+    from mpt_kv.checks.generate import GenerateContext, judge_calls
+    from mpt_kv.checks.generate_driver import Call, Drive
+
+    ids = torch.ones(6, 1, dtype=torch.long)
+    call = Call(1, ids, torch.ones(6, 7, dtype=torch.long), 1, logits=torch.zeros(6, 1, 8), received=6, returned=7,
+                problems={"returned": ["layer 0 key pins 128 bytes"]}, fed_ids=ids, history_unknown=True)
+    drive = Drive("contrastive", "concat", torch.ones(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long), 4,
+                  calls=[call])
+    subject = SimpleNamespace(flavour=SimpleNamespace(name="transformers"))
+    c = GenerateContext("t", "generate/concat/contrastive", "contrastive", "concat", torch.float32, subject)
+    with pytest.raises(PropertyFailure, match="call 1 \\(decode\\): the cache it returned layer 0 key pins 128 bytes"):
+        judge_calls(c, drive, None, [])
+    assert any("its logits not judged" in n for n in c.notes), c.notes
+
+
 @pytest.mark.skipif(transformers_major() < 5, reason="transformers 4.x runs contrastive search itself")
 def test_contrastive_search_on_transformers_5_is_unsupported_saying_why():
     with pytest.raises(Unsupported, match="runs contrastive search from the Hub only"):

@@ -110,15 +110,14 @@ def judge_calls(c: GenerateContext, drive: Drive, concat: Drive | None, judged: 
         since = between(previous, call)
         for problem in call.problems.get("received", ()):
             raise fail(c, drive, f"the cache it received{since} {problem}", call.name)
-        if call.logits is not None:
+        if call.logits is not None and call.history_unknown:
+            c.notes.append(f"{c.check} {call.name}: a contrastive candidate call of a run that returned no tokens: its "
+                           "logits not judged (the history it follows is what generate returns), its caches judged")
+        elif call.logits is not None:
             k = call.logits.shape[1]
             if k > call.ids.shape[1]:
                 raise fail(c, drive, f"logits for {k} positions, the sequence generate held has {call.ids.shape[1]}",
                            call.name)
-            if call.history_unknown:
-                judged.append(call.name)
-                previous = call
-                continue
             expected = c.subject.oracle(call.ids, call.mask if call.mask is not None else torch.ones_like(call.ids))
             where = None if call.mask is None else call.mask[:, -k:].bool()[:, :, None]
             if where is not None and not where.any():  # fail closed: a comparison of nothing passes anything
