@@ -223,10 +223,26 @@ def test_a_candidate_call_whose_history_is_unknown_still_has_its_caches_judged()
     assert any("its logits not judged" in n for n in c.notes), c.notes
 
 
-@pytest.mark.skipif(transformers_major() < 5, reason="transformers 4.x runs contrastive search itself")
-def test_contrastive_search_on_transformers_5_is_unsupported_saying_why():
+@pytest.mark.skipif(transformers_major() < 5, reason="transformers 4.x runs contrastive and constrained beam search")
+def test_contrastive_and_constrained_search_on_transformers_5_are_unsupported_saying_why():
     with pytest.raises(Unsupported, match="runs contrastive search from the Hub only"):
         CHECKS["generate/concat/contrastive"]("transformers", "cpu", torch.float32)
+    with pytest.raises(Unsupported, match="runs constrained beam search from the Hub only"):
+        CHECKS["generate/static/constrained"]("transformers", "cpu", torch.float32)
+
+
+@pytest.mark.skipif(transformers_major() >= 5, reason="transformers 5.x runs constrained beam search from the Hub only")
+def test_constrained_beam_search_must_return_the_forced_token(monkeypatch):
+    """generate/<path>/constrained: every row's new tokens contain the forced token (force_words_ids); a generate
+    that drops the constraint (plain beam search) fails, naming the rows."""
+    from mpt_kv.checks import generate_flavours
+
+    CHECKS["generate/concat/constrained"]("transformers/llama/mha", "cpu", torch.float32)
+    call = generate_flavours.call_generate
+    monkeypatch.setattr(generate_flavours, "call_generate",
+                        lambda model, ids, mask, mode, *a: call(model, ids, mask, "beam", *a))
+    with pytest.raises(PropertyFailure, match=r"rows \[0, 1\] of the returned tokens lack the forced token 7"):
+        CHECKS["generate/concat/constrained"]("transformers/llama/mha", "cpu", torch.float32)
 
 
 def test_the_reference_has_no_generate_and_says_so():

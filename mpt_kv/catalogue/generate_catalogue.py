@@ -27,9 +27,10 @@ import torch
 
 from mpt_kv.checks import index
 
-GENERATE_COLUMNS = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, contrastive, multi-turn
-# transformers 5.x, which the rows change, runs contrastive search from the Hub only (generate_flavours): no row runs it
-HUB_ONLY = ("contrastive",)
+GENERATE_COLUMNS = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, contrastive, constrained, multi-turn
+# transformers 5.x, which the rows change, runs contrastive and constrained beam search from the Hub only
+# (generate_flavours.HUB_ONLY): no row runs them
+HUB_ONLY = ("contrastive", "constrained")
 ROW_MODES = tuple(m for m in GENERATE_COLUMNS if m not in HUB_ONLY)
 STATIC_MODES = ("greedy", "beam", "draft")
 NO_STATIC_PROMPT_LOOKUP = ("transformers 5.24's prompt lookup overruns a static cache at the end of a generation (a "
@@ -54,7 +55,7 @@ class GenerateEntry:
         if mode in self.modes:
             return None
         if mode in HUB_ONLY:
-            return "transformers 5.x runs contrastive search from the Hub only (custom_generate): no row runs it"
+            return f"transformers 5.x runs {mode} from the Hub only (custom_generate): no row runs it"
         return NO_STATIC_PROMPT_LOOKUP if self.path == "static" and mode == "prompt-lookup" else \
             f"{self.name} runs {', '.join(self.modes)}"
 

@@ -34,7 +34,7 @@ import torch
 
 from mpt_kv.checks.compare import PropertyFailure, assert_close, crash_of, describe, tolerance
 from mpt_kv.checks.family_storage import aligned_written, token_positions
-from mpt_kv.checks.generate_flavours import CHUNK, TOP_K
+from mpt_kv.checks.generate_flavours import CHUNK, FORCED, TOP_K
 from mpt_kv.checks.generate_driver import ASSISTED, Drive, Subject, is_static, observe, reordered
 from mpt_kv.checks.properties import check_token
 from mpt_kv.errors import ObserverError
@@ -91,6 +91,8 @@ def check_generate(runner, c: GenerateContext) -> list[str]:
     reached(c, drive)
     if c.mode in GREEDY_EXACT:
         judge_tokens(c, drive)
+    if c.mode == "constrained":
+        judge_forced(c, drive)
     judge_kept(c, drive)
     return c.notes
 
@@ -192,6 +194,16 @@ def judge_tokens(c: GenerateContext, drive: Drive) -> None:
         for t in range(count):
             name = f"token {t}" if len(drive.turns) == 1 else f"turn {turn + 1} token {t}"
             check_token(seq[:, start + t:start + t + 1], oracle[:, start + t - 1], tol, c, name, what=c.check)
+
+
+def judge_forced(c: GenerateContext, drive: Drive) -> None:
+    """Constrained beam search's contract: every row's new tokens contain the forced one (`FORCED`)."""
+    forced = FORCED % c.subject.vocab_size
+    S = drive.prompt_ids.shape[1]
+    missing = [row for row in range(drive.sequences.shape[0]) if forced not in drive.sequences[row, S:].tolist()]
+    if missing:
+        raise fail(c, drive, f"rows {missing} of the returned tokens lack the forced token {forced} "
+                   f"(force_words_ids=[[{forced}]]): {drive.sequences[:, S:].tolist()}", "the returned tokens")
 
 
 def reached(c: GenerateContext, drive: Drive) -> None:

@@ -38,6 +38,9 @@ Modes (one check id each, per cache path: concat = generate's dynamic cache, sta
                     step repeats the cache top_k times, feeds each row's top_k candidate tokens in one call of
                     batch x top_k rows, and keeps the chosen candidate's rows (optimum-habana's run_generation.py
                     --penalty_alpha --top_k; transformers 5.x runs it from the Hub only: unsupported)
+    constrained     constrained beam search: beam search with a token every row must contain
+                    (`force_words_ids`, run_generation.py --force_words; transformers 5.x runs it from the Hub
+                    only: unsupported)
     multi-turn      two greedy turns of a chat on one cache object the user made (`generate_flavours.multi_turn`):
                     the second turn's input is the first's output and the user's reply, and generate continues
                     the cache the first turn filled (its first call feeds the reply and the first turn's last
@@ -68,7 +71,7 @@ from mpt_kv.checks.storages import covered_bytes, storage_key
 from mpt_kv.errors import ObserverError, TargetUnavailable, Unsupported
 from mpt_kv.model.config import ModelConfig
 
-MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, contrastive, multi-turn
+MODES = index.GENERATE_MODES  # greedy, beam, prompt-lookup, draft, chunked, contrastive, constrained, multi-turn
 ASSISTED = ("prompt-lookup", "draft")
 NEW_TOKENS = 4         # greedy and beam: decode steps after the prefill
 ASSISTED_NEW_TOKENS = 6

@@ -20,9 +20,13 @@ NUM_BEAMS = 3          # 3 beams of the drive's prompt move rows at a reorder (2
 CANDIDATES = 3         # prompt_lookup_num_tokens; the draft's num_assistant_tokens
 CHUNK = 4              # prefill_chunk_size: the drive's 6-token prompt as a 4-token and a 2-token call (row 0's
 #                        first chunk straddles its 2 padding slots and its first tokens)
+FORCED = 7             # constrained beam search's forced token (run_generation.py --force_words)
+# the modes transformers 5.x moved out of the package to the Hub (custom_generate repositories)
+HUB_ONLY = {"contrastive": ("search", "transformers-community/contrastive-search"),
+            "constrained": ("beam search", "transformers-community/constrained-beam-search")}
 TOP_K = 3              # contrastive search's candidates per row (run_generation.py's --top_k; 4 there)
 PENALTY_ALPHA = 0.6    # its degeneration penalty (run_generation.py's --penalty_alpha default)
-SCORED = ("beam", "prompt-lookup", "draft")  # the modes that ask generate for its scores and logits too
+SCORED = ("beam", "prompt-lookup", "draft", "constrained")  # the modes that ask generate for its scores and logits too
 REPLY = (3, 5)         # multi-turn: the user's next turn, appended to what the first turn returned (2 tokens: with
 #                        the first turn's last token, never fed, the second turn's first call feeds 3)
 
@@ -111,14 +115,19 @@ def call_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draft
         kwargs["assistant_model"] = draft
     elif mode == "chunked":
         kwargs["prefill_chunk_size"] = CHUNK
+    elif mode == "constrained":
+        kwargs.update(num_beams=NUM_BEAMS, num_return_sequences=1, early_stopping=False, length_penalty=0.0,
+                      force_words_ids=[[FORCED % int(model.config.vocab_size)]])
     elif mode == "contrastive":
+        kwargs.update(penalty_alpha=PENALTY_ALPHA, top_k=TOP_K)
+    if mode in HUB_ONLY:
         import transformers
 
         if int(transformers.__version__.split(".")[0]) >= 5:
-            raise Unsupported(f"transformers {transformers.__version__} runs contrastive search from the Hub only "
-                              "(custom_generate 'transformers-community/contrastive-search', generation/utils.py "
-                              "GENERATION_MODES_MAPPING, :143-151 in 5.24): not in the package, and nothing of it runs offline")
-        kwargs.update(penalty_alpha=PENALTY_ALPHA, top_k=TOP_K)
+            raise Unsupported(f"transformers {transformers.__version__} runs {mode} {HUB_ONLY[mode][0]} from the Hub "
+                              f"only (custom_generate '{HUB_ONLY[mode][1]}', generation/utils.py "
+                              "GENERATION_MODES_MAPPING, :143-154 in 5.24): not in the package, and nothing of it runs "
+                              "offline")
     if mode in SCORED:
         # what users of beam search and assisted decoding read besides the tokens (sequences_scores, each step's
         # scores and logits): generate then returns its cache with them (5.24 generation/utils.py:3889-3892,

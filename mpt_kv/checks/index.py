@@ -31,7 +31,7 @@ STATIC_PATHS = ("static", "static+bucket")
 # recipes on that path (mpt_kv/recipes.py: the flags of its command line, on the ports that document it)
 FAMILY_PATHS = ("concat", "static", "static+reuse") + recipe_paths.PATHS
 # the generate checks' modes (mpt_kv.checks.generate_driver): a check id each per path, generate/<path>/<mode>
-GENERATE_MODES = ("greedy", "beam", "prompt-lookup", "draft", "chunked", "contrastive", "multi-turn")
+GENERATE_MODES = ("greedy", "beam", "prompt-lookup", "draft", "chunked", "contrastive", "constrained", "multi-turn")
 # the generate checks' paths: generate's dynamic cache and its static one on every target; on optimum-habana's
 # ports also its reuse_cache and each text-generation recipe's flags (mpt_kv/recipes.py), as generate takes them
 GENERATE_PATHS = ("concat", "static", "static+reuse") + recipe_paths.PATHS

@@ -148,6 +148,11 @@ def gaudi_generate(model, ids, mask, mode: str, path: str, new_tokens: int, draf
         config.update(num_beams=num_beams, num_return_sequences=1, early_stopping=False, length_penalty=0.0)
     elif mode == "prompt-lookup":
         config.update(prompt_lookup_num_tokens=candidates)
+    elif mode == "constrained":  # run_generation.py --num_beams --force_words
+        from mpt_kv.checks.generate_flavours import FORCED
+
+        config.update(num_beams=num_beams, num_return_sequences=1, early_stopping=False, length_penalty=0.0,
+                      force_words_ids=[[FORCED % int(model.config.vocab_size)]])
     elif mode == "contrastive":  # run_generation.py --penalty_alpha --top_k
         from mpt_kv.checks.generate_flavours import PENALTY_ALPHA, TOP_K
 
