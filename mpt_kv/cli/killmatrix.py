@@ -7,6 +7,7 @@ Exit status: see mpt_kv.catalogue.killmatrix (0 all as expected, 1 a missed kill
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 import time
@@ -408,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             stale = True
             print(f"FAIL: the kill matrix in {DOC} is not this run's: run python -m mpt_kv killmatrix --update-docs",
                   file=sys.stderr)
+            # which lines differ, so a reviewer sees the cells that moved, not only that some did
+            diff = difflib.unified_diff(doc_text[doc_start:doc_end].lstrip("\n").splitlines(), block.splitlines(),
+                                        f"{DOC} (committed)", "this run", lineterm="", n=0)
+            for line in list(diff)[:40]:
+                print(line, file=sys.stderr)
     false_positives, missed, notes = problems(matrix)
     for msg in notes:
         print("WAITING:", msg)
